@@ -1,0 +1,52 @@
+"""pluginhost: a plugin framework, built on pluggy, for an LLM inference engine.
+
+Importing this package is cheap: torch and transformers are imported only when
+an engine is built (``LLM``), so listing plugins and models stays fast.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from hookspecs import hookimpl
+from pluginhost.config import EngineConfig
+from pluginhost.errors import PluginhostError
+from pluginhost.registry import ModelRegistry
+
+if TYPE_CHECKING:
+    from pluginhost.engine import LLM
+    from pluginhost.outputs import RequestOutput
+    from pluginhost.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "ModelRegistry",
+    "PluginhostError",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+    "hookimpl",
+]
+
+# Names whose modules import torch: resolved on first access (PEP 562).
+_LAZY = {
+    "LLM": "pluginhost.engine",
+    "SamplingParams": "pluginhost.sampling",
+    "RequestOutput": "pluginhost.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pluginhost' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

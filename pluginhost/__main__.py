@@ -1,0 +1,5 @@
+"""``python -m pluginhost``: the same as the ``pluginhost`` command."""
+
+from pluginhost.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The ``pluginhost`` command line.
+
+Exit status: 0 on success; 2 on bad input or a plugin or model error (one
+message on stderr, the traceback only with ``--debug``); 1 on an internal
+failure. ``plugins``, ``models`` and ``--help`` import neither torch nor
+transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pluginhost.errors import PluginhostError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
+
+
+class UsageError(PluginhostError):
+    """A bad command-line value."""
+
+
+def _selection_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
+    group.add_argument("--plugins", metavar="A,B", help="load only these installed plugins (entry-point or distribution names)")
+    group.add_argument("--no-plugins", action="store_true", help="load no installed plugin (builtins still load)")
+    group.add_argument(
+        "--disable-plugin", metavar="NAME", action="append", default=[], help="never load this plugin (repeatable)"
+    )
+    out = parent.add_argument_group("output")
+    out.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    out.add_argument("-v", "--verbose", action="store_true", help="show informational logging")
+    return parent
+
+
+def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("engine configuration")
+    group.add_argument(
+        "--model",
+        metavar="DIR",
+        required=model_required,
+        help="Hugging Face-format model directory" + ("" if model_required else " (default: the demo model)"),
+    )
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--max-model-len", type=int, metavar="N")
+    group.add_argument("--seed", type=int, metavar="S")
+    group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
+    group.add_argument("--hf-overrides", metavar="JSON", help='JSON object set on the HF config, e.g. \'{"dropout": 0}\'')
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pluginhost",
+        description="An LLM inference engine extended by installed plugins (pluggy hooks).",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    selection = _selection_options()
+
+    gen = commands.add_parser(
+        "generate",
+        parents=[_engine_options(model_required=False), selection],
+        help="generate text (on the demo model unless --model is given)",
+        description="Generate text. Without --model, runs on a small random demo model created on first use.",
+    )
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=16, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
+
+    plugins = commands.add_parser("plugins", parents=[selection], help="list plugins and their status")
+    plugins.add_argument("--json", action="store_true")
+    models = commands.add_parser("models", parents=[selection], help="list architectures and who registered them")
+    models.add_argument("--json", action="store_true")
+    config = commands.add_parser(
+        "config",
+        parents=[_engine_options(model_required=True), selection],
+        help="show the final engine configuration and who set each field",
+    )
+    config.add_argument("--json", action="store_true")
+    return parser
+
+
+def _version() -> str:
+    from pluginhost import __version__
+
+    return f"pluginhost {__version__}"
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="pluginhost: %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineConfig`` fields given on the command line (only those, for provenance)."""
+    settings: dict[str, Any] = {}
+    for field in ("model", "dtype", "device", "max_model_len", "seed", "model_architecture_override"):
+        value = getattr(args, field, None)
+        if value is not None:
+            settings[field] = value
+    if getattr(args, "hf_overrides", None) is not None:
+        try:
+            overrides = json.loads(args.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--hf-overrides is not valid JSON: {exc.msg} (got {args.hf_overrides!r}).") from None
+        if not isinstance(overrides, dict):
+            raise UsageError(f'--hf-overrides must be a JSON object such as \'{{"dropout": 0}}\', got {args.hf_overrides!r}.')
+        settings["hf_overrides"] = overrides
+    return settings
+
+
+def make_host(args: argparse.Namespace):  # -> PluginHost
+    from pluginhost.host import PluginHost
+    from pluginhost.selection import PluginSelection
+
+    selection = PluginSelection.from_env().with_cli(
+        plugins=args.plugins, no_plugins=args.no_plugins, disable=args.disable_plugin
+    )
+    return PluginHost(selection=selection)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USER
+    _configure_logging(args)
+    from pluginhost.cli import commands
+
+    handler = {
+        "plugins": commands.list_plugins,
+        "models": commands.list_models,
+        "config": commands.show_config,
+        "generate": commands.generate,
+    }[args.command]
+    try:
+        return handler(args)
+    except (PluginhostError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence
+        if args.debug:
+            raise
+        print(
+            f"internal error: {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL

@@ -1,0 +1,146 @@
+"""The subcommands: ``plugins``, ``models``, ``config`` and ``generate``.
+
+Each takes the parsed arguments and returns an exit status; errors are raised
+and turned into exit statuses by ``pluginhost.cli.main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pluginhost.cli import EXIT_OK, engine_settings, make_host
+from pluginhost.cli.tables import format_table
+
+__all__ = ["generate", "list_models", "list_plugins", "show_config"]
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def list_plugins(args: argparse.Namespace) -> int:
+    host = make_host(args)
+    host.load(strict=False)
+    host.collect_models(strict=False)  # a plugin whose register_models raises shows as failed
+    records = host.records
+    if args.json:
+        _print_json([r.as_dict() for r in records])
+        return EXIT_OK
+    rows = [
+        [
+            r.name,
+            r.status,
+            r.distribution or "-",
+            r.version or "-",
+            ",".join(r.hooks) or "-",
+            f"{r.import_seconds * 1000:.0f} ms" if r.import_seconds is not None else "-",
+            r.reason or "",
+        ]
+        for r in records
+    ]
+    print(format_table(["NAME", "STATUS", "DISTRIBUTION", "VERSION", "HOOKS", "IMPORT", "REASON"], rows))
+    return EXIT_OK
+
+
+def list_models(args: argparse.Namespace) -> int:
+    host = make_host(args)
+    host.load(strict=False)
+    registry = host.collect_models(strict=False)
+    entries = sorted(registry.entries(), key=lambda e: e.architecture)
+    if args.json:
+        _print_json(
+            [
+                {
+                    "architecture": e.architecture,
+                    "implementation": e.implementation,
+                    "registered_by": e.registered_by.name,
+                    "distribution": e.registered_by.distribution,
+                    "version": e.registered_by.version,
+                    "overrides": [
+                        {"implementation": o.implementation, "registered_by": o.registered_by.name}
+                        for o in e.overrides
+                    ],
+                }
+                for e in entries
+            ]
+        )
+    else:
+        rows = [
+            [
+                e.architecture,
+                e.implementation,
+                e.registered_by.name,
+                ", ".join(f"{o.implementation} ({o.registered_by.name})" for o in e.overrides) or "-",
+            ]
+            for e in entries
+        ]
+        print(format_table(["ARCHITECTURE", "IMPLEMENTATION", "REGISTERED BY", "OVERRIDES"], rows))
+    failed = [r for r in host.records if r.status == "failed"]
+    if failed and not args.json:
+        print(f"\n{len(failed)} plugin(s) failed to load; see `pluginhost plugins`.", file=sys.stderr)
+    return EXIT_OK
+
+
+def show_config(args: argparse.Namespace) -> int:
+    from pluginhost.build import plan_build
+    from pluginhost.config import EngineConfig
+
+    config = EngineConfig(**engine_settings(args))
+    plan = plan_build(config, make_host(args))
+    data = {
+        "config": plan.config.model_dump(mode="json"),
+        "provenance": plan.config.provenance,
+        **plan.describe(),
+    }
+    if args.json:
+        _print_json(data)
+        return EXIT_OK
+    rows = [[name, json.dumps(value), data["provenance"][name]] for name, value in data["config"].items()]
+    print(format_table(["FIELD", "VALUE", "SET BY"], rows))
+    print(f"\narchitecture: {data['architecture']} -> {data['implementation']} (registered by {data['registered_by']})")
+    return EXIT_OK
+
+
+def generate(args: argparse.Namespace) -> int:
+    from pluginhost.sampling import SamplingParams
+
+    settings = engine_settings(args)
+    if "model" not in settings:
+        from pluginhost.demo import ensure_demo_model
+
+        settings["model"] = str(ensure_demo_model())
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    host = make_host(args)
+    from pluginhost.engine import LLM
+
+    llm = LLM._from_host(host, **settings)
+    outputs = llm.generate(list(args.prompt), params)
+    if args.json:
+        _print_json(
+            [
+                {
+                    "prompt": prompt,
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "finish_reason": out.finish_reason,
+                }
+                for prompt, out in zip(args.prompt, outputs, strict=True)
+            ]
+        )
+        return EXIT_OK
+    for prompt, out in zip(args.prompt, outputs, strict=True):
+        print(f"prompt: {prompt!r}")
+        print(f"output: {out.text!r}")
+        print(f"tokens: {out.token_ids} ({out.finish_reason})\n")
+    return EXIT_OK

@@ -1,0 +1,118 @@
+"""``EngineConfig``: everything that decides how an engine is built.
+
+A pydantic model that validates every assignment and refuses unknown fields,
+so a typo or a bad value from a user or a plugin fails where it is made.
+Each field remembers who set it last: ``default``, ``user`` or
+``plugin:NAME`` (a plugin assigning inside its ``modify_config`` hook).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from pluginhost.attribution import current_plugin
+
+__all__ = ["DTYPES", "EngineConfig", "describe_validation_error"]
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+class EngineConfig(BaseModel):
+    """The settings of one engine. Build one with ``LLM(model=..., **fields)``."""
+
+    model_config = ConfigDict(
+        validate_assignment=True,
+        extra="forbid",
+        protected_namespaces=(),
+        frozen=False,
+    )
+
+    model: str = Field(
+        description="Path of a Hugging Face-format model directory (config.json, weights, optional tokenizer)."
+    )
+    model_architecture_override: str | None = Field(
+        default=None,
+        description="Build this registered architecture instead of the one config.json names.",
+    )
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Attributes set on the Hugging Face config after it is read.",
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto",
+        description="Parameter dtype; 'auto' takes the checkpoint's where the device runs it well, else float32.",
+    )
+    device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="Longest prompt plus generated tokens; defaults to the model's position limit.",
+    )
+    max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded together in one batch.")
+    seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
+
+    _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the model path is empty; pass the path of a model directory")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str) -> str:
+        if not _DEVICE.fullmatch(value):
+            raise ValueError(f"unknown device {value!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+    @field_validator("model_architecture_override")
+    @classmethod
+    def _override_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("the architecture override is empty; omit it or name an architecture")
+        return value
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._provenance = {
+            name: ("user" if name in self.model_fields_set else "default") for name in type(self).model_fields
+        }
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in type(self).model_fields:
+            plugin = current_plugin()
+            self._provenance[name] = f"plugin:{plugin.name}" if plugin else "user"
+
+    @property
+    def provenance(self) -> dict[str, str]:
+        """Who set each field last: ``default``, ``user`` or ``plugin:NAME``."""
+        return dict(self._provenance)
+
+    def copy_with_provenance(self) -> EngineConfig:
+        """An independent copy that keeps each field's provenance."""
+        clone = self.model_copy(deep=True)
+        clone._provenance = dict(self._provenance)
+        return clone
+
+
+def describe_validation_error(exc: Exception) -> str:
+    """One line per problem in a pydantic ``ValidationError``: ``field: message (got value)``."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for error in errors():
+        where = ".".join(str(p) for p in error.get("loc", ())) or "value"
+        message = error.get("msg", "invalid")
+        if error.get("type") == "extra_forbidden":
+            known = ", ".join(EngineConfig.model_fields)
+            parts.append(f"{where}: unknown setting (known settings: {known})")
+        else:
+            parts.append(f"{where}: {message} (got {error.get('input')!r})")
+    return "; ".join(parts)

@@ -1,0 +1,66 @@
+"""Errors pluginhost raises for problems the user can fix.
+
+Every ``PluginhostError`` carries one complete message: what is wrong and what
+to do about it. The CLI prints it alone (exit status 2); anything else that
+escapes is an internal failure (exit status 1).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "ModelClassError",
+    "PluginError",
+    "PluginHookError",
+    "PluginLoadError",
+    "PluginSelectionError",
+    "PluginhostError",
+    "RegistryError",
+    "UnknownArchitectureError",
+]
+
+
+class PluginhostError(Exception):
+    """Base class of the errors a user can act on."""
+
+
+class PluginSelectionError(PluginhostError):
+    """The plugin allow-list names something that is not installed."""
+
+
+class PluginError(PluginhostError):
+    """A plugin is broken: it failed to import or does not match the hook specs."""
+
+
+class PluginLoadError(PluginError):
+    """An installed plugin failed to import or to validate, and the engine refuses to start."""
+
+
+class PluginHookError(PluginError):
+    """A hook implementation raised; the engine build was aborted."""
+
+    def __init__(self, message: str, *, plugin: str, hook: str) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+
+class RegistryError(PluginhostError):
+    """A model registration is malformed."""
+
+
+class UnknownArchitectureError(RegistryError):
+    """No plugin registered the requested architecture."""
+
+
+class ModelClassError(RegistryError):
+    """A registered model target cannot be imported or lacks the model interface."""
+
+
+class ConfigError(PluginhostError):
+    """The engine configuration or the model directory's config is invalid."""
+
+
+class CheckpointError(PluginhostError):
+    """The model directory's weights are missing, unreadable or do not fit the model."""

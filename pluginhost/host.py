@@ -1,0 +1,399 @@
+"""The plugin host: one pluggy ``PluginManager`` per engine, and the plugins in it.
+
+Loading, in order:
+
+1. ``builtin_models`` (always; it registers the builtin architectures);
+2. installed plugins (entry-point group ``pluginhost.plugins``), sorted by
+   name, filtered by the selection (blocked ones go through ``set_blocked``),
+   each imported with its import time measured;
+3. in-process plugin objects, in the order given.
+
+Each plugin is checked when it is registered: pluggy's own argument check at
+``register``, ``check_pending`` for unknown hooks, and the checks pluggy does
+not make (parameters with defaults, which pluggy would silently never pass;
+wrapper implementations, whose interleaved code could not be attributed).
+
+Plugins are registered in reverse of the order above, because pluggy calls
+the most recently registered implementation first: hooks therefore run
+builtin, installed (by name), in-process (as given), and a later plugin
+overrides an earlier one. Each hook implementation is registered through an
+attributed view, so while it runs the host knows which plugin is acting: an
+exception names the plugin and hook, config changes record ``plugin:NAME``
+and registrations record the plugin, distribution and version.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import logging
+import os
+import time
+import types
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+import pluggy
+
+import hookspecs
+from pluginhost.attribution import PluginRef, acting_as
+from pluginhost.discovery import InstalledPlugin, discover_installed
+from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
+from pluginhost.registry import ArchitectureRegistry, ModelRegistry, collecting_into
+from pluginhost.selection import DISABLED_ENV, SKIP_BROKEN_ENV, PluginSelection
+
+__all__ = ["BUILTIN_PLUGIN", "PluginHost", "PluginRecord"]
+
+logger = logging.getLogger(__name__)
+
+#: The name of the always-loaded plugin that registers the builtin architectures.
+BUILTIN_PLUGIN = "builtin_models"
+
+Kind = Literal["builtin", "installed", "in-process"]
+Status = Literal["builtin", "loaded", "blocked", "failed"]
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """What the host knows about one plugin, loaded or not."""
+
+    name: str
+    kind: Kind
+    status: Status
+    distribution: str | None = None
+    version: str | None = None
+    #: Hooks the plugin implements (or tried to, when it failed validation).
+    hooks: tuple[str, ...] = ()
+    #: Why it is blocked or failed.
+    reason: str | None = None
+    #: Seconds its import took (installed plugins that were imported).
+    import_seconds: float | None = None
+    #: The entry point's target, for installed plugins.
+    target: str | None = None
+
+    @property
+    def ref(self) -> PluginRef:
+        return PluginRef(self.name, self.distribution, self.version)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"hooks": list(self.hooks)}
+
+
+def _skip_broken_from_env() -> bool:
+    return os.environ.get(SKIP_BROKEN_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _remedy(record: PluginRecord) -> str:
+    if record.kind == "in-process":
+        return "Fix it, or leave it out of LLM(plugins=...)."
+    return (
+        f"Fix or uninstall it, disable it with {DISABLED_ENV}={record.name} or --disable-plugin {record.name}, "
+        f"or set {SKIP_BROKEN_ENV}=1 to skip broken plugins."
+    )
+
+
+@dataclass(frozen=True)
+class _Impl:
+    hook: str
+    function: Any
+    wrapper: bool
+
+
+def _hookimpls_of(pm: pluggy.PluginManager, plugin: object) -> dict[str, _Impl]:
+    """``attribute -> _Impl`` for every hookimpl-marked attribute of ``plugin``."""
+    found = {}
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is not None:
+            wrapper = bool(opts.get("wrapper") or opts.get("hookwrapper"))
+            found[attr] = _Impl(opts.get("specname") or attr, getattr(plugin, attr), wrapper)
+    return found
+
+
+def _spec_signature(pm: pluggy.PluginManager, hook: str) -> str:
+    caller = getattr(pm.hook, hook)
+    return f"{hook}({', '.join(caller.spec.argnames)})"
+
+
+class PluginHost:
+    """The plugins of one engine, and the way to call their hooks.
+
+    Nothing is loaded until ``load()``; loading again is a no-op.
+    """
+
+    def __init__(
+        self,
+        *,
+        plugins: Sequence[object] = (),
+        load_installed: bool = True,
+        selection: PluginSelection | None = None,
+        skip_broken: bool | None = None,
+    ) -> None:
+        self._in_process = list(plugins)
+        self._load_installed = load_installed
+        self._selection = selection
+        self._skip_broken = skip_broken
+        self._pm: pluggy.PluginManager | None = None
+        self._records: dict[str, PluginRecord] = {}
+
+    # -- loading ---------------------------------------------------------------
+
+    @property
+    def records(self) -> list[PluginRecord]:
+        """Every plugin the host considered, in hook call order."""
+        return list(self._records.values())
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        """The underlying pluggy manager (loads plugins on first use)."""
+        if self._pm is None:
+            self.load()
+        assert self._pm is not None
+        return self._pm
+
+    def load(self, *, strict: bool = True) -> list[PluginRecord]:
+        """Import, check and register every selected plugin; idempotent.
+
+        ``strict`` (engines): a broken installed plugin raises ``PluginLoadError``
+        unless ``PLUGINHOST_SKIP_BROKEN_PLUGINS=1``. Not strict (listings): it is
+        only recorded with status ``failed``. A broken in-process plugin always
+        raises, and so does an allow-list naming nothing installed.
+        """
+        if self._pm is None:
+            self._pm = self._load()
+        failed = [r for r in self._records.values() if r.status == "failed"]
+        if failed and strict:
+            skip = self._skip_broken if self._skip_broken is not None else _skip_broken_from_env()
+            if not skip:
+                raise PluginLoadError("\n".join(self._failure_message(r) for r in failed))
+            for record in failed:
+                logger.warning("skipping broken %s: %s", record.ref.describe(), record.reason)
+        return self.records
+
+    @staticmethod
+    def _failure_message(record: PluginRecord) -> str:
+        return f"Cannot start: {record.ref.describe()} is broken: {record.reason}. {_remedy(record)}"
+
+    def _load(self) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        pm.add_hookspecs(hookspecs)
+        import builtin_models
+
+        from pluginhost import __version__
+
+        records: list[tuple[PluginRecord, object | None]] = [
+            (PluginRecord(BUILTIN_PLUGIN, "builtin", "builtin", "pluginhost", __version__), builtin_models)
+        ]
+        if self._load_installed:
+            records += self._import_installed(pm)
+        records += self._in_process_records()
+
+        # pluggy calls the last registered first: register in reverse call order.
+        for record, plugin in reversed(records):
+            if plugin is not None:
+                record = self._register(pm, record, plugin)
+            self._records[record.name] = record
+        self._records = {r.name: self._records[r.name] for r, _ in records}
+        for record, _ in records:
+            if record.kind == "in-process" and self._records[record.name].status == "failed":
+                raise PluginError(
+                    f"{record.ref.describe()} does not match the hook specs: "
+                    f"{self._records[record.name].reason}. {_remedy(record)}"
+                )
+        return pm
+
+    def _import_installed(self, pm: pluggy.PluginManager) -> list[tuple[PluginRecord, object | None]]:
+        installed = discover_installed()
+        selection = self._selection or PluginSelection.from_env()
+        pairs = [(p.name, p.distribution) for p in installed]
+        unmatched = selection.unmatched_allowed(pairs)
+        if unmatched:
+            names = ", ".join(f"{p.name} ({p.distribution})" for p in installed) or "none"
+            raise PluginSelectionError(
+                f"{selection.allow_source} names {', '.join(map(repr, unmatched))}, which matches no installed "
+                f"plugin. Installed plugins: {names}. Names are entry-point or distribution names."
+            )
+        for name in selection.unmatched_denied(pairs):
+            logger.warning("%r is disabled but no installed plugin has that name", name)
+
+        out: list[tuple[PluginRecord, object | None]] = []
+        seen: dict[str, InstalledPlugin] = {}
+        for plugin in installed:
+            base = PluginRecord(
+                plugin.name, "installed", "loaded", plugin.distribution, plugin.version, target=plugin.value
+            )
+            if plugin.name == BUILTIN_PLUGIN or plugin.name in seen:
+                other = seen.get(plugin.name)
+                owner = f"distribution {other.distribution}" if other else "pluginhost itself"
+                reason = f"the plugin name {plugin.name!r} is already taken by {owner}; rename the entry point"
+                out.append((replace(base, status="failed", reason=reason), None))
+                continue
+            seen[plugin.name] = plugin
+            blocked = selection.decide(plugin.name, plugin.distribution)
+            if blocked:
+                pm.set_blocked(plugin.name)
+                out.append((replace(base, status="blocked", reason=blocked), None))
+                continue
+            start = time.perf_counter()
+            try:
+                with acting_as(base.ref):
+                    obj = plugin.entry_point.load()
+            except BaseException as exc:  # noqa: BLE001 - a plugin's import may raise anything
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                reason = f"import of {plugin.value} failed: {_describe_exception(exc)}"
+                out.append((replace(base, status="failed", reason=reason, import_seconds=_since(start)), None))
+                continue
+            out.append((replace(base, import_seconds=_since(start)), obj))
+        return out
+
+    def _in_process_records(self) -> list[tuple[PluginRecord, object | None]]:
+        out: list[tuple[PluginRecord, object | None]] = []
+        names: set[str] = set(self._records) | {BUILTIN_PLUGIN}
+        for plugin in self._in_process:
+            base = getattr(plugin, "__name__", None) or type(plugin).__name__
+            name, n = base, 1
+            while name in names:
+                n += 1
+                name = f"{base}#{n}"
+            names.add(name)
+            out.append((PluginRecord(name, "in-process", "loaded"), plugin))
+        return out
+
+    def _register(self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object) -> PluginRecord:
+        impls = _hookimpls_of(pm, plugin)
+        record = replace(record, hooks=tuple(sorted({impl.hook for impl in impls.values()})))
+        view = types.SimpleNamespace(
+            **{attr: _attributed(impl.function, record, impl.hook) for attr, impl in impls.items()}
+        )
+        view.__name__ = record.name
+        problem = self._check_wrappers(impls)
+        if problem is None:
+            try:
+                pm.register(view, name=record.name)
+            except pluggy.PluginValidationError as exc:
+                problem = self._describe_mismatch(pm, impls) or str(exc)
+            else:
+                problem = self._check_after(pm, view, impls)
+                if problem is not None:
+                    pm.unregister(view, name=record.name)
+        if problem is not None:
+            return replace(record, status="failed", reason=problem)
+        return record
+
+    @staticmethod
+    def _check_wrappers(impls: dict[str, _Impl]) -> str | None:
+        for attr, impl in impls.items():
+            if impl.wrapper:
+                return (
+                    f"its {impl.hook} implementation ({attr}) is a wrapper; pluginhost hooks take plain "
+                    "implementations (order them with tryfirst/trylast instead)"
+                )
+        return None
+
+    @staticmethod
+    def _describe_mismatch(pm: pluggy.PluginManager, impls: dict[str, _Impl]) -> str | None:
+        for impl in impls.values():
+            hook, function = impl.hook, impl.function
+            caller = getattr(pm.hook, hook, None)
+            if caller is None or not caller.has_spec():
+                continue
+            params = [p.name for p in inspect.signature(function).parameters.values()]
+            unknown = [p for p in params if p not in caller.spec.argnames]
+            if unknown:
+                return (
+                    f"its {hook} implementation takes {hook}({', '.join(params)}), but the spec is "
+                    f"{_spec_signature(pm, hook)}: unknown argument(s) {', '.join(unknown)}"
+                )
+        return None
+
+    @staticmethod
+    def _check_after(pm: pluggy.PluginManager, view: object, impls: dict[str, _Impl]) -> str | None:
+        try:
+            pm.check_pending()
+        except pluggy.PluginValidationError:
+            specs = sorted(n for n in vars(pm.hook) if getattr(pm.hook, n).has_spec())
+            for hook in (impl.hook for impl in impls.values()):
+                caller = getattr(pm.hook, hook)
+                if not caller.has_spec():
+                    close = difflib.get_close_matches(hook, specs, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    return (
+                        f"it implements {hook!r}, which is not a pluginhost hook{hint}; "
+                        f"the hooks are {', '.join(specs)}"
+                    )
+            raise
+        for caller in pm.get_hookcallers(view) or ():
+            for impl in caller.get_hookimpls():
+                if impl.plugin is view and impl.kwargnames:
+                    return (
+                        f"its {caller.name} implementation gives parameter(s) {', '.join(impl.kwargnames)} a "
+                        f"default value, so pluggy would never pass them; the spec is "
+                        f"{_spec_signature(pm, caller.name)}: drop the defaults"
+                    )
+        return None
+
+    # -- calling hooks ---------------------------------------------------------
+
+    def call(self, hook: str, **kwargs: Any) -> None:
+        """Call every implementation of ``hook`` (loading plugins first if needed)."""
+        getattr(self.plugin_manager.hook, hook)(**kwargs)
+
+    def collect_models(self, *, strict: bool = True) -> ArchitectureRegistry:
+        """A fresh registry: the ``register_models`` hook, then direct ``ModelRegistry`` registrations.
+
+        Not ``strict`` (listings): a plugin whose hook raises is marked failed,
+        unregistered, and the collection starts again without it.
+        """
+        while True:
+            registry = ArchitectureRegistry()
+            try:
+                with collecting_into(registry):
+                    self.call("register_models", registry=registry)
+            except PluginHookError as exc:
+                if strict or exc.plugin == BUILTIN_PLUGIN:
+                    raise
+                self._records[exc.plugin] = replace(self._records[exc.plugin], status="failed", reason=str(exc))
+                self.plugin_manager.unregister(name=exc.plugin)
+                continue
+            registry.update(ModelRegistry)
+            return registry
+
+
+def _attributed(function: Any, record: PluginRecord, hook: str) -> Any:
+    """``function``, running as ``record``'s plugin; its exceptions name the plugin and hook."""
+    plugin = record.ref
+
+    @functools.wraps(function)
+    def run_as_plugin(*args: Any) -> Any:
+        with acting_as(plugin):
+            try:
+                return function(*args)
+            except PluginHookError:
+                raise  # a nested hook call already named its plugin
+            except Exception as exc:
+                raise PluginHookError(
+                    f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}. "
+                    f"The engine was not built. {_remedy(record)}",
+                    plugin=record.name,
+                    hook=hook,
+                ) from exc
+
+    return run_as_plugin
+
+
+def _describe_exception(exc: BaseException) -> str:
+    from pluginhost.config import describe_validation_error
+
+    if type(exc).__name__ == "ValidationError":
+        return f"invalid value: {describe_validation_error(exc)}"
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _since(start: float) -> float:
+    return round(time.perf_counter() - start, 6)
+

@@ -1,0 +1,239 @@
+"""The model registry: architecture name -> model class, and who registered it.
+
+Each engine build collects its own ``ArchitectureRegistry`` through the
+``register_models`` hook. ``pluginhost.ModelRegistry`` is the process-wide
+default, so plugins written the vLLM way
+(``ModelRegistry.register_model(...)``) work too:
+
+* called while an engine collects registrations (inside a hook), it registers
+  into that engine's registry, so two engines never see each other's plugins;
+* called anywhere else (at a plugin's import, or by your own code before
+  building an engine), it is kept and applied to every engine after the
+  ``register_models`` hook, so it wins over hook registrations.
+
+Registering a name that exists replaces the entry; the entry remembers what it
+replaced. Lazy ``"package.module:ClassName"`` targets are imported only when
+the architecture is resolved, so listing models never imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from pluginhost.attribution import PluginRef, current_plugin
+from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
+
+__all__ = ["ArchitectureRegistry", "ModelRegistry", "Registration", "REQUIRED_METHODS"]
+
+logger = logging.getLogger(__name__)
+
+#: What every model class must provide, besides being a ``torch.nn.Module``.
+REQUIRED_METHODS = ("forward", "compute_logits", "load_weights")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One architecture entry."""
+
+    architecture: str
+    #: ``"module:Class"``, whether registered lazily or as a class.
+    implementation: str
+    registered_by: PluginRef
+    #: The class itself when it was registered as a class; lazy entries import on resolve.
+    model_class: type | None = None
+    #: The entry this one replaced, if any (and through it, the whole chain).
+    replaced: Registration | None = None
+
+    @property
+    def overrides(self) -> list[Registration]:
+        """Entries this one replaced, most recent first."""
+        chain, entry = [], self.replaced
+        while entry is not None:
+            chain.append(entry)
+            entry = entry.replaced
+        return chain
+
+
+def _caller_ref() -> PluginRef:
+    """Attribution for a registration made outside plugin code: the calling module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "<unknown>") if frame is not None else "<unknown>"
+    return PluginRef(name=module)
+
+
+def _target_of(model: type | str) -> str:
+    if isinstance(model, str):
+        module, sep, qualname = model.partition(":")
+        if not sep or not module.strip() or not qualname.strip():
+            raise ValueError(f'{model!r} is not of the form "package.module:ClassName"')
+        return f"{module.strip()}:{qualname.strip()}"
+    if inspect.isclass(model):
+        return f"{model.__module__}:{model.__qualname__}"
+    raise ValueError(f"expected a class or a 'package.module:ClassName' string, got {type(model).__name__}")
+
+
+class ArchitectureRegistry:
+    """Architecture names mapped to model classes, with their provenance."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Registration] = {}
+        self._resolved: dict[str, type] = {}
+
+    def register_model(self, architecture: str, model: type | str) -> None:
+        """Register ``model`` (a class, or a lazy ``"package.module:ClassName"``) as ``architecture``.
+
+        An existing entry of the same name is replaced, and the replacement logged.
+        """
+        self._add(architecture, model, current_plugin() or _caller_ref())
+
+    def _add(self, architecture: str, model: type | str, source: PluginRef) -> None:
+        if not isinstance(architecture, str) or not architecture.strip():
+            raise RegistryError(
+                f"register_model() got architecture {architecture!r}: "
+                "it must be a non-empty string such as 'OPTForCausalLM'"
+            )
+        try:
+            implementation = _target_of(model)
+        except ValueError as exc:
+            raise RegistryError(f"register_model({architecture!r}, ...) got a bad target: {exc}") from None
+        previous = self._entries.get(architecture)
+        entry = Registration(
+            architecture=architecture,
+            implementation=implementation,
+            registered_by=source,
+            model_class=model if inspect.isclass(model) else None,
+            replaced=previous,
+        )
+        self._entries[architecture] = entry
+        self._resolved.pop(architecture, None)
+        if previous is not None:
+            log = logger.warning if previous.registered_by.distribution and source.distribution else logger.info
+            log(
+                "architecture %r: %s (%s) replaces %s (%s)",
+                architecture,
+                implementation,
+                source.describe(),
+                previous.implementation,
+                previous.registered_by.describe(),
+            )
+
+    def update(self, other: ArchitectureRegistry) -> None:
+        """Apply ``other``'s entries on top of this registry, in their registration order."""
+        for entry in other.entries():
+            self._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
+
+    def get_supported_archs(self) -> list[str]:
+        """Registered architecture names, sorted."""
+        return sorted(self._entries)
+
+    def entries(self) -> list[Registration]:
+        """All current entries, in registration order."""
+        return list(self._entries.values())
+
+    def get(self, architecture: str) -> Registration:
+        """The entry for ``architecture``; an unknown name raises with close matches."""
+        try:
+            return self._entries[architecture]
+        except KeyError:
+            raise UnknownArchitectureError(self._unknown_message(architecture)) from None
+
+    def __contains__(self, architecture: object) -> bool:
+        return architecture in self._entries
+
+    def _unknown_message(self, architecture: str) -> str:
+        close = difflib.get_close_matches(architecture, self._entries, n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        return (
+            f"Architecture {architecture!r} is not registered.{hint} "
+            "Run `pluginhost models` to list every registered architecture; "
+            "a plugin can add one with registry.register_model()."
+        )
+
+    def resolve(self, architecture: str) -> type:
+        """Import (if lazy) and check the model class of ``architecture``."""
+        if architecture in self._resolved:
+            return self._resolved[architecture]
+        entry = self.get(architecture)
+        cls = entry.model_class or _import_target(entry)
+        _check_model_class(entry, cls)
+        self._resolved[architecture] = cls
+        return cls
+
+
+def _import_target(entry: Registration) -> type:
+    module_name, _, qualname = entry.implementation.partition(":")
+    where = f"architecture {entry.architecture!r} registered by {entry.registered_by.describe()}"
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelClassError(
+            f"{where} points to {entry.implementation}, but module {module_name!r} failed to import: "
+            f"{type(exc).__name__}: {exc}. Fix or disable that plugin."
+        ) from exc
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelClassError(
+                f"{where} points to {entry.implementation}, but module {module_name!r} has no {qualname!r}. "
+                "Fix the registration or disable that plugin."
+            ) from None
+    if not inspect.isclass(obj):
+        raise ModelClassError(f"{where} points to {entry.implementation}, which is not a class.")
+    return obj
+
+
+def _check_model_class(entry: Registration, cls: type) -> None:
+    import torch  # only when a model is really about to be built
+
+    where = f"{entry.implementation} (architecture {entry.architecture!r}, registered by {entry.registered_by.describe()})"
+    if not issubclass(cls, torch.nn.Module):
+        raise ModelClassError(f"{where} is not a torch.nn.Module subclass.")
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
+    if "forward" not in missing and cls.forward is torch.nn.Module.forward:
+        missing.insert(0, "forward")
+    if missing:
+        raise ModelClassError(
+            f"{where} does not implement {', '.join(missing)}: a model class needs "
+            f"{', '.join(REQUIRED_METHODS)} (see builtin_models.opt.OPTForCausalLM)."
+        )
+
+
+# Set while an engine runs its register_models hook: the process-wide registry
+# forwards registrations into that engine's registry.
+_collecting: ContextVar[ArchitectureRegistry | None] = ContextVar("pluginhost_collecting", default=None)
+
+
+@contextmanager
+def collecting_into(registry: ArchitectureRegistry) -> Iterator[None]:
+    """Route ``ModelRegistry.register_model`` calls into ``registry`` inside the block."""
+    token = _collecting.set(registry)
+    try:
+        yield
+    finally:
+        _collecting.reset(token)
+
+
+class _ProcessRegistry(ArchitectureRegistry):
+    """The process-wide default registry (see the module docstring)."""
+
+    def register_model(self, architecture: str, model: type | str) -> None:
+        target = _collecting.get()
+        if target is not None:
+            target._add(architecture, model, current_plugin() or _caller_ref())
+        else:
+            super()._add(architecture, model, current_plugin() or _caller_ref())
+
+
+#: The process-wide default registry (``from pluginhost import ModelRegistry``).
+ModelRegistry: ArchitectureRegistry = _ProcessRegistry()

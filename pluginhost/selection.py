@@ -1,0 +1,118 @@
+"""Which installed plugins may load: the allow and deny lists.
+
+Sources, highest precedence first:
+
+* CLI: ``--no-plugins``, ``--plugins a,b``, ``--disable-plugin NAME``;
+* environment: ``PLUGINHOST_PLUGINS``, ``PLUGINHOST_DISABLED_PLUGINS``.
+
+``PLUGINHOST_PLUGINS`` unset means every installed plugin; empty means none;
+otherwise it is a comma-separated allow-list. A CLI allow-list replaces the
+environment's. Deny lists add up, except that a name the CLI explicitly
+allows is no longer denied by the environment. Names match an entry-point name
+or a distribution name, case-insensitively, with ``-``, ``_`` and ``.`` alike.
+
+This module only decides; it reads the environment when asked, never at import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DISABLED_ENV",
+    "PLUGINS_ENV",
+    "SKIP_BROKEN_ENV",
+    "PluginSelection",
+    "normalize_name",
+    "parse_name_list",
+]
+
+PLUGINS_ENV = "PLUGINHOST_PLUGINS"
+DISABLED_ENV = "PLUGINHOST_DISABLED_PLUGINS"
+SKIP_BROKEN_ENV = "PLUGINHOST_SKIP_BROKEN_PLUGINS"
+
+
+def normalize_name(name: str) -> str:
+    """Canonical form of a plugin or distribution name (PEP 503 style)."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def parse_name_list(text: str) -> tuple[str, ...]:
+    """Split a comma-separated list of names; spaces are stripped, empty items dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+@dataclass(frozen=True)
+class PluginSelection:
+    """The effective allow and deny lists for installed plugins."""
+
+    #: Allowed names as given, or ``None`` when every installed plugin may load.
+    allow: tuple[str, ...] | None = None
+    #: Where the allow-list came from, for messages (``PLUGINHOST_PLUGINS``, ``--plugins``...).
+    allow_source: str = ""
+    #: Denied names (normalized) and where each denial came from.
+    deny: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSelection:
+        env = os.environ if environ is None else environ
+        allow = parse_name_list(env[PLUGINS_ENV]) if PLUGINS_ENV in env else None
+        deny = {normalize_name(n): DISABLED_ENV for n in parse_name_list(env.get(DISABLED_ENV, ""))}
+        return cls(allow=allow, allow_source=PLUGINS_ENV if allow is not None else "", deny=deny)
+
+    def with_cli(
+        self,
+        *,
+        plugins: str | None = None,
+        no_plugins: bool = False,
+        disable: Iterable[str] = (),
+    ) -> PluginSelection:
+        """Apply CLI flags on top of this (environment) selection."""
+        allow, allow_source = self.allow, self.allow_source
+        deny = dict(self.deny)
+        if no_plugins:
+            allow, allow_source = (), "--no-plugins"
+        elif plugins is not None:
+            allow, allow_source = parse_name_list(plugins), "--plugins"
+            for name in allow:  # an explicit CLI choice beats the environment's denial
+                deny.pop(normalize_name(name), None)
+        for value in disable:
+            for name in parse_name_list(value):
+                deny[normalize_name(name)] = "--disable-plugin"
+        return PluginSelection(allow=allow, allow_source=allow_source, deny=deny)
+
+    def decide(self, entry_point: str, distribution: str | None) -> str | None:
+        """Return ``None`` when the plugin may load, else why it is blocked."""
+        names = _names_of([(entry_point, distribution)])
+        for name in sorted(names):
+            if name in self.deny:
+                return f"disabled by {self.deny[name]}"
+        if self.allow is None:
+            return None
+        if not self.allow:
+            return f"installed plugins disabled by {self.allow_source}"
+        if names.isdisjoint(normalize_name(n) for n in self.allow):
+            return f"not in the allow-list ({self.allow_source}={','.join(self.allow)})"
+        return None
+
+    def unmatched_allowed(self, installed: Iterable[tuple[str, str | None]]) -> list[str]:
+        """Allow-list names that match no installed (entry point, distribution)."""
+        known = _names_of(installed)
+        return [n for n in self.allow or () if normalize_name(n) not in known]
+
+    def unmatched_denied(self, installed: Iterable[tuple[str, str | None]]) -> list[str]:
+        """Deny-list names that match nothing installed (probably typos)."""
+        known = _names_of(installed)
+        return [n for n in self.deny if n not in known]
+
+
+def _names_of(installed: Iterable[tuple[str, str | None]]) -> set[str]:
+    names: set[str] = set()
+    for entry_point, distribution in installed:
+        names.add(normalize_name(entry_point))
+        if distribution:
+            names.add(normalize_name(distribution))
+    return names
