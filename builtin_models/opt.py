@@ -1,0 +1,172 @@
+"""OPT (Zhang et al., 2022) as a pluginhost model: decoder-only, learned positions.
+
+Numerically the same as Hugging Face transformers' ``OPTForCausalLM`` (eager
+attention) for every variant: LayerNorm before (125m, 1.3b, ...) or after
+(350m) each block, and ``word_embed_proj_dim != hidden_size`` (350m), where
+embeddings are projected in and out of the residual width.
+
+Shapes: B batch, T new tokens, S cache slots attended, H heads, D head dim,
+E hidden size, W word embedding size, V vocabulary.
+
+The engine passes positions explicitly (left-padded batches have different
+positions per row), writes keys and values into a static cache set up with
+``setup_caches`` (apart from ``__init__``, so a model is built once and used
+for any batch), and passes the attention mask over cache slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import OPTConfig
+from transformers.activations import ACT2FN
+
+from builtin_models.kv_cache import KVCache
+from builtin_models.weights import assign_weights
+
+__all__ = ["OPTAttention", "OPTDecoder", "OPTDecoderLayer", "OPTForCausalLM"]
+
+# OPT reserves the first two rows of its position table (a fairseq legacy).
+POSITION_OFFSET = 2
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: OPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.n_heads
+        if self.head_dim * self.n_heads != config.hidden_size:
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {self.n_heads}"
+            )
+        self.scaling = self.head_dim**-0.5
+        bias = config.enable_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+        B, T, E = x.shape
+        # Scale q after the projection, as OPT does, so results match to the last bit.
+        q = self.q_proj(x) * self.scaling
+        k, v = self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if cache_slots is not None:
+            assert self.kv_cache is not None, "call setup_caches() before passing cache_slots"
+            assert mask is not None, "a cached forward needs the mask over cache slots"
+            k, v = self.kv_cache.update(cache_slots, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=1.0)  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, E)  # (B, T, E)
+        return self.out_proj(y)
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: OPTConfig) -> None:
+        super().__init__()
+        self.layer_norm_before = config.do_layer_norm_before
+        affine = config.layer_norm_elementwise_affine
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.activation = ACT2FN[config.activation_function]
+
+    def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+        if self.layer_norm_before:  # 125m, 1.3b and larger
+            x = x + self.self_attn(self.self_attn_layer_norm(x), cache_slots, mask)
+            return x + self.fc2(self.activation(self.fc1(self.final_layer_norm(x))))
+        # 350m: LayerNorm after each residual block
+        x = self.self_attn_layer_norm(x + self.self_attn(x, cache_slots, mask))
+        return self.final_layer_norm(x + self.fc2(self.activation(self.fc1(x))))
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: OPTConfig) -> None:
+        super().__init__()
+        E, W = config.hidden_size, config.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, W, config.pad_token_id)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, E)
+        # 350m embeds words in W < E dimensions and projects in and out of the residual stream.
+        self.project_in = nn.Linear(W, E, bias=False) if W != E else None
+        self.project_out = nn.Linear(E, W, bias=False) if W != E else None
+        has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        affine = config.layer_norm_elementwise_affine
+        self.final_layer_norm = nn.LayerNorm(E, elementwise_affine=affine) if has_final_norm else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+        x = self.embed_tokens(input_ids)  # (B, T, W)
+        if self.project_in is not None:
+            x = self.project_in(x)  # (B, T, E)
+        x = x + self.embed_positions(positions + POSITION_OFFSET)  # (B, T, E)
+        for layer in self.layers:
+            x = layer(x, cache_slots, mask)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # (B, T, W)
+        return x
+
+
+class OPTForCausalLM(nn.Module):
+    """OPT with a language-modelling head, in the pluginhost model interface.
+
+    ``forward(input_ids, positions, cache_slots=None, mask=None)`` returns hidden
+    states (B, T, W); ``compute_logits(hidden)`` returns logits (..., V).
+
+    * ``positions`` (B, T): each token's position, 0 for the first real token.
+    * ``cache_slots`` (T,): the cache slots this step's keys and values go to;
+      ``None`` runs without the cache, causally over the T tokens.
+    * ``mask`` (B, 1, T, S) bool: which of the first S cache slots each new
+      token may attend to (causality and padding, decided by the engine).
+    """
+
+    def __init__(self, config: OPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.decoder = OPTDecoder(config)
+        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate a static key/value cache in every layer, on the model's device and dtype."""
+        weight = self.lm_head.weight
+        for layer in self.decoder.layers:
+            attn = layer.self_attn
+            attn.kv_cache = KVCache(
+                max_batch_size, attn.n_heads, max_seq_len, attn.head_dim, dtype=weight.dtype, device=weight.device
+            )
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        return self.decoder(input_ids, positions, cache_slots, mask)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        return self.lm_head(hidden_states)  # (..., V)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Load Hugging Face OPT checkpoint names (``model.decoder.*`` or ``decoder.*``)."""
+        tied = getattr(self.config, "tie_word_embeddings", True)
+
+        def rename(name: str) -> str | None:
+            name = name.removeprefix("model.")
+            if tied and name == "lm_head.weight":
+                return None  # tied to the embeddings, as transformers does
+            return name
+
+        loaded = assign_weights(self, weights, rename)
+        if tied and "decoder.embed_tokens.weight" in loaded:
+            self.lm_head.weight = self.decoder.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        return loaded

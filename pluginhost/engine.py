@@ -1,0 +1,267 @@
+"""``LLM``: build a model through the plugin pipeline, then generate with it.
+
+>>> llm = LLM(model="path/to/opt", dtype="float32")          # doctest: +SKIP
+>>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
+>>> out.text, out.token_ids, out.finish_reason                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from pluginhost.build import BuildPlan, plan_build
+from pluginhost.checkpoint import find_checkpoint
+from pluginhost.config import EngineConfig, describe_validation_error
+from pluginhost.device import resolve_device, resolve_dtype
+from pluginhost.errors import CheckpointError, ConfigError, ModelClassError
+from pluginhost.generation import Request, generate_batch
+from pluginhost.host import PluginHost
+from pluginhost.model_dir import model_directory
+from pluginhost.outputs import RequestOutput
+from pluginhost.sampling import SamplingParams
+from pluginhost.tokenizer import load_tokenizer
+
+__all__ = ["LLM"]
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine: one model, built once, generating for any number of requests.
+
+    Takes every ``EngineConfig`` field as a keyword argument, plus ``plugins``
+    (in-process plugin objects, no packaging needed) and
+    ``load_installed_plugins`` (``False`` skips entry points).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        plugins: Sequence[object] = (),
+        load_installed_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
+        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
+        self._build(host, {"model": model, **settings})
+
+    @classmethod
+    def _from_host(cls, host: PluginHost, **settings: Any) -> LLM:
+        """An engine on a host the caller configured (the CLI's plugin selection)."""
+        llm = cls.__new__(cls)
+        llm._build(host, settings)
+        return llm
+
+    # -- building -----------------------------------------------------------------
+
+    def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:
+        try:
+            config = EngineConfig(**settings)
+        except ValueError as exc:
+            raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+        plan = plan_build(config, host)
+        model_class = plan.registry.resolve(plan.architecture)
+        host.call("pre_load", config=config, model_class=model_class)
+
+        model_dir = model_directory(config.model)
+        checkpoint = find_checkpoint(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, plan.hf_config, self.device)
+        self.max_model_len = _max_model_len(config, plan)
+        model = _construct(model_class, plan, self.dtype)
+        loaded = model.load_weights(checkpoint.tensors(dtype=self.dtype, device=self.device))
+        _check_loaded(model, loaded, model_dir)
+        model.eval().requires_grad_(False)
+        host.call("post_load", config=config, model=model)
+
+        self.model: nn.Module = model
+        self.config = config
+        self.hf_config = plan.hf_config
+        self.architecture = plan.architecture
+        self.plugins = host.records
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = int(plan.hf_config.vocab_size)
+        self._eos_ids = _eos_ids(plan.hf_config, self.tokenizer)
+        self._generator = torch.Generator(self.device).manual_seed(config.seed)
+        logger.info(
+            "built %s (%s) on %s as %s from %s",
+            plan.architecture,
+            plan.registration.implementation,
+            self.device,
+            self.dtype,
+            model_dir,
+        )
+
+    # -- generating ---------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); results in prompt order.
+
+        A bad prompt or parameter raises ``ValueError`` before anything runs,
+        and the engine stays usable.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_for(prompt_list, sampling_params)
+        requests = [
+            self._request(i, prompt, params)
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
+        for start in range(0, len(requests), self.config.max_num_seqs):
+            generate_batch(self.model, requests[start : start + self.config.max_num_seqs], self.device)
+        return [self._output(r) for r in requests]
+
+    def _params_for(
+        self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(
+                f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), got {len(params)} items"
+            )
+        return params
+
+    def _request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+        token_ids = self._encode(index, prompt)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={params.max_tokens} that is {total}, "
+                f"more than max_model_len={self.max_model_len}. Shorten the prompt or lower max_tokens."
+            )
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        else:
+            generator = self._generator
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        return Request(token_ids, params, generator, stop)
+
+    def _encode(self, index: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt {index} is text, but {self.config.model} has no tokenizer files; "
+                    "pass token ids instead (a list of ints)"
+                )
+            token_ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            token_ids = list(prompt)
+            if not token_ids:
+                raise ValueError(f"prompt {index} is an empty list of token ids")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError(f"prompt {index} must hold only int token ids")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        return token_ids
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
+        assert request.finish_reason is not None
+        return RequestOutput(
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.token_ids,
+            text=text,
+            logprobs=request.logprobs,
+            finish_reason=request.finish_reason,
+        )
+
+    def __repr__(self) -> str:
+        return f"LLM(model={self.config.model!r}, architecture={self.architecture!r}, device={self.device}, dtype={self.dtype})"
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # a single prompt of token ids
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str | list | tuple):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+    return prompts
+
+
+def _max_model_len(config: EngineConfig, plan: BuildPlan) -> int:
+    limit = getattr(plan.hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
+            "(max_position_embeddings); lower it."
+        )
+    return config.max_model_len
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _construct(model_class: type, plan: BuildPlan, dtype: torch.dtype) -> nn.Module:
+    """Build the model on the meta device: no memory until its weights arrive."""
+    try:
+        with torch.device("meta"), _default_dtype(dtype):
+            return model_class(plan.hf_config)
+    except Exception as exc:
+        raise ModelClassError(
+            f"Constructing {plan.registration.implementation}(config) for architecture {plan.architecture!r} "
+            f"(registered by {plan.registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _check_loaded(model: nn.Module, loaded: set[str], model_dir: object) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(name for name, p in params.items() if p.is_meta or name not in loaded)
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:20])}"
+            + (" ..." if len(missing) > 20 else "")
+            + ". Is it the right checkpoint for this architecture?"
+        )
+    unset = sorted(name for name, b in model.named_buffers() if b.is_meta)
+    if unset:
+        raise ModelClassError(
+            f"{type(model).__name__} left buffer(s) {', '.join(unset)} on the meta device: models are built on "
+            "meta, so compute buffers in load_weights (or setup_caches), not in __init__."
+        )
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)

@@ -1,0 +1,102 @@
+"""Tiny OPT model directories built offline, the way a real checkpoint is laid out.
+
+``make_tiny_opt`` uses transformers itself (``OPTConfig`` + ``save_pretrained``),
+so tests compare pluginhost with exactly what transformers writes and reads.
+``make_byte_tokenizer`` trains a small byte-level BPE with the ``tokenizers``
+package on a fixed text, deterministically, with OPT's special tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_OPT", "make_byte_tokenizer", "make_tiny_opt"]
+
+#: A pre-LayerNorm OPT (like opt-125m), small enough for a test to build in a second.
+TINY_OPT: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "ffn_dim": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "word_embed_proj_dim": 32,
+    "do_layer_norm_before": True,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Plugins extend the engine through hooks. "
+    "Hello world! A model registry maps architectures to classes; the builtin OPT loads "
+    "Hugging Face checkpoints and generates text on the CPU or a GPU. 0123456789"
+)
+
+
+def make_byte_tokenizer(path: Path | str, vocab_size: int = 320) -> Path:
+    """Save a byte-level BPE tokenizer (OPT's specials: <s>=0 <pad>=1 </s>=2 <unk>=3) into ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer)
+    # OPT prefixes every prompt with </s> (its BOS).
+    tokenizer.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="</s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(path)
+    return path
+
+
+def make_tiny_opt(
+    path: Path | str,
+    *,
+    tokenizer: bool = True,
+    seed: int = 0,
+    weights: str = "safetensors",
+    max_shard_size: str | None = None,
+    **config: Any,
+) -> Path:
+    """Save a random OPT into ``path`` with transformers' ``save_pretrained``.
+
+    ``config`` overrides ``TINY_OPT`` fields (e.g. ``do_layer_norm_before=False,
+    word_embed_proj_dim=16`` for a 350m-like model). ``weights="bin"`` writes a
+    legacy ``pytorch_model.bin`` with ``torch.save`` instead of safetensors.
+    """
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    hf_config = OPTConfig(**{**TINY_OPT, **config})
+    model = OPTForCausalLM(hf_config).eval()
+    with torch.no_grad():  # transformers initialises LayerNorms to 1/0: perturb them so tests see them
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    if weights == "safetensors":
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, **kwargs)
+    elif weights == "bin":
+        hf_config.save_pretrained(path)
+        state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        torch.save(state, path / "pytorch_model.bin")
+    else:
+        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    if tokenizer:
+        make_byte_tokenizer(path, vocab_size=min(320, hf_config.vocab_size))
+    return path
