@@ -136,14 +136,14 @@ class PluginHost:
         self._selection = selection
         self._skip_broken = skip_broken
         self._pm: pluggy.PluginManager | None = None
-        self._records: dict[str, PluginRecord] = {}
+        self._records: list[PluginRecord] = []
 
     # -- loading ---------------------------------------------------------------
 
     @property
     def records(self) -> list[PluginRecord]:
         """Every plugin the host considered, in hook call order."""
-        return list(self._records.values())
+        return list(self._records)
 
     @property
     def plugin_manager(self) -> pluggy.PluginManager:
@@ -163,7 +163,7 @@ class PluginHost:
         """
         if self._pm is None:
             self._pm = self._load()
-        failed = [r for r in self._records.values() if r.status == "failed"]
+        failed = [r for r in self._records if r.status == "failed"]
         if failed and strict:
             skip = self._skip_broken if self._skip_broken is not None else _skip_broken_from_env()
             if not skip:
@@ -191,16 +191,15 @@ class PluginHost:
         records += self._in_process_records()
 
         # pluggy calls the last registered first: register in reverse call order.
-        for record, plugin in reversed(records):
-            if plugin is not None:
-                record = self._register(pm, record, plugin)
-            self._records[record.name] = record
-        self._records = {r.name: self._records[r.name] for r, _ in records}
-        for record, _ in records:
-            if record.kind == "in-process" and self._records[record.name].status == "failed":
+        registered = [
+            self._register(pm, record, plugin) if plugin is not None else record
+            for record, plugin in reversed(records)
+        ]
+        self._records = registered[::-1]
+        for record in self._records:
+            if record.kind == "in-process" and record.status == "failed":
                 raise PluginError(
-                    f"{record.ref.describe()} does not match the hook specs: "
-                    f"{self._records[record.name].reason}. {_remedy(record)}"
+                    f"{record.ref.describe()} does not match the hook specs: {record.reason}. {_remedy(record)}"
                 )
         return pm
 
@@ -251,7 +250,7 @@ class PluginHost:
 
     def _in_process_records(self) -> list[tuple[PluginRecord, object | None]]:
         out: list[tuple[PluginRecord, object | None]] = []
-        names: set[str] = set(self._records) | {BUILTIN_PLUGIN}
+        names: set[str] = {BUILTIN_PLUGIN}
         for plugin in self._in_process:
             base = getattr(plugin, "__name__", None) or type(plugin).__name__
             name, n = base, 1
@@ -347,6 +346,7 @@ class PluginHost:
         Not ``strict`` (listings): a plugin whose hook raises is marked failed,
         unregistered, and the collection starts again without it.
         """
+        pm = self.plugin_manager  # load first: registrations made at import are process-wide
         while True:
             registry = ArchitectureRegistry()
             try:
@@ -355,10 +355,16 @@ class PluginHost:
             except PluginHookError as exc:
                 if strict or exc.plugin == BUILTIN_PLUGIN:
                     raise
-                self._records[exc.plugin] = replace(self._records[exc.plugin], status="failed", reason=str(exc))
-                self.plugin_manager.unregister(name=exc.plugin)
+                self._records = [
+                    replace(r, status="failed", reason=str(exc)) if r.name == exc.plugin and r.status == "loaded" else r
+                    for r in self._records
+                ]
+                pm.unregister(name=exc.plugin)
                 continue
-            registry.update(ModelRegistry)
+            # Direct ModelRegistry registrations: from your own code, or made by an
+            # installed plugin at import, which count only where that plugin is loaded.
+            active = {r.name for r in self._records if r.status in ("loaded", "builtin")}
+            registry.update(ModelRegistry, include=lambda ref: ref.distribution is None or ref.name in active)
             return registry
 
 

@@ -23,7 +23,7 @@ import importlib
 import inspect
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -127,10 +127,12 @@ class ArchitectureRegistry:
                 previous.registered_by.describe(),
             )
 
-    def update(self, other: ArchitectureRegistry) -> None:
-        """Apply ``other``'s entries on top of this registry, in their registration order."""
-        for entry in other.entries():
-            self._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
+    def update(self, other: ArchitectureRegistry, include: Callable[[PluginRef], bool] = lambda ref: True) -> None:
+        """Replay ``other``'s registrations (each entry's history, oldest first) whose source ``include`` accepts."""
+        for latest in other.entries():
+            for entry in reversed([latest, *latest.overrides]):
+                if include(entry.registered_by):
+                    self._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
 
     def get_supported_archs(self) -> list[str]:
         """Registered architecture names, sorted."""

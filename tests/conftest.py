@@ -1,0 +1,81 @@
+"""Shared fixtures: a clean plugin environment, installed test plugins, tiny models."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pluginhost.testing import make_tiny_opt
+
+PLUGINHOST_ENV = (
+    "PLUGINHOST_PLUGINS",
+    "PLUGINHOST_DISABLED_PLUGINS",
+    "PLUGINHOST_SKIP_BROKEN_PLUGINS",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the selection variables of the shell that runs it."""
+    for name in PLUGINHOST_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+InstallPlugin = Callable[..., Path]
+
+
+@pytest.fixture
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InstallPlugin]:
+    """Install a plugin distribution (dist-info metadata + module) on ``sys.path``.
+
+    ``install_plugin("name", code)`` writes module ``name`` holding ``code`` and
+    a distribution ``dist`` (default ``pluginhost-<name>``) whose entry point
+    ``name`` in group ``pluginhost.plugins`` points at it: to importlib.metadata
+    this is an installed package, exactly as pip would leave it.
+    """
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def install(
+        name: str,
+        code: str = "",
+        *,
+        dist: str | None = None,
+        version: str = "1.0",
+        module: str | None = None,
+        target: str | None = None,
+    ) -> Path:
+        dist = dist or f"pluginhost-{name}".replace("_", "-")
+        module = module or name
+        (site / f"{module}.py").write_text(textwrap.dedent(code))
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        with (info / "entry_points.txt").open("a") as f:
+            f.write(f"[pluginhost.plugins]\n{name} = {target or module}\n\n")
+        modules.append(module)
+        importlib.invalidate_caches()
+        return site
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pre-LayerNorm OPT (opt-125m-like) with a tokenizer, as safetensors."""
+    return make_tiny_opt(tmp_path_factory.mktemp("tiny-opt"))
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_opt(tmp_path_factory.mktemp("tiny-opt-no-tok"), tokenizer=False)

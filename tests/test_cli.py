@@ -1,0 +1,187 @@
+"""The listing and config commands: output, JSON, exit statuses, and no torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pluginhost.cli import main
+
+GOOD_PLUGIN = """
+from pluginhost import hookimpl
+
+@hookimpl
+def register_models(registry):
+    registry.register_model("OPTForCausalLM", "good_impl:BetterOPT")
+    registry.register_model("MockOPT", "good_impl:MockOPT")
+
+@hookimpl
+def modify_config(config):
+    config.max_model_len = 64
+"""
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plugins_json_lists_builtin_loaded_blocked_and_failed(install_plugin, capsys, monkeypatch):
+    install_plugin("good", GOOD_PLUGIN, dist="good-dist", version="1.2")
+    install_plugin("off", "", dist="off-dist")
+    install_plugin("broken", "raise ImportError('needs libfoo')\n", dist="broken-dist")
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "off")
+    code, out, err = run(capsys, "plugins", "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["builtin_models"]["status"] == "builtin"
+    assert rows["good"] | {"import_seconds": None} == {
+        "name": "good",
+        "kind": "installed",
+        "status": "loaded",
+        "distribution": "good-dist",
+        "version": "1.2",
+        "hooks": ["modify_config", "register_models"],
+        "reason": None,
+        "import_seconds": None,
+        "target": "good",
+    }
+    assert rows["good"]["import_seconds"] >= 0
+    assert (rows["off"]["status"], rows["off"]["reason"]) == ("blocked", "disabled by PLUGINHOST_DISABLED_PLUGINS")
+    assert rows["broken"]["status"] == "failed" and "ImportError: needs libfoo" in rows["broken"]["reason"]
+
+
+def test_plugins_table_is_readable(install_plugin, capsys):
+    install_plugin("good", GOOD_PLUGIN, dist="good-dist", version="1.2")
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "STATUS", "DISTRIBUTION", "VERSION", "HOOKS", "IMPORT", "REASON"]
+    assert lines[2].split()[:5] == ["good", "loaded", "good-dist", "1.2", "modify_config,register_models"]
+
+
+def test_models_json_shows_who_registered_what_and_overrides(install_plugin, capsys):
+    install_plugin("good", GOOD_PLUGIN, dist="good-dist")
+    code, out, _ = run(capsys, "models", "--json")
+    assert code == 0
+    rows = {r["architecture"]: r for r in json.loads(out)}
+    assert rows["OPTForCausalLM"]["implementation"] == "good_impl:BetterOPT"
+    assert rows["OPTForCausalLM"]["registered_by"] == "good"
+    assert rows["OPTForCausalLM"]["overrides"] == [
+        {"implementation": "builtin_models.opt:OPTForCausalLM", "registered_by": "builtin_models"}
+    ]
+    assert rows["MockOPT"]["registered_by"] == "good"
+
+
+def test_selection_flags_work_on_listing_commands(install_plugin, capsys):
+    install_plugin("good", GOOD_PLUGIN, dist="good-dist")
+    for flags in (["--no-plugins"], ["--disable-plugin", "good-dist"], ["--plugins", "good", "--disable-plugin", "good"]):
+        code, out, _ = run(capsys, "models", "--json", *flags)
+        assert code == 0
+        assert {r["architecture"] for r in json.loads(out)} == {"OPTForCausalLM"}, flags
+
+
+def test_models_lists_a_plugin_whose_hook_raises_as_failed(install_plugin, capsys):
+    install_plugin("raiser", "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n    1/0\n")
+    code, out, err = run(capsys, "models")
+    assert code == 0
+    assert "OPTForCausalLM" in out and "1 plugin(s) failed to load" in err
+    code, out, _ = run(capsys, "plugins", "--json")
+    row = next(r for r in json.loads(out) if r["name"] == "raiser")
+    assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
+
+
+def test_config_shows_provenance_including_plugins(install_plugin, capsys, tiny_opt):
+    install_plugin("good", GOOD_PLUGIN)
+    code, out, err = run(capsys, "config", "--model", str(tiny_opt), "--dtype", "float32", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["config"]["max_model_len"] == 64
+    assert data["provenance"]["max_model_len"] == "plugin:good"
+    assert data["provenance"]["dtype"] == "user"
+    assert data["provenance"]["seed"] == "default"
+    assert data["architecture"] == "OPTForCausalLM" and data["implementation"] == "good_impl:BetterOPT"
+
+
+def test_config_table(capsys, tiny_opt):
+    code, out, _ = run(capsys, "config", "--model", str(tiny_opt), "--hf-overrides", '{"dropout": 0}')
+    assert code == 0
+    assert any(line.split()[:1] == ["hf_overrides"] and line.endswith("user") for line in out.splitlines())
+    assert "architecture: OPTForCausalLM -> builtin_models.opt:OPTForCausalLM (registered by builtin_models)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["config", "--model", "/nonexistent/dir"], "does not exist"),
+        (["config", "--model", "{tiny}", "--hf-overrides", "{bad"], "--hf-overrides is not valid JSON"),
+        (["config", "--model", "{tiny}", "--hf-overrides", "[1]"], "--hf-overrides must be a JSON object"),
+        (["config", "--model", "{tiny}", "--device", "tpu"], "unknown device 'tpu'"),
+        (["config", "--model", "{tiny}", "--model-architecture-override", "OPTForCausalLm"], "Did you mean 'OPTForCausalLM'?"),
+        (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message_and_no_traceback(capsys, tiny_opt, argv, message):
+    code, out, err = run(capsys, *[a.replace("{tiny}", str(tiny_opt)) for a in argv])
+    assert code == 2
+    assert message in err and err.startswith("error: ")
+    assert "Traceback" not in err
+
+
+def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt):
+    install_plugin("broken", "raise RuntimeError('boom')\n", dist="broken-dist", version="9")
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt))
+    assert code == 2
+    assert "plugin 'broken' (distribution broken-dist 9) is broken" in err and "RuntimeError: boom" in err
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(Exception, match="does not exist"):
+        main(["config", "--model", "/nonexistent/dir", "--debug"])
+
+
+def test_internal_failure_exits_1(capsys, monkeypatch):
+    import pluginhost.cli.commands as commands
+
+    def explode(args):
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(commands, "list_plugins", explode)
+    code, _, err = run(capsys, "plugins")
+    assert code == 1 and "internal error: AttributeError: a bug" in err and "--debug" in err
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and "usage: pluginhost" in err
+
+
+@pytest.mark.parametrize("argv", [["plugins"], ["models", "--json"], ["--help"], ["generate", "--help"]])
+def test_listing_and_help_import_neither_torch_nor_transformers(argv):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pluginhost.cli import main
+        try:
+            code = main({argv!r})
+        except SystemExit as exit:
+            code = exit.code
+        heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+        print("HEAVY", heavy, "CODE", code)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "HEAVY [] CODE 0" in result.stdout, result.stdout + result.stderr
+
+
+def test_python_dash_m_is_the_same_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "pluginhost", "models", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[0]["architecture"] == "OPTForCausalLM"

@@ -1,0 +1,73 @@
+"""EngineConfig: validation on construction and assignment, and provenance."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pluginhost import EngineConfig, hookimpl
+from pluginhost.config import describe_validation_error
+from pluginhost.host import PluginHost
+
+
+def test_defaults_and_user_values_are_told_apart():
+    config = EngineConfig(model="dir", dtype="float16")
+    assert config.provenance["model"] == "user"
+    assert config.provenance["dtype"] == "user"
+    assert config.provenance["seed"] == "default"
+    config.seed = 3
+    assert config.provenance["seed"] == "user"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "fp8", "dtype: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
+        ("device", "tpu", "unknown device 'tpu'"),
+        ("max_model_len", 0, "max_model_len: Input should be greater than 0"),
+        ("model", " ", "the model path is empty"),
+        ("model_architecture_override", "", "the architecture override is empty"),
+    ],
+)
+def test_invalid_values_are_refused_on_construction_and_assignment(field, value, message):
+    with pytest.raises(ValidationError) as info:
+        EngineConfig(**{"model": "dir", field: value})
+    assert message in describe_validation_error(info.value)
+    config = EngineConfig(model="dir")
+    before = getattr(config, field)
+    with pytest.raises(ValidationError):
+        setattr(config, field, value)
+    assert getattr(config, field) == before
+
+
+def test_unknown_fields_are_refused_with_the_known_ones_listed():
+    with pytest.raises(ValidationError) as info:
+        EngineConfig(model="dir", max_len=5)
+    assert "max_len: unknown setting (known settings: model, model_architecture_override" in describe_validation_error(
+        info.value
+    )
+
+
+def test_cuda_devices_are_accepted_by_name():
+    assert EngineConfig(model="d", device="cuda:1").device == "cuda:1"
+
+
+def test_plugin_assignments_are_attributed_to_the_plugin():
+    class SitePolicy:
+        @hookimpl
+        def modify_config(self, config):
+            config.max_model_len = 64
+            config.hf_overrides = {"dropout": 0.0}
+
+    config = EngineConfig(model="dir", seed=5)
+    PluginHost(plugins=[SitePolicy()], load_installed=False).call("modify_config", config=config)
+    assert config.provenance == {
+        "model": "user",
+        "model_architecture_override": "default",
+        "hf_overrides": "plugin:SitePolicy",
+        "dtype": "default",
+        "device": "default",
+        "max_model_len": "plugin:SitePolicy",
+        "max_num_seqs": "default",
+        "seed": "user",
+    }

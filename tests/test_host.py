@@ -1,0 +1,270 @@
+"""Plugin loading: discovery, selection, validation, failure policy, call order, isolation."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pluginhost import EngineConfig, hookimpl
+from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
+from pluginhost.host import PluginHost
+from pluginhost.selection import PluginSelection
+
+RECORDING_PLUGIN = """
+from pluginhost import hookimpl
+CALLS = []
+
+@hookimpl
+def modify_config(config):
+    CALLS.append(__name__)
+    config.seed = config.seed * 10 + {digit}
+"""
+
+
+def statuses(host: PluginHost) -> dict[str, str]:
+    return {r.name: r.status for r in host.records}
+
+
+def test_builtin_is_always_loaded_first():
+    host = PluginHost(load_installed=False)
+    records = host.load()
+    assert [(r.name, r.status, r.kind) for r in records] == [("builtin_models", "builtin", "builtin")]
+    assert records[0].hooks == ("register_models",)
+
+
+def test_installed_plugin_is_discovered_with_its_distribution(install_plugin):
+    install_plugin("alpha", RECORDING_PLUGIN.format(digit=1), dist="alpha-dist", version="2.3")
+    record = {r.name: r for r in PluginHost().load()}["alpha"]
+    assert (record.status, record.kind, record.distribution, record.version) == ("loaded", "installed", "alpha-dist", "2.3")
+    assert record.hooks == ("modify_config",)
+    assert record.import_seconds is not None and record.import_seconds >= 0
+    assert record.target == "alpha"
+
+
+def test_hooks_run_builtin_then_installed_by_name_then_in_process_in_order(install_plugin):
+    # Installed in non-alphabetical order on purpose: the order must not depend on it.
+    install_plugin("zeta", RECORDING_PLUGIN.format(digit=3))
+    install_plugin("alpha", RECORDING_PLUGIN.format(digit=1))
+    install_plugin("mid", RECORDING_PLUGIN.format(digit=2))
+
+    class InProcess:
+        def __init__(self, digit):
+            self.digit = digit
+
+        @hookimpl
+        def modify_config(self, config):
+            config.seed = config.seed * 10 + self.digit
+
+    host = PluginHost(plugins=[InProcess(4), InProcess(5)])
+    config = EngineConfig(model="m", seed=0)
+    host.call("modify_config", config=config)
+    assert config.seed == 12345  # alpha, mid, zeta, then in-process in the given order
+    assert [r.name for r in host.records] == ["builtin_models", "alpha", "mid", "zeta", "InProcess", "InProcess#2"]
+    assert config.provenance["seed"] == "plugin:InProcess#2"
+
+
+def test_loading_is_idempotent(install_plugin):
+    install_plugin("alpha", RECORDING_PLUGIN.format(digit=1))
+    host = PluginHost()
+    first = host.load()
+    assert host.load() == first
+    config = EngineConfig(model="m")
+    host.call("modify_config", config=config)
+    assert config.seed == 1  # registered once, called once
+
+
+def test_two_engines_do_not_see_each_others_in_process_plugins():
+    def plugin(arch):
+        class P:
+            @hookimpl
+            def register_models(self, registry):
+                registry.register_model(arch, f"{arch.lower()}_pkg:Model")
+
+        return P()
+
+    first = PluginHost(plugins=[plugin("First")], load_installed=False).collect_models()
+    second = PluginHost(plugins=[plugin("Second")], load_installed=False).collect_models()
+    assert "First" in first.get_supported_archs() and "Second" not in first.get_supported_archs()
+    assert "Second" in second.get_supported_archs() and "First" not in second.get_supported_archs()
+
+
+# -- selection ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def three_plugins(install_plugin):
+    install_plugin("alpha", RECORDING_PLUGIN.format(digit=1), dist="Alpha-Dist")
+    install_plugin("beta", RECORDING_PLUGIN.format(digit=2), dist="beta-dist")
+    install_plugin("gamma", RECORDING_PLUGIN.format(digit=3), dist="gamma-dist")
+
+
+def test_env_allow_list_matches_entry_point_or_distribution_names(three_plugins, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", " ALPHA_dist , gamma ")
+    host = PluginHost()
+    host.load()
+    assert statuses(host) == {"builtin_models": "builtin", "alpha": "loaded", "beta": "blocked", "gamma": "loaded"}
+    assert "not in the allow-list (PLUGINHOST_PLUGINS=ALPHA_dist,gamma)" in {r.name: r for r in host.records}["beta"].reason
+    assert host.plugin_manager.is_blocked("beta")  # pluggy's own blocking
+
+
+def test_empty_allow_list_loads_no_installed_plugin(three_plugins, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "")
+    host = PluginHost()
+    host.load()
+    assert statuses(host) == {"builtin_models": "builtin", "alpha": "blocked", "beta": "blocked", "gamma": "blocked"}
+
+
+def test_disabled_plugins_never_load(three_plugins, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "beta-dist")
+    host = PluginHost()
+    host.load()
+    assert statuses(host)["beta"] == "blocked"
+    assert {r.name: r for r in host.records}["beta"].reason == "disabled by PLUGINHOST_DISABLED_PLUGINS"
+
+
+def test_cli_selection_takes_precedence_over_the_environment(three_plugins, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "alpha")
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "beta")
+    selection = PluginSelection.from_env().with_cli(plugins="beta,gamma", disable=["gamma"])
+    host = PluginHost(selection=selection)
+    host.load()
+    assert statuses(host) == {"builtin_models": "builtin", "alpha": "blocked", "beta": "loaded", "gamma": "blocked"}
+    no_plugins = PluginHost(selection=PluginSelection.from_env().with_cli(no_plugins=True))
+    no_plugins.load()
+    assert {s for n, s in statuses(no_plugins).items() if n != "builtin_models"} == {"blocked"}
+
+
+def test_allow_list_naming_nothing_installed_lists_what_is(three_plugins, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "alpha,nope")
+    with pytest.raises(PluginSelectionError) as info:
+        PluginHost().load(strict=False)
+    message = str(info.value)
+    assert "'nope'" in message and "matches no installed plugin" in message
+    assert "alpha (Alpha-Dist)" in message and "gamma (gamma-dist)" in message
+
+
+def test_load_installed_false_skips_entry_points(three_plugins):
+    host = PluginHost(load_installed=False)
+    assert [r.name for r in host.load()] == ["builtin_models"]
+
+
+# -- validation at load --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (
+            "@hookimpl\ndef registr_models(registry): pass\n",
+            ["'registr_models', which is not a pluginhost hook", "did you mean 'register_models'"],
+        ),
+        (
+            "@hookimpl\ndef pre_load(config, model_cls): pass\n",
+            ["pre_load(config, model_cls)", "the spec is pre_load(config, model_class)", "unknown argument(s) model_cls"],
+        ),
+        (
+            "@hookimpl\ndef post_load(config, model=None): pass\n",
+            ["gives parameter(s) model a default value", "post_load(config, model)"],
+        ),
+        (
+            "@hookimpl(wrapper=True)\ndef modify_config(config):\n    yield\n",
+            ["is a wrapper"],
+        ),
+    ],
+    ids=["unknown-hook", "wrong-argument", "default-value", "wrapper"],
+)
+def test_plugins_that_do_not_match_the_specs_are_refused(install_plugin, code, expected):
+    install_plugin("bad", "from pluginhost import hookimpl\n" + code, dist="bad-dist", version="0.7")
+    with pytest.raises(PluginLoadError) as info:
+        PluginHost().load()
+    message = str(info.value)
+    assert "plugin 'bad' (distribution bad-dist 0.7)" in message
+    for fragment in expected:
+        assert fragment in message
+    assert "PLUGINHOST_DISABLED_PLUGINS=bad" in message and "PLUGINHOST_SKIP_BROKEN_PLUGINS=1" in message
+
+
+def test_in_process_plugin_that_does_not_match_is_refused():
+    class Wrong:
+        @hookimpl
+        def modify_config(self, cfg):
+            pass
+
+    with pytest.raises(PluginError, match=r"plugin 'Wrong'.*unknown argument\(s\) cfg.*LLM\(plugins=\.\.\.\)"):
+        PluginHost(plugins=[Wrong()], load_installed=False).load()
+
+
+# -- failure policy -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "cause"),
+    [
+        ("import not_a_real_module_xyz\n", "ModuleNotFoundError: No module named 'not_a_real_module_xyz'"),
+        ("def broken(:\n", "SyntaxError: invalid syntax"),
+        ("raise RuntimeError('no GPU license')\n", "RuntimeError: no GPU license"),
+    ],
+    ids=["import-error", "syntax-error", "raises"],
+)
+def test_plugin_failing_to_import_stops_the_engine(install_plugin, code, cause):
+    install_plugin("broken", code, dist="broken-dist", version="3.1")
+    with pytest.raises(PluginLoadError) as info:
+        PluginHost().load()
+    message = str(info.value)
+    assert "plugin 'broken' (distribution broken-dist 3.1) is broken" in message
+    assert cause in message
+    assert "--disable-plugin broken" in message
+
+
+def test_skip_broken_turns_the_failure_into_a_warning(install_plugin, monkeypatch, caplog):
+    install_plugin("broken", "raise ImportError('missing dependency foo')\n")
+    install_plugin("fine", RECORDING_PLUGIN.format(digit=7))
+    monkeypatch.setenv("PLUGINHOST_SKIP_BROKEN_PLUGINS", "1")
+    host = PluginHost()
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        host.load()
+    assert statuses(host) == {"builtin_models": "builtin", "broken": "failed", "fine": "loaded"}
+    assert "skipping broken plugin 'broken'" in caplog.text
+    config = EngineConfig(model="m")
+    host.call("modify_config", config=config)
+    assert config.seed == 7
+
+
+def test_listing_never_fails_because_of_a_broken_plugin(install_plugin):
+    install_plugin("broken", "raise RuntimeError('boom')\n")
+    host = PluginHost()
+    records = {r.name: r for r in host.load(strict=False)}
+    assert records["broken"].status == "failed"
+    assert records["broken"].reason == "import of broken failed: RuntimeError: boom"
+
+
+def test_exception_in_a_hook_names_the_plugin_and_the_hook(install_plugin):
+    install_plugin("raiser", "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    raise KeyError('x')\n")
+    host = PluginHost()
+    with pytest.raises(PluginHookError) as info:
+        host.call("modify_config", config=EngineConfig(model="m"))
+    assert (info.value.plugin, info.value.hook) == ("raiser", "modify_config")
+    assert "plugin 'raiser' (distribution pluginhost-raiser 1.0) failed in its modify_config hook: KeyError: 'x'" in str(
+        info.value
+    )
+
+
+def test_invalid_value_assigned_by_a_plugin_names_the_plugin():
+    class Bad:
+        @hookimpl
+        def modify_config(self, config):
+            config.dtype = "float8"
+
+    host = PluginHost(plugins=[Bad()], load_installed=False)
+    with pytest.raises(PluginHookError, match=r"plugin 'Bad' failed in its modify_config hook: invalid value: dtype"):
+        host.call("modify_config", config=EngineConfig(model="m"))
+
+
+def test_two_plugins_with_the_same_entry_point_name_conflict(install_plugin):
+    install_plugin("same", RECORDING_PLUGIN.format(digit=1), dist="first-dist", module="same_a")
+    install_plugin("same", RECORDING_PLUGIN.format(digit=2), dist="second-dist", module="same_b")
+    records = [r for r in PluginHost().load(strict=False) if r.name == "same"]
+    # Deterministic: sorted by distribution, the first keeps the name and the second is refused.
+    assert [(r.distribution, r.status) for r in records] == [("first-dist", "loaded"), ("second-dist", "failed")]
+    assert "already taken by distribution first-dist" in records[1].reason

@@ -1,0 +1,156 @@
+"""The model registry: lazy targets, overrides and their provenance, the interface check."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from pluginhost import ModelRegistry, hookimpl
+from pluginhost.errors import ModelClassError, PluginHookError, UnknownArchitectureError
+from pluginhost.host import PluginHost
+from pluginhost.registry import ArchitectureRegistry
+
+
+def collect(*plugins, load_installed=False) -> ArchitectureRegistry:
+    return PluginHost(plugins=plugins, load_installed=load_installed).collect_models()
+
+
+class RegistersAs:
+    def __init__(self, architecture, target):
+        self.architecture, self.target = architecture, target
+
+    @hookimpl
+    def register_models(self, registry):
+        registry.register_model(self.architecture, self.target)
+
+
+def test_builtin_opt_is_registered_lazily():
+    sys.modules.pop("builtin_models.opt", None)
+    registry = collect()
+    entry = registry.get("OPTForCausalLM")
+    assert entry.implementation == "builtin_models.opt:OPTForCausalLM"
+    assert entry.registered_by.name == "builtin_models"
+    assert "builtin_models.opt" not in sys.modules  # listed, not imported
+    cls = registry.resolve("OPTForCausalLM")
+    assert cls.__name__ == "OPTForCausalLM" and "builtin_models.opt" in sys.modules
+
+
+def test_overriding_a_builtin_is_logged_with_both_sources(caplog):
+    with caplog.at_level(logging.INFO, logger="pluginhost"):
+        registry = collect(RegistersAs("OPTForCausalLM", "my_pkg.model:MyOPT"))
+    entry = registry.get("OPTForCausalLM")
+    assert entry.implementation == "my_pkg.model:MyOPT"
+    assert entry.registered_by.name == "RegistersAs"
+    assert [o.registered_by.name for o in entry.overrides] == ["builtin_models"]
+    assert "my_pkg.model:MyOPT (plugin 'RegistersAs') replaces builtin_models.opt:OPTForCausalLM" in caplog.text
+
+
+def test_two_installed_plugins_registering_one_architecture_later_name_wins(install_plugin, caplog):
+    code = "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n    registry.register_model('Shared', '{0}_impl:Model')\n"
+    install_plugin("bbb", code.format("bbb"), dist="bbb-dist")
+    install_plugin("aaa", code.format("aaa"), dist="aaa-dist")
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        entry = PluginHost().collect_models().get("Shared")
+    assert entry.registered_by.name == "bbb"  # alphabetical order: bbb runs after aaa
+    assert entry.registered_by.distribution == "bbb-dist" and entry.registered_by.version == "1.0"
+    assert [o.registered_by.name for o in entry.overrides] == ["aaa"]
+    assert "plugin 'bbb' (distribution bbb-dist 1.0)" in caplog.text and "plugin 'aaa' (distribution aaa-dist 1.0)" in caplog.text
+
+
+def test_vllm_style_registration_at_import_is_attributed_and_wins(install_plugin):
+    install_plugin(
+        "vllm_style",
+        "from pluginhost import ModelRegistry\nModelRegistry.register_model('OPTForCausalLM', 'vllm_style_impl:Opt')\n",
+        dist="vllm-style-plugin",
+    )
+    try:
+        registry = PluginHost().collect_models()
+        entry = registry.get("OPTForCausalLM")
+        assert entry.implementation == "vllm_style_impl:Opt"
+        assert (entry.registered_by.name, entry.registered_by.distribution) == ("vllm_style", "vllm-style-plugin")
+        assert entry.overrides[0].registered_by.name == "builtin_models"
+    finally:
+        ModelRegistry._entries.pop("OPTForCausalLM", None)
+
+
+def test_vllm_style_registration_inside_a_hook_stays_in_that_engine():
+    class VllmStyle:
+        @hookimpl
+        def register_models(self, registry):
+            ModelRegistry.register_model("OnlyHere", "somewhere:Model")
+
+    assert "OnlyHere" in collect(VllmStyle()).get_supported_archs()
+    assert "OnlyHere" not in ModelRegistry.get_supported_archs()
+    assert "OnlyHere" not in collect().get_supported_archs()
+
+
+def test_unknown_architecture_names_close_matches_and_how_to_list():
+    with pytest.raises(UnknownArchitectureError) as info:
+        collect().get("OPTForCausalLm")
+    assert "Did you mean 'OPTForCausalLM'?" in str(info.value)
+    assert "pluginhost models" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_colon_here", "is not of the form"),
+        (42, "expected a class or a 'package.module:ClassName' string"),
+    ],
+)
+def test_malformed_registration_fails_in_the_hook_naming_the_plugin(target, message):
+    with pytest.raises(PluginHookError, match=message) as info:
+        collect(RegistersAs("Bad", target))
+    assert info.value.plugin == "RegistersAs" and info.value.hook == "register_models"
+
+
+class NotAModule:
+    pass
+
+
+class NoComputeLogits(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+    def load_weights(self, weights):
+        return set()
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_such_module_abc:Model", "module 'no_such_module_abc' failed to import: ModuleNotFoundError"),
+        ("tests.test_registry:Missing", "has no 'Missing'"),
+        (NotAModule, "is not a torch.nn.Module subclass"),
+        (NoComputeLogits, "does not implement compute_logits"),
+        (torch.nn.Module, "does not implement forward, compute_logits, load_weights"),
+    ],
+)
+def test_bad_model_targets_are_reported_at_resolution(target, message):
+    registry = collect(RegistersAs("Bad", target))
+    with pytest.raises(ModelClassError, match=message) as info:
+        registry.resolve("Bad")
+    assert "registered by plugin 'RegistersAs'" in str(info.value)
+
+
+def test_registration_outside_plugins_is_attributed_to_the_calling_module():
+    registry = ArchitectureRegistry()
+    registry.register_model("Mine", "pkg:Mine")
+    assert registry.get("Mine").registered_by.name == __name__
+
+
+def test_import_time_registration_applies_only_where_its_plugin_is_loaded(install_plugin, monkeypatch):
+    install_plugin(
+        "global_reg",
+        "from pluginhost import ModelRegistry\nModelRegistry.register_model('GlobalArch', 'global_impl:M')\n",
+    )
+    try:
+        assert "GlobalArch" in PluginHost().collect_models()  # imports it: the registration is process-wide
+        monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "global_reg")
+        assert "GlobalArch" not in PluginHost().collect_models()
+        assert "GlobalArch" not in PluginHost(load_installed=False).collect_models()
+    finally:
+        ModelRegistry._entries.pop("GlobalArch", None)
