@@ -26,6 +26,9 @@ TINY_OPT: dict[str, Any] = {
     "pad_token_id": 1,
     "bos_token_id": 2,
     "eos_token_id": 2,
+    # Ten times transformers' default: peaked distributions, so a numerical
+    # slip (a wrong scale, a misplaced LayerNorm) moves log-probabilities visibly.
+    "init_std": 0.2,
 }
 
 _CORPUS = (
@@ -92,6 +95,7 @@ def make_tiny_opt(
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kwargs)
     elif weights == "bin":
+        hf_config.architectures = ["OPTForCausalLM"]  # as model.save_pretrained would record
         hf_config.save_pretrained(path)
         state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         torch.save(state, path / "pytorch_model.bin")

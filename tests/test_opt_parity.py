@@ -1,0 +1,137 @@
+"""Builtin OPT against Hugging Face transformers' OPTForCausalLM on the same weights.
+
+Parity means: log-probabilities within 1e-4 (max abs) over whole prompts and at
+every cached decoding step, and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import OPTForCausalLM as HFOPTForCausalLM
+
+from pluginhost import LLM, SamplingParams
+from pluginhost.testing import make_tiny_opt
+
+TOLERANCE = 1e-4
+
+VARIANTS = {
+    "pre-layernorm (opt-125m-like)": {},
+    "post-layernorm, projected embeddings (opt-350m-like)": {"do_layer_norm_before": False, "word_embed_proj_dim": 16},
+    "pre-layernorm, projected embeddings": {"word_embed_proj_dim": 24},
+    "three heads of 16": {"hidden_size": 48, "num_attention_heads": 3, "word_embed_proj_dim": 48},
+    "one head": {"num_attention_heads": 1},
+    "no biases, no affine layernorm, gelu": {
+        "enable_bias": False,
+        "layer_norm_elementwise_affine": False,
+        "activation_function": "gelu",
+    },
+    "untied lm_head": {"tie_word_embeddings": False},
+}
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42]]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def variant_dir(request, tmp_path_factory) -> Path:
+    return make_tiny_opt(tmp_path_factory.mktemp("variant"), tokenizer=False, seed=1, **VARIANTS[request.param])
+
+
+def hf_model(path: Path) -> HFOPTForCausalLM:
+    return HFOPTForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model: HFOPTForCausalLM, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # (T, V)
+
+
+@torch.no_grad()
+def test_full_forward_matches_transformers(variant_dir):
+    llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf_model(variant_dir)
+    for ids in PROMPTS:
+        T = len(ids)
+        hidden = llm.model(torch.tensor([ids]), torch.arange(T)[None])
+        ours = llm.model.compute_logits(hidden)[0].log_softmax(-1)
+        assert (ours - hf_logprobs(reference, ids)).abs().max().item() <= TOLERANCE
+
+
+def test_cached_decoding_matches_transformers_at_every_step(variant_dir):
+    """Batched, left-padded, cached greedy decoding: each step equals a full forward of transformers."""
+    llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf_model(variant_dir)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        sequence = prompt + out.token_ids
+        expected = hf_logprobs(reference, sequence)
+        for step, (token, step_logprobs) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            row = expected[len(prompt) + step - 1]
+            assert token == int(row.argmax())
+            for candidate, value in step_logprobs.items():
+                assert abs(value - float(row[candidate])) <= TOLERANCE
+
+
+def test_greedy_tokens_equal_transformers_generate(variant_dir):
+    llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf_model(variant_dir)
+    prompt = PROMPTS[0]
+    ours = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        theirs = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=1
+        )[0, len(prompt) :].tolist()
+    assert ours == theirs
+
+
+# -- checkpoint formats ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    return make_tiny_opt(tmp_path_factory.mktemp("reference"), tokenizer=False, seed=2)
+
+
+def greedy(path: Path) -> list[list[int]]:
+    llm = LLM(str(path), load_installed_plugins=False, device="cpu")
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+
+
+def test_sharded_safetensors_with_index(tmp_path, reference_dir):
+    sharded = make_tiny_opt(tmp_path / "sharded", tokenizer=False, seed=2, max_shard_size="20KB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    assert greedy(sharded) == greedy(reference_dir)
+
+
+def test_legacy_pytorch_model_bin(tmp_path, reference_dir):
+    legacy = make_tiny_opt(tmp_path / "bin", tokenizer=False, seed=2, weights="bin")
+    assert (legacy / "pytorch_model.bin").is_file() and not list(legacy.glob("*.safetensors"))
+    assert greedy(legacy) == greedy(reference_dir)
+
+
+def test_names_without_the_model_prefix(tmp_path, reference_dir):
+    stripped = tmp_path / "stripped"
+    stripped.mkdir()
+    (stripped / "config.json").write_text((reference_dir / "config.json").read_text())
+    tensors = load_file(str(reference_dir / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, str(stripped / "model.safetensors"))
+    assert greedy(stripped) == greedy(reference_dir)
+
+
+def test_half_precision_checkpoint_runs_in_float32_on_cpu_unless_asked(tmp_path, reference_dir):
+    half = tmp_path / "half"
+    half.mkdir()
+    config = (reference_dir / "config.json").read_text().replace('"dtype": "float32"', '"dtype": "float16"')
+    (half / "config.json").write_text(config)
+    tensors = load_file(str(reference_dir / "model.safetensors"))
+    save_file({k: v.half() for k, v in tensors.items()}, str(half / "model.safetensors"))
+    auto = LLM(str(half), load_installed_plugins=False, device="cpu")
+    assert auto.dtype == torch.float32 and auto.model.lm_head.weight.dtype == torch.float32
+    asked = LLM(str(half), load_installed_plugins=False, device="cpu", dtype="bfloat16")
+    assert asked.model.lm_head.weight.dtype == torch.bfloat16
+    out = asked.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
