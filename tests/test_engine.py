@@ -1,0 +1,342 @@
+"""The engine: sampling, batching, limits, bad requests, and plugins changing what is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, SamplingParams, hookimpl
+from pluginhost.cli import main
+from pluginhost.errors import ConfigError, PluginHookError
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
+FORCED = 7
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_opt) -> LLM:
+    return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
+
+
+def test_generate_returns_one_output_per_prompt_in_order(llm):
+    outs = llm.generate(["Hello world", [2, 100, 7]], SamplingParams(max_tokens=5, temperature=0))
+    assert [o.prompt_token_ids[:1] for o in outs] == [[2], [2]]  # the tokenizer prepends </s>, like OPT's
+    assert outs[1].prompt_token_ids == [2, 100, 7]
+    assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    assert outs[0].logprobs is None
+
+
+def test_batched_results_equal_one_by_one(llm):
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, together in zip(PROMPTS, batched, strict=True):
+        alone = llm.generate([prompt], params)[0]
+        assert alone.token_ids == together.token_ids
+        for a, b in zip(alone.logprobs, together.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert max(abs(a[k] - b[k]) for k in a) < 1e-5
+
+
+def test_batches_larger_than_max_num_seqs_are_split(tiny_opt, llm):
+    small = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in small.generate(PROMPTS, params)] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def test_same_seed_same_output_whatever_the_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].token_ids
+    in_batch = llm.generate(PROMPTS, [params, *[SamplingParams(max_tokens=3, seed=i) for i in range(3)]])[0].token_ids
+    assert alone == in_batch
+    other = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_unseeded_requests_follow_the_engine_seed(tiny_opt):
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    first = LLM(str(tiny_opt), load_installed_plugins=False, seed=7).generate(PROMPTS, params)
+    second = LLM(str(tiny_opt), load_installed_plugins=False, seed=7).generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=0.7, top_k=1, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, top_p=1e-6, seed=1, ignore_eos=True),
+    ],
+    ids=["top_k=1", "tiny top_p"],
+)
+def test_top_k_1_and_tiny_top_p_are_greedy(llm, params):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+
+
+def test_top_k_limits_the_tokens_sampled(llm):
+    prompt = PROMPTS[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0]
+    top3 = set(list(out.logprobs[0])[1:]) | {out.token_ids[0]}
+    seen = {
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=s))[0].token_ids[0]
+        for s in range(40)
+    }
+    assert seen <= top3 and len(seen) > 1
+
+
+def test_logprobs_report_the_chosen_token_and_the_top_k(llm):
+    prompt = PROMPTS[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=3, logprobs=2))[0]
+    assert len(out.logprobs) == 4
+    with torch.no_grad():  # the first step's distribution, computed independently
+        hidden = llm.model(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+        first = llm.model.compute_logits(hidden)[0, -1].log_softmax(-1)
+    values, ids = first.topk(2)
+    expected = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    expected[out.token_ids[0]] = float(first[out.token_ids[0]])
+    assert out.logprobs[0].keys() == expected.keys()
+    assert all(abs(out.logprobs[0][k] - v) < 1e-5 for k, v in expected.items())
+    for token, step in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in step and 2 <= len(step) <= 3 and all(v <= 0 for v in step.values())
+
+
+def test_stop_token_ids_end_generation_and_are_included(llm):
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    stop_at = free[2]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+
+
+class AlwaysPicks(OPTForCausalLM):
+    """The seed's mock OPT: a subclass whose logits always pick one token."""
+
+    token = FORCED
+
+    def compute_logits(self, hidden_states):
+        logits = super().compute_logits(hidden_states)
+        forced = torch.full_like(logits, -1e9)
+        forced[..., self.token] = 0.0
+        return forced
+
+
+class AlwaysEos(AlwaysPicks):
+    token = 2
+
+
+class RegisterAs:
+    def __init__(self, architecture, model):
+        self.architecture, self.model = architecture, model
+
+    @hookimpl
+    def register_models(self, registry):
+        registry.register_model(self.architecture, self.model)
+
+
+def test_eos_stops_generation_unless_ignored(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", AlwaysEos)])
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert (out.token_ids, out.finish_reason) == ([2], "stop")
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert (out.token_ids, out.finish_reason) == ([2] * 5, "length")
+
+
+def test_plugin_overriding_the_builtin_changes_generation(tiny_opt, llm):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], params)[0].token_ids != [FORCED] * 6
+    patched = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", AlwaysPicks)])
+    assert patched.generate([PROMPTS[0]], params)[0].token_ids == [FORCED] * 6
+    assert type(patched.model) is AlwaysPicks
+
+
+def test_architecture_override_selects_a_plugin_architecture(tiny_opt):
+    plugin = RegisterAs("MockOPT", AlwaysPicks)
+    plain = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
+    assert type(plain.model) is OPTForCausalLM  # registered, but config.json names OPTForCausalLM
+    mocked = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin], model_architecture_override="MockOPT")
+    assert mocked.architecture == "MockOPT"
+    out = mocked.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == [FORCED] * 4
+
+
+def test_subclass_overriding_forward_with_super_just_works(tiny_opt, llm):
+    class ShiftedHidden(OPTForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 0.0  # all-zero hidden states: every logit is 0
+
+    engine = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", ShiftedHidden)])
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, logprobs=0, ignore_eos=True))[0]
+    uniform = -torch.log(torch.tensor(float(engine.vocab_size))).item()
+    assert all(abs(next(iter(step.values())) - uniform) < 1e-5 for step in out.logprobs)
+
+
+INSTALLED_MOCK = """
+import torch
+from pluginhost import hookimpl
+from builtin_models.opt import OPTForCausalLM
+
+class MockOPT(OPTForCausalLM):
+    def compute_logits(self, hidden_states):
+        logits = super().compute_logits(hidden_states)
+        logits = torch.full_like(logits, -1e9)
+        logits[..., 7] = 0.0
+        return logits
+
+@hookimpl
+def register_models(registry):
+    registry.register_model("{arch}", "mock_installed:MockOPT")
+"""
+
+
+@pytest.mark.parametrize("arch", ["MockOPT", "OPTForCausalLM"])
+def test_cli_generate_with_an_installed_mock_plugin(install_plugin, capsys, tiny_opt, arch):
+    install_plugin("mock_installed", INSTALLED_MOCK.replace("{arch}", arch))
+    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--prompt", "world", "--max-tokens", "3", "--json"]
+    if arch == "MockOPT":
+        argv += ["--model-architecture-override", "MockOPT", "--ignore-eos"]
+    else:
+        argv += ["--ignore-eos"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["prompt"] for r in rows] == ["Hello", "world"]
+    assert all(r["token_ids"] == [7, 7, 7] and r["finish_reason"] == "length" for r in rows)
+    assert all(isinstance(r["text"], str) for r in rows)
+
+
+def test_cli_generate_on_the_demo_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PLUGINHOST_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == first  # deterministic, and reused from the cache
+    assert len(first[0]["token_ids"]) <= 4 and first[0]["text"] is not None
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["demo-opt-v1"]
+
+
+# -- the hooks, in order --------------------------------------------------------------
+
+
+def test_the_four_hooks_run_in_order_with_what_they_promise(tiny_opt):
+    events = []
+    constructed = []
+
+    class Tracked(OPTForCausalLM):
+        def __init__(self, config):
+            constructed.append(True)
+            super().__init__(config)
+
+    class Observer:
+        @hookimpl
+        def register_models(self, registry):
+            events.append("register_models")
+            registry.register_model("OPTForCausalLM", Tracked)
+
+        @hookimpl
+        def modify_config(self, config):
+            events.append("modify_config")
+            config.max_model_len = 40
+
+        @hookimpl
+        def pre_load(self, config, model_class):
+            events.append("pre_load")
+            assert model_class is Tracked and not constructed  # nothing built, nothing allocated
+            assert config.max_model_len == 40
+
+        @hookimpl
+        def post_load(self, config, model):
+            events.append("post_load")
+            assert isinstance(model, Tracked) and not model.training
+            assert not any(p.is_meta for p in model.parameters())
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Observer()])
+    assert events == ["register_models", "modify_config", "pre_load", "post_load"]
+    assert llm.max_model_len == 40 and llm.config.provenance["max_model_len"] == "plugin:Observer"
+
+
+@pytest.mark.parametrize("hook", ["register_models", "modify_config", "pre_load", "post_load"])
+def test_exception_in_any_hook_aborts_the_build_and_the_next_build_works(tiny_opt, hook):
+    def fail():
+        raise RuntimeError(f"refused in {hook}")
+
+    implementations = {
+        "register_models": lambda self, registry: fail(),
+        "modify_config": lambda self, config: fail(),
+        "pre_load": lambda self, config, model_class: fail(),
+        "post_load": lambda self, config, model: fail(),
+    }
+    Failing = type("Failing", (), {hook: hookimpl(implementations[hook])})
+    with pytest.raises(PluginHookError) as info:
+        LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Failing()])
+    assert (info.value.plugin, info.value.hook) == ("Failing", hook)
+    assert f"RuntimeError: refused in {hook}" in str(info.value)
+    assert LLM(str(tiny_opt), load_installed_plugins=False).generate([[2, 5]], SamplingParams(max_tokens=2))
+
+
+# -- limits and bad requests ----------------------------------------------------------
+
+
+def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=12)
+    with pytest.raises(ValueError, match=r"prompt 0 has 8 tokens; with max_tokens=5 that is 13, more than max_model_len=12"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5))
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions"):
+        LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=4096)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        ([""], None, "prompt 0 is an empty string"),
+        ([[]], None, "prompt 0 is an empty list of token ids"),
+        ([[2, 5], [2, 384]], None, r"prompt 1 has token id\(s\) \[384\] outside the vocabulary \[0, 384\)"),
+        ([[2, -1]], None, r"token id\(s\) \[-1\]"),
+        ([[2, 5.0]], None, "must hold only int token ids"),
+        ([], None, "no prompts given"),
+        ([[2, 5]], [SamplingParams(), SamplingParams()], "one per prompt"),
+    ],
+)
+def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params)
+    assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"logprobs": -2}, "logprobs must be None or an integer >= 0"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids must be token ids >= 0"),
+    ],
+)
+def test_invalid_sampling_params_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_text_prompt_without_a_tokenizer(tiny_opt_no_tokenizer):
+    llm = LLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False)
+    with pytest.raises(ValueError, match="prompt 0 is text, but .* has no tokenizer files; pass token ids"):
+        llm.generate(["Hello"])
+    out = llm.generate([[2, 5, 9]], SamplingParams(max_tokens=3))[0]
+    assert out.text is None and len(out.token_ids) >= 1
+
+
+def test_invalid_engine_settings_are_one_clear_error(tiny_opt):
+    with pytest.raises(ConfigError, match=r"Invalid engine settings: dtype: Input should be"):
+        LLM(str(tiny_opt), load_installed_plugins=False, dtype="fp64")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        LLM(str(tiny_opt), load_installed_plugins=False, max_len=3)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        if torch.cuda.is_available():
+            raise ConfigError("CUDA is not available (skipped: a GPU is present)")
+        LLM(str(tiny_opt), load_installed_plugins=False, device="cuda")
