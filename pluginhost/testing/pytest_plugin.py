@@ -1,0 +1,111 @@
+"""pytest fixtures for plugin authors, enabled automatically when pluginhost is installed.
+
+* ``tiny_opt_dir``: a tiny random OPT model directory with a tokenizer, built
+  offline once per test session (transformers' own ``save_pretrained``).
+* ``make_engine(*plugins, **settings)``: an ``LLM`` on ``tiny_opt_dir`` (or
+  ``model=...``) that loads only the plugins under test, whatever else is
+  installed; pass your plugin module or object.
+* ``make_host(*plugins)``: the same isolation without building a model, for
+  registry and configuration checks (``make_host(p).collect_models()``).
+* ``hook_recorder``: every hook call made by engines and hosts from the two
+  factories above, with its arguments, through pluggy's hook call monitoring.
+
+Example::
+
+    import my_plugin
+
+    def test_my_architecture(make_engine, hook_recorder):
+        llm = make_engine(my_plugin, model_architecture_override="MyOPT")
+        out = llm.generate([[2, 5]], SamplingParams(max_tokens=3, temperature=0))
+        assert hook_recorder.names() == ["register_models", "modify_config", "pre_load", "post_load"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from pluginhost.engine import LLM
+    from pluginhost.host import PluginHost
+
+__all__ = ["HookCall", "HookRecorder", "hook_recorder", "make_engine", "make_host", "tiny_opt_dir"]
+
+
+@dataclass(frozen=True)
+class HookCall:
+    """One hook call: its name, its arguments, and the plugins whose implementations ran."""
+
+    name: str
+    kwargs: Mapping[str, Any]
+    plugins: tuple[str, ...]
+
+
+@dataclass
+class HookRecorder:
+    """Hook calls in the order they happened."""
+
+    calls: list[HookCall] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [c.name for c in self.calls]
+
+    def last(self, name: str) -> HookCall:
+        """The most recent call of hook ``name``."""
+        for call in reversed(self.calls):
+            if call.name == name:
+                return call
+        raise LookupError(f"hook {name!r} was not called; calls so far: {self.names()}")
+
+    def attach(self, host: PluginHost) -> None:
+        """Record the hook calls of ``host`` (loads its plugins)."""
+
+        def before(hook_name: str, hook_impls: Any, kwargs: Mapping[str, Any]) -> None:
+            plugins = tuple(impl.plugin_name for impl in reversed(hook_impls))
+            self.calls.append(HookCall(hook_name, dict(kwargs), plugins))
+
+        def after(outcome: Any, hook_name: str, hook_impls: Any, kwargs: Any) -> None:
+            pass
+
+        host.plugin_manager.add_hookcall_monitoring(before, after)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random OPT (2 layers, hidden 32, vocab 384) with a byte-level tokenizer."""
+    from pluginhost.testing.models import make_tiny_opt
+
+    return make_tiny_opt(tmp_path_factory.mktemp("pluginhost-tiny-opt"))
+
+
+@pytest.fixture
+def hook_recorder() -> HookRecorder:
+    return HookRecorder()
+
+
+@pytest.fixture
+def make_host(hook_recorder: HookRecorder) -> Callable[..., PluginHost]:
+    def factory(*plugins: object) -> PluginHost:
+        from pluginhost.host import PluginHost
+
+        host = PluginHost(plugins=plugins, load_installed=False)
+        hook_recorder.attach(host)
+        return host
+
+    return factory
+
+
+@pytest.fixture
+def make_engine(make_host: Callable[..., PluginHost], tiny_opt_dir: Path) -> Callable[..., LLM]:
+    def factory(*plugins: object, **settings: Any) -> LLM:
+        from pluginhost.engine import LLM
+
+        settings.setdefault("model", str(tiny_opt_dir))
+        settings.setdefault("device", "cpu")
+        return LLM._from_host(make_host(*plugins), **settings)
+
+    return factory

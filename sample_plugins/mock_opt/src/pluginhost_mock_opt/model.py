@@ -1,0 +1,22 @@
+"""The mock model: builtin OPT with a forced prediction."""
+
+import torch
+
+from builtin_models.opt import OPTForCausalLM
+
+#: The token the mock predicts unless the HF config sets ``mock_token_id``.
+DEFAULT_TOKEN_ID = 7
+
+
+class MockOPTForCausalLM(OPTForCausalLM):
+    """OPT that runs the real forward pass but always predicts ``mock_token_id``."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.mock_token_id = int(getattr(config, "mock_token_id", DEFAULT_TOKEN_ID))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        forced = torch.full_like(logits, torch.finfo(logits.dtype).min)
+        forced[..., self.mock_token_id] = 0.0
+        return forced

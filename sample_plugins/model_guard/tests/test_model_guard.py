@@ -1,0 +1,36 @@
+"""The model guard, tested with pluginhost's pytest fixtures."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import pluginhost_model_guard
+from pluginhost.errors import PluginHookError
+
+
+def test_reports_the_loaded_model(make_engine, hook_recorder):
+    llm = make_engine(pluginhost_model_guard)
+    report = llm.model.guard_report
+    assert report["parameters"] == sum(p.numel() for p in set(llm.model.parameters()))
+    assert report["bytes"] == report["parameters"] * 4 and report["dtype"] == "torch.float32"
+    assert hook_recorder.last("post_load").plugins == ("pluginhost_model_guard",)
+
+
+def test_refuses_denied_architectures_before_loading(make_engine, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_GUARD_DENY", "OPTForCausalLM")
+    with pytest.raises(PluginHookError, match="OPTForCausalLM is denied on this site") as info:
+        make_engine(pluginhost_model_guard)
+    assert info.value.hook == "pre_load"
+
+
+def test_refuses_non_finite_weights(make_engine, tiny_opt_dir, tmp_path):
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_opt_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.decoder.layers.0.fc1.weight"][0, 0] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(PluginHookError, match=r"NaN or infinite values in decoder.layers.0.fc1.weight") as info:
+        make_engine(pluginhost_model_guard, model=str(broken))
+    assert info.value.hook == "post_load"

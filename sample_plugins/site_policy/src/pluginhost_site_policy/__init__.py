@@ -1,0 +1,41 @@
+"""pluginhost-site-policy: an operator's limits, applied to every engine on the machine.
+
+``modify_config`` enforces, from the environment:
+
+* ``PLUGINHOST_SITE_MAX_NUM_SEQS`` (default 8): the most sequences decoded
+  together, which bounds KV-cache memory;
+* ``PLUGINHOST_SITE_MAX_MODEL_LEN`` (unset: no cap): an upper bound on
+  ``max_model_len`` (set to the cap when the user asked for more, or nothing);
+* ``PLUGINHOST_SITE_DTYPE`` (unset: leave it): force this parameter dtype.
+
+``pluginhost config`` shows each field it changed as ``plugin:site_policy``.
+A malformed variable stops the engine with a message naming it.
+"""
+
+import os
+
+from pluginhost import hookimpl
+
+DEFAULT_MAX_NUM_SEQS = 8
+
+
+def _positive_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+@hookimpl
+def modify_config(config):
+    max_num_seqs = _positive_int("PLUGINHOST_SITE_MAX_NUM_SEQS", DEFAULT_MAX_NUM_SEQS)
+    if config.max_num_seqs > max_num_seqs:
+        config.max_num_seqs = max_num_seqs
+    max_model_len = _positive_int("PLUGINHOST_SITE_MAX_MODEL_LEN", None)
+    if max_model_len is not None and (config.max_model_len is None or config.max_model_len > max_model_len):
+        config.max_model_len = max_model_len
+    dtype = os.environ.get("PLUGINHOST_SITE_DTYPE", "").strip()
+    if dtype and config.dtype != dtype:
+        config.dtype = dtype  # validated by EngineConfig: a bad value names this plugin
