@@ -17,15 +17,17 @@ for any batch), and passes the attention mask over cache slots.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import OPTConfig
-from transformers.activations import ACT2FN
 
+from builtin_models.activations import activation
 from builtin_models.kv_cache import KVCache
-from builtin_models.weights import assign_weights
+from builtin_models.weights import assign_weights, column_major
+
+if TYPE_CHECKING:
+    from transformers import OPTConfig
 
 __all__ = ["OPTAttention", "OPTDecoder", "OPTDecoderLayer", "OPTForCausalLM"]
 
@@ -80,7 +82,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
         self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-        self.activation = ACT2FN[config.activation_function]
+        self.activation = activation(config.activation_function)
 
     def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
         if self.layer_norm_before:  # 125m, 1.3b and larger
@@ -159,14 +161,41 @@ class OPTForCausalLM(nn.Module):
         """Load Hugging Face OPT checkpoint names (``model.decoder.*`` or ``decoder.*``)."""
         tied = getattr(self.config, "tie_word_embeddings", True)
 
+        head = "decoder.embed_tokens.weight" if tied else "lm_head.weight"
+
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.")
             if tied and name == "lm_head.weight":
                 return None  # tied to the embeddings, as transformers does
             return name
 
-        loaded = assign_weights(self, weights, rename)
+        def with_cpu_layout(weights: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
+            # Decoding multiplies a few rows of activations by every weight matrix.
+            # On CPU, BLAS streams the output head and the attention and fc1
+            # matrices faster stored column-major (fc2 is faster as it is);
+            # benchmarks/README.md has the figures. Relaid as each tensor streams
+            # by, so its original is freed at once and memory never holds both.
+            for name, tensor in weights:
+                target = rename(name)
+                if tensor.device.type == "cpu" and target is not None and _column_major_on_cpu(target, head):
+                    tensor = column_major(tensor)
+                yield name, tensor
+
+        loaded = assign_weights(self, with_cpu_layout(weights), rename)
         if tied and "decoder.embed_tokens.weight" in loaded:
             self.lm_head.weight = self.decoder.embed_tokens.weight
             loaded.add("lm_head.weight")
         return loaded
+
+
+_COLUMN_MAJOR_SUFFIXES = (
+    ".self_attn.q_proj.weight",
+    ".self_attn.k_proj.weight",
+    ".self_attn.v_proj.weight",
+    ".self_attn.out_proj.weight",
+    ".fc1.weight",
+)
+
+
+def _column_major_on_cpu(name: str, head: str) -> bool:
+    return name == head or name.endswith(_COLUMN_MAJOR_SUFFIXES)

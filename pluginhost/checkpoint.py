@@ -95,14 +95,23 @@ def _files_from_index(index: Path) -> tuple[Path, ...]:
 
 
 def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
+
+
+def _open_safetensors(path: Path):  # noqa: ANN202 - safetensors' handle type is private
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
+    except TypeError:  # safetensors < 0.8 has no backend choice: memory-mapped it is
+        return safe_open(str(path), framework="pt", device="cpu")
 
 
 def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -229,10 +229,33 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)
+
+
+@contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip ``torch.nn.init`` while constructing: every parameter is about to come from the checkpoint.
+
+    Besides the wasted work, initialising meta tensors imports torch's Python
+    decompositions, which costs seconds of start-up.
+    """
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
 def _construct(model_class: type, plan: BuildPlan, dtype: torch.dtype) -> nn.Module:
     """Build the model on the meta device: no memory until its weights arrive."""
     try:
-        with torch.device("meta"), _default_dtype(dtype):
+        with torch.device("meta"), _default_dtype(dtype), _no_weight_init():
             return model_class(plan.hf_config)
     except Exception as exc:
         raise ModelClassError(

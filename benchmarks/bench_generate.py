@@ -1,0 +1,113 @@
+"""Generation speed: pluginhost against Hugging Face transformers on the same weights.
+
+OPT-125m shape, random weights saved with ``save_pretrained``, fp32, CPU,
+``torch.set_num_threads`` = cores, greedy, end-of-sequence ignored on both
+sides, medians of alternating runs. transformers runs with its defaults
+(``sdpa`` attention, ``generate``), as its users would.
+
+    python benchmarks/bench_generate.py [--runs 3] [--skip-prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import checkpoint_dir, machine, median_alternating, report, setup_threads, timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    cores = setup_threads()
+    path = checkpoint_dir()
+
+    from transformers import OPTForCausalLM
+
+    from pluginhost import LLM, SamplingParams
+
+    llm = LLM(str(path), load_installed_plugins=False, device="cpu", dtype="float32")
+    hf = OPTForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    print(f"machine: {machine()}; threads: {cores}")
+
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return [[2, *torch.randint(3, 50000, (length - 1,), generator=generator).tolist()] for _ in range(batch)]
+
+    def ours_decode(batch_prompts: list[list[int]], new: int) -> float:
+        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        seconds = timed(lambda: llm.generate(batch_prompts, params))
+        return len(batch_prompts) * new / seconds
+
+    @torch.inference_mode()
+    def hf_decode(batch_prompts: list[list[int]], new: int) -> float:
+        ids = torch.tensor(batch_prompts)
+        seconds = timed(
+            lambda: hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=1,
+            )
+        )
+        return len(batch_prompts) * new / seconds
+
+    ratios = {}
+    for batch, target in ((1, ">= 1.25x"), (8, ">= 1.5x")):
+        batch_prompts = prompts(batch, 32)
+        ours_decode(batch_prompts, 8), hf_decode(batch_prompts, 8)  # warm up
+        results = median_alternating(
+            args.runs,
+            ours=lambda: ours_decode(batch_prompts, args.new_tokens),
+            theirs=lambda: hf_decode(batch_prompts, args.new_tokens),
+        )
+        ratios[f"decode b{batch}"] = report(
+            f"decode, batch {batch}, 32+{args.new_tokens} tokens", results["ours"], results["theirs"], "tok/s",
+            better="higher", target=target,
+        )
+
+    long_prompt = prompts(1, 512)
+    ours_decode(long_prompt, 1), hf_decode(long_prompt, 1)
+    results = median_alternating(
+        args.runs,
+        ours=lambda: 1 / ours_decode(long_prompt, 1),
+        theirs=lambda: 1 / hf_decode(long_prompt, 1),
+    )
+    ratios["prefill"] = report(
+        "prefill, 512 tokens, to the first token", results["ours"], results["theirs"], "s",
+        better="lower", target="<= 1.0x",
+    )
+
+    # Weight bandwidth in decode, beside a plain F.linear pass over the same matrices.
+    weights = [m.weight for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in {id(w): w for w in weights}.values())
+    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+
+    @torch.inference_mode()
+    def linear_pass() -> float:
+        start = time.perf_counter()
+        for _ in range(20):
+            for w in weights:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+        return (time.perf_counter() - start) / 20
+
+    step_prompt = prompts(1, 32)
+    steps = median_alternating(
+        args.runs,
+        step=lambda: 1 / ours_decode(step_prompt, args.new_tokens),
+        linear=linear_pass,
+    )
+    step, floor = statistics.median(steps["step"]), statistics.median(steps["linear"])
+    print(
+        f"decode step, batch 1: {step * 1e3:.2f} ms; plain F.linear over the same {weight_bytes / 2**20:.0f} MiB of "
+        f"weights: {floor * 1e3:.2f} ms; weight bandwidth {weight_bytes / step / 1e9:.1f} GB/s "
+        f"(F.linear alone {weight_bytes / floor / 1e9:.1f} GB/s); engine overhead {100 * (step - floor) / step:.1f}% "
+        "of the step (target < 15%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Shared setup for the benchmarks: the OPT-125m-shaped checkpoint, timing and reporting."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+#: facebook/opt-125m's shape, with random weights (nothing can be downloaded).
+OPT_125M = {
+    "vocab_size": 50272,
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "ffn_dim": 3072,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+
+
+def checkpoint_dir() -> Path:
+    """The benchmark checkpoint, saved once with transformers' ``save_pretrained`` (fp32)."""
+    root = Path(os.environ.get("PLUGINHOST_BENCH_DIR", Path.home() / ".cache" / "pluginhost-bench"))
+    path = root / "opt-125m-random"
+    if not (path / "model.safetensors").is_file():
+        import torch
+        from transformers import OPTConfig, OPTForCausalLM
+
+        torch.manual_seed(0)
+        model = OPTForCausalLM(OPTConfig(**OPT_125M))
+        model.save_pretrained(path)
+    return path
+
+
+def setup_threads() -> int:
+    import torch
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    return cores
+
+
+def median_alternating(runs: int, **candidates: Callable[[], float]) -> dict[str, list[float]]:
+    """Run each candidate ``runs`` times, alternating between them; each returns its figure."""
+    results: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(runs):
+        for name, run in candidates.items():
+            results[name].append(run())
+    return results
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def report(title: str, ours: list[float], theirs: list[float], unit: str, *, better: str, target: str) -> float:
+    """Print one figure as medians and the ratio pluginhost / transformers.
+
+    ``better="higher"`` (throughput: the ratio should be large) or ``"lower"``
+    (time or memory: the ratio should be small).
+    """
+    m_ours, m_theirs = statistics.median(ours), statistics.median(theirs)
+    ratio = m_ours / m_theirs
+    print(
+        f"{title:<44} pluginhost {m_ours:9.3f} {unit:<6} transformers {m_theirs:9.3f} {unit:<6} "
+        f"pluginhost/transformers {ratio:5.2f}x ({better} is better; target {target})"
+    )
+    return ratio

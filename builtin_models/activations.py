@@ -1,0 +1,47 @@
+"""Activation functions by their Hugging Face config names.
+
+A small table instead of ``transformers.activations``, whose import pulls in
+much of transformers and torch.distributed (seconds of start-up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ACTIVATIONS", "activation"]
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """The function for config name ``name``; an unknown name is an error listing the known ones."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"activation_function {name!r} is not supported; use one of {', '.join(sorted(ACTIVATIONS))}"
+        ) from None
