@@ -1,7 +1,8 @@
 """pluginhost: a plugin framework, built on pluggy, for an LLM inference engine.
 
 Importing this package is cheap: torch and transformers are imported only when
-an engine is built (``LLM``), so listing plugins and models stays fast.
+an engine is built (``LLM``), and pydantic when a configuration is (``EngineConfig``),
+so listing plugins and models stays fast.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from hookspecs import hookimpl
-from pluginhost.config import EngineConfig
 from pluginhost.errors import PluginhostError
 from pluginhost.registry import ModelRegistry
 
 if TYPE_CHECKING:
+    from pluginhost.config import EngineConfig
     from pluginhost.engine import LLM
     from pluginhost.outputs import RequestOutput
     from pluginhost.sampling import SamplingParams
@@ -32,8 +33,9 @@ __all__ = [
     "hookimpl",
 ]
 
-# Names whose modules import torch: resolved on first access (PEP 562).
+# Names whose modules import torch or pydantic: resolved on first access (PEP 562).
 _LAZY = {
+    "EngineConfig": "pluginhost.config",
     "LLM": "pluginhost.engine",
     "SamplingParams": "pluginhost.sampling",
     "RequestOutput": "pluginhost.outputs",

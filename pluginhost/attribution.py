@@ -1,19 +1,30 @@
 """Who is acting right now: the plugin whose code is running, if any.
 
-The host sets the current plugin while it imports a plugin and while it runs
-one of its hook implementations. Registrations and configuration changes read
-it, so ``pluginhost models`` and ``pluginhost config`` can say which plugin did
-what, and errors can name the plugin at fault.
+Registrations and configuration changes ask ``current_plugin()``, so
+``pluginhost models`` and ``pluginhost config`` can say which plugin did what;
+errors raised in hooks are traced back to their plugin the same way.
+
+Two sources, and nothing on the hot path of a hook call:
+
+* while the host imports a plugin, it is the current plugin (``acting_as``);
+* while the host dispatches a hook (``start_dispatch``), the running hook
+  implementation is found on demand by walking the stack (or an exception's
+  traceback) for the code of a registered implementation (``HookOwners``).
+  Only an attribution event (an assignment, a registration, an error) pays
+  for the walk; pluggy's dispatch runs untouched.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from types import CodeType, FrameType, TracebackType
+from typing import Any
 
-__all__ = ["PluginRef", "acting_as", "current_plugin"]
+__all__ = ["HookOwners", "PluginRef", "acting_as", "current_plugin", "end_dispatch", "start_dispatch"]
 
 
 @dataclass(frozen=True)
@@ -31,19 +42,80 @@ class PluginRef:
         return f"plugin {self.name!r}"
 
 
-_current: ContextVar[PluginRef | None] = ContextVar("pluginhost_current_plugin", default=None)
+class HookOwners:
+    """Which plugin each registered hook implementation belongs to (one per host)."""
+
+    def __init__(self) -> None:
+        # Code object -> (bound instance or None, plugin). Methods of one class
+        # share their code: the instance tells two in-process plugins apart.
+        self._owners: dict[CodeType, list[tuple[object | None, PluginRef]]] = {}
+
+    def add(self, function: Any, plugin: PluginRef) -> None:
+        instance = getattr(function, "__self__", None)
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if isinstance(code, CodeType):
+            self._owners.setdefault(code, []).append((instance, plugin))
+
+    def _owner(self, frame: FrameType) -> PluginRef | None:
+        candidates = self._owners.get(frame.f_code)
+        if not candidates:
+            return None
+        if len(candidates) > 1:
+            this = frame.f_locals.get("self")
+            for instance, plugin in candidates:
+                if instance is this:
+                    return plugin
+        return candidates[-1][1]
+
+    def in_stack(self, frame: FrameType | None) -> PluginRef | None:
+        """The innermost hook implementation on the stack from ``frame`` outwards."""
+        while frame is not None:
+            owner = self._owner(frame)
+            if owner is not None:
+                return owner
+            frame = frame.f_back
+        return None
+
+    def in_traceback(self, tb: TracebackType | None) -> PluginRef | None:
+        """The innermost hook implementation in an exception's traceback."""
+        found = None
+        while tb is not None:
+            found = self._owner(tb.tb_frame) or found
+            tb = tb.tb_next
+        return found
+
+
+_importing: ContextVar[PluginRef | None] = ContextVar("pluginhost_importing", default=None)
+_dispatching: ContextVar[HookOwners | None] = ContextVar("pluginhost_dispatching", default=None)
 
 
 def current_plugin() -> PluginRef | None:
     """The plugin whose code is running, or ``None`` outside plugin code."""
-    return _current.get()
+    importing = _importing.get()
+    if importing is not None:
+        return importing
+    owners = _dispatching.get()
+    return owners.in_stack(sys._getframe(1)) if owners is not None else None
 
 
 @contextmanager
 def acting_as(plugin: PluginRef | None) -> Iterator[None]:
-    """Attribute everything done inside the block to ``plugin``."""
-    token = _current.set(plugin)
+    """Attribute everything done inside the block (a plugin's import) to ``plugin``."""
+    token = _importing.set(plugin)
     try:
         yield
     finally:
-        _current.reset(token)
+        _importing.reset(token)
+
+
+def start_dispatch(owners: HookOwners) -> Token[HookOwners | None]:
+    """From now on, hook implementations registered in ``owners`` are attributed to their plugins.
+
+    A pair of calls rather than a context manager: this runs on every hook call.
+    """
+    return _dispatching.set(owners)
+
+
+def end_dispatch(token: Token[HookOwners | None]) -> None:
+    """Undo the ``start_dispatch`` that returned ``token``."""
+    _dispatching.reset(token)

@@ -16,21 +16,20 @@ wrapper implementations, whose interleaved code could not be attributed).
 Plugins are registered in reverse of the order above, because pluggy calls
 the most recently registered implementation first: hooks therefore run
 builtin, installed (by name), in-process (as given), and a later plugin
-overrides an earlier one. Each hook implementation is registered through an
-attributed view, so while it runs the host knows which plugin is acting: an
-exception names the plugin and hook, config changes record ``plugin:NAME``
-and registrations record the plugin, distribution and version.
+overrides an earlier one. The host remembers which plugin owns each hook
+implementation (``HookOwners``) and dispatches through pluggy untouched: an
+exception is traced back to the plugin and hook that raised it, config
+changes record ``plugin:NAME`` and registrations record the plugin,
+distribution and version (see ``pluginhost.attribution``).
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import logging
 import os
 import time
-import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -38,7 +37,7 @@ from typing import Any, Literal
 import pluggy
 
 import hookspecs
-from pluginhost.attribution import PluginRef, acting_as
+from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatch, start_dispatch
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
 from pluginhost.registry import ArchitectureRegistry, ModelRegistry, collecting_into
@@ -137,6 +136,7 @@ class PluginHost:
         self._skip_broken = skip_broken
         self._pm: pluggy.PluginManager | None = None
         self._records: list[PluginRecord] = []
+        self._owners = HookOwners()
 
     # -- loading ---------------------------------------------------------------
 
@@ -264,22 +264,22 @@ class PluginHost:
     def _register(self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object) -> PluginRecord:
         impls = _hookimpls_of(pm, plugin)
         record = replace(record, hooks=tuple(sorted({impl.hook for impl in impls.values()})))
-        view = types.SimpleNamespace(
-            **{attr: _attributed(impl.function, record, impl.hook) for attr, impl in impls.items()}
-        )
-        view.__name__ = record.name
         problem = self._check_wrappers(impls)
         if problem is None:
             try:
-                pm.register(view, name=record.name)
+                pm.register(plugin, name=record.name)
             except pluggy.PluginValidationError as exc:
                 problem = self._describe_mismatch(pm, impls) or str(exc)
+            except ValueError as exc:  # the same object registered twice
+                problem = str(exc).splitlines()[0]
             else:
-                problem = self._check_after(pm, view, impls)
+                problem = self._check_after(pm, plugin, impls)
                 if problem is not None:
-                    pm.unregister(view, name=record.name)
+                    pm.unregister(plugin, name=record.name)
         if problem is not None:
             return replace(record, status="failed", reason=problem)
+        for impl in impls.values():
+            self._owners.add(impl.function, record.ref)
         return record
 
     @staticmethod
@@ -309,7 +309,7 @@ class PluginHost:
         return None
 
     @staticmethod
-    def _check_after(pm: pluggy.PluginManager, view: object, impls: dict[str, _Impl]) -> str | None:
+    def _check_after(pm: pluggy.PluginManager, plugin: object, impls: dict[str, _Impl]) -> str | None:
         try:
             pm.check_pending()
         except pluggy.PluginValidationError:
@@ -324,9 +324,9 @@ class PluginHost:
                         f"the hooks are {', '.join(specs)}"
                     )
             raise
-        for caller in pm.get_hookcallers(view) or ():
+        for caller in pm.get_hookcallers(plugin) or ():
             for impl in caller.get_hookimpls():
-                if impl.plugin is view and impl.kwargnames:
+                if impl.plugin is plugin and impl.kwargnames:
                     return (
                         f"its {caller.name} implementation gives parameter(s) {', '.join(impl.kwargnames)} a "
                         f"default value, so pluggy would never pass them; the spec is "
@@ -337,8 +337,31 @@ class PluginHost:
     # -- calling hooks ---------------------------------------------------------
 
     def call(self, hook: str, **kwargs: Any) -> None:
-        """Call every implementation of ``hook`` (loading plugins first if needed)."""
-        getattr(self.plugin_manager.hook, hook)(**kwargs)
+        """Call every implementation of ``hook`` (loading plugins first if needed).
+
+        An exception from an implementation becomes a ``PluginHookError`` naming
+        the plugin and the hook.
+        """
+        caller = getattr((self._pm or self.plugin_manager).hook, hook)
+        token = start_dispatch(self._owners)
+        try:
+            caller(**kwargs)
+        except PluginHookError:
+            raise
+        except Exception as exc:
+            plugin = self._owners.in_traceback(exc.__traceback__)
+            if plugin is None:
+                raise
+            record = next((r for r in self._records if r.name == plugin.name), None)
+            remedy = _remedy(record) if record is not None else ""
+            raise PluginHookError(
+                f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}. "
+                f"The engine was not built. {remedy}".rstrip(),
+                plugin=plugin.name,
+                hook=hook,
+            ) from exc
+        finally:
+            end_dispatch(token)
 
     def collect_models(self, *, strict: bool = True) -> ArchitectureRegistry:
         """A fresh registry: the ``register_models`` hook, then direct ``ModelRegistry`` registrations.
@@ -366,28 +389,6 @@ class PluginHost:
             active = {r.name for r in self._records if r.status in ("loaded", "builtin")}
             registry.update(ModelRegistry, include=lambda ref: ref.distribution is None or ref.name in active)
             return registry
-
-
-def _attributed(function: Any, record: PluginRecord, hook: str) -> Any:
-    """``function``, running as ``record``'s plugin; its exceptions name the plugin and hook."""
-    plugin = record.ref
-
-    @functools.wraps(function)
-    def run_as_plugin(*args: Any) -> Any:
-        with acting_as(plugin):
-            try:
-                return function(*args)
-            except PluginHookError:
-                raise  # a nested hook call already named its plugin
-            except Exception as exc:
-                raise PluginHookError(
-                    f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}. "
-                    f"The engine was not built. {_remedy(record)}",
-                    plugin=record.name,
-                    hook=hook,
-                ) from exc
-
-    return run_as_plugin
 
 
 def _describe_exception(exc: BaseException) -> str:
