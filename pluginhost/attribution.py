@@ -41,6 +41,15 @@ class PluginRef:
             return f"plugin {self.name!r} (distribution {self.distribution} {self.version or '?'})"
         return f"plugin {self.name!r}"
 
+    def remedy(self) -> str:
+        """How to get going again, for messages about this plugin's faults."""
+        if self.distribution:
+            return (
+                f"Fix or uninstall it, or disable it with --disable-plugin {self.name} "
+                f"or PLUGINHOST_DISABLED_PLUGINS={self.name}."
+            )
+        return f"Fix {self.name}, or stop passing or calling it."
+
 
 class HookOwners:
     """Which plugin each registered hook implementation belongs to (one per host)."""

@@ -110,7 +110,7 @@ def describe_validation_error(exc: Exception) -> str:
     for error in errors():
         where = ".".join(str(p) for p in error.get("loc", ())) or "value"
         message = error.get("msg", "invalid")
-        if error.get("type") == "extra_forbidden":
+        if error.get("type") in ("extra_forbidden", "no_such_attribute"):
             known = ", ".join(EngineConfig.model_fields)
             parts.append(f"{where}: unknown setting (known settings: {known})")
         else:

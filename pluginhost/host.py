@@ -41,7 +41,7 @@ from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatc
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
 from pluginhost.registry import ArchitectureRegistry, ModelRegistry, collecting_into
-from pluginhost.selection import DISABLED_ENV, SKIP_BROKEN_ENV, PluginSelection
+from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection
 
 __all__ = ["BUILTIN_PLUGIN", "PluginHost", "PluginRecord"]
 
@@ -84,13 +84,12 @@ def _skip_broken_from_env() -> bool:
     return os.environ.get(SKIP_BROKEN_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _remedy(record: PluginRecord) -> str:
+def _remedy(record: PluginRecord, *, broken: bool = False) -> str:
+    """What the user can do; ``broken`` (failed to load) adds the skip-broken switch."""
     if record.kind == "in-process":
         return "Fix it, or leave it out of LLM(plugins=...)."
-    return (
-        f"Fix or uninstall it, disable it with {DISABLED_ENV}={record.name} or --disable-plugin {record.name}, "
-        f"or set {SKIP_BROKEN_ENV}=1 to skip broken plugins."
-    )
+    skip = f" Or set {SKIP_BROKEN_ENV}=1 to skip broken plugins." if broken else ""
+    return record.ref.remedy() + skip
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class PluginHost:
 
     @staticmethod
     def _failure_message(record: PluginRecord) -> str:
-        return f"Cannot start: {record.ref.describe()} is broken: {record.reason}. {_remedy(record)}"
+        return f"Cannot start: {record.ref.describe()} is broken: {record.reason}. {_remedy(record, broken=True)}"
 
     def _load(self) -> pluggy.PluginManager:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)

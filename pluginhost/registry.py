@@ -180,7 +180,7 @@ def _import_target(entry: Registration) -> type:
     except Exception as exc:
         raise ModelClassError(
             f"{where} points to {entry.implementation}, but module {module_name!r} failed to import: "
-            f"{type(exc).__name__}: {exc}. Fix or disable that plugin."
+            f"{type(exc).__name__}: {exc}. {entry.registered_by.remedy()}"
         ) from exc
     for part in qualname.split("."):
         try:
@@ -188,10 +188,12 @@ def _import_target(entry: Registration) -> type:
         except AttributeError:
             raise ModelClassError(
                 f"{where} points to {entry.implementation}, but module {module_name!r} has no {qualname!r}. "
-                "Fix the registration or disable that plugin."
+                f"{entry.registered_by.remedy()}"
             ) from None
     if not inspect.isclass(obj):
-        raise ModelClassError(f"{where} points to {entry.implementation}, which is not a class.")
+        raise ModelClassError(
+            f"{where} points to {entry.implementation}, which is not a class. {entry.registered_by.remedy()}"
+        )
     return obj
 
 
@@ -200,14 +202,14 @@ def _check_model_class(entry: Registration, cls: type) -> None:
 
     where = f"{entry.implementation} (architecture {entry.architecture!r}, registered by {entry.registered_by.describe()})"
     if not issubclass(cls, torch.nn.Module):
-        raise ModelClassError(f"{where} is not a torch.nn.Module subclass.")
+        raise ModelClassError(f"{where} is not a torch.nn.Module subclass. {entry.registered_by.remedy()}")
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
     if "forward" not in missing and cls.forward is torch.nn.Module.forward:
         missing.insert(0, "forward")
     if missing:
         raise ModelClassError(
             f"{where} does not implement {', '.join(missing)}: a model class needs "
-            f"{', '.join(REQUIRED_METHODS)} (see builtin_models.opt.OPTForCausalLM)."
+            f"{', '.join(REQUIRED_METHODS)} (see builtin_models.opt.OPTForCausalLM). {entry.registered_by.remedy()}"
         )
 
 

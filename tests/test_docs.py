@@ -43,3 +43,13 @@ def test_every_spec_docstring_states_when_what_may_and_must_not_with_an_example(
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         for part in ("Called", "May:", "Must not:", "Example::"):
             assert part in doc, f"{name}'s docstring lacks {part!r}"
+
+
+def test_every_test_named_in_the_fault_table_exists():
+    root = README.parent
+    text = (root / "docs" / "faults.md").read_text(encoding="utf-8")
+    references = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text))
+    assert len(references) >= 20
+    for path, name in sorted(references):
+        source = (root / path).read_text(encoding="utf-8")
+        assert re.search(rf"^def {name}\(", source, flags=re.MULTILINE), f"{path}::{name} does not exist"

@@ -1,0 +1,145 @@
+"""Every fault an installed plugin can bring, through the CLI and through Python.
+
+Each fault must give: exit status 2 (CLI) or a ``PluginhostError`` (Python); a
+message naming the plugin, its distribution and version, the cause and the
+remedy; no traceback without ``--debug``; and the same process must build a
+correct engine right afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from pluginhost import LLM, SamplingParams
+from pluginhost.cli import main
+from pluginhost.errors import PluginhostError
+
+HEADER = "from pluginhost import hookimpl\n"
+MODEL_CLASSES = """
+import torch
+
+class NotAModule:
+    pass
+
+class NoComputeLogits(torch.nn.Module):
+    def forward(self, input_ids, positions, cache_slots=None, mask=None):
+        return input_ids
+
+    def load_weights(self, weights):
+        return set()
+"""
+
+
+def registers(target: str, extra: str = "") -> str:
+    return HEADER + extra + f"\n@hookimpl\ndef register_models(registry):\n    registry.register_model('OPTForCausalLM', {target})\n"
+
+
+def raises_in(hook: str, args: str) -> str:
+    return HEADER + f"\n@hookimpl\ndef {hook}({args}):\n    raise RuntimeError('refused by policy')\n"
+
+
+@dataclass(frozen=True)
+class Fault:
+    code: str
+    cause: str
+
+
+FAULTS = {
+    "ImportError at import": Fault("import not_a_real_dependency_xyz\n", "No module named 'not_a_real_dependency_xyz'"),
+    "SyntaxError": Fault("def broken(:\n    pass\n", "SyntaxError: invalid syntax"),
+    "exception at import": Fault("raise RuntimeError('licence server unreachable')\n", "RuntimeError: licence server unreachable"),
+    "unknown hook": Fault(HEADER + "@hookimpl\ndef post_loadd(model):\n    pass\n", "'post_loadd', which is not a pluginhost hook"),
+    "wrong argument name": Fault(HEADER + "@hookimpl\ndef modify_config(cfg):\n    pass\n", "unknown argument(s) cfg"),
+    "argument with a default": Fault(HEADER + "@hookimpl\ndef pre_load(config, model_class=None):\n    pass\n", "default value"),
+    "raises in register_models": Fault(raises_in("register_models", "registry"), "register_models hook: RuntimeError: refused by policy"),
+    "raises in modify_config": Fault(raises_in("modify_config", "config"), "modify_config hook: RuntimeError: refused by policy"),
+    "raises in pre_load": Fault(raises_in("pre_load", "config, model_class"), "pre_load hook: RuntimeError: refused by policy"),
+    "raises in post_load": Fault(raises_in("post_load", "model"), "post_load hook: RuntimeError: refused by policy"),
+    "target without a colon": Fault(registers("'faulty.OPT'"), "is not of the form \"package.module:ClassName\""),
+    "target in a missing module": Fault(registers("'faulty_missing_module:OPT'"), "module 'faulty_missing_module' failed to import"),
+    "target naming a missing class": Fault(registers("'faulty:Missing'"), "module 'faulty' has no 'Missing'"),
+    "target that is not an nn.Module": Fault(registers("NotAModule", MODEL_CLASSES), "is not a torch.nn.Module subclass"),
+    "target without compute_logits": Fault(registers("NoComputeLogits", MODEL_CLASSES), "does not implement compute_logits"),
+    "modify_config assigns an invalid value": Fault(
+        HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_model_len = -5\n",
+        "invalid value: max_model_len: Input should be greater than 0",
+    ),
+    "modify_config assigns an unknown field": Fault(
+        HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_len = 5\n",
+        "max_len: unknown setting",
+    ),
+}
+
+IDENTITY = "plugin 'faulty' (distribution faulty-dist 0.3.1)"
+REMEDY = "--disable-plugin faulty"
+
+
+@pytest.mark.parametrize("fault", list(FAULTS), ids=list(FAULTS))
+def test_plugin_fault_through_the_cli(install_plugin, capsys, tiny_opt, fault):
+    install_plugin("faulty", FAULTS[fault].code, dist="faulty-dist", version="0.3.1")
+    code = main(["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for part in (IDENTITY, FAULTS[fault].cause, REMEDY):
+        assert part in err, f"{part!r} missing from: {err}"
+    # Disabling the plugin, as the message says, gets the user going again.
+    assert main(["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--max-tokens", "2", *REMEDY.split()]) == 0
+
+
+@pytest.mark.parametrize("fault", list(FAULTS), ids=list(FAULTS))
+def test_plugin_fault_in_python_then_a_correct_engine(install_plugin, tiny_opt, fault):
+    install_plugin("faulty", FAULTS[fault].code, dist="faulty-dist", version="0.3.1")
+    with pytest.raises(PluginhostError) as info:
+        LLM(str(tiny_opt))
+    assert IDENTITY in str(info.value) and FAULTS[fault].cause in str(info.value)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = LLM(str(tiny_opt), load_installed_plugins=False).generate([[2, 9, 40]], params)[0].token_ids
+    assert len(expected) == 4
+
+
+def test_debug_shows_the_traceback_of_a_plugin_fault(install_plugin, tiny_opt):
+    install_plugin("faulty", FAULTS["raises in pre_load"].code, dist="faulty-dist", version="0.3.1")
+    with pytest.raises(PluginhostError, match="refused by policy"):
+        main(["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--debug"])
+
+
+def test_two_plugins_registering_one_architecture_is_deterministic_and_names_both(install_plugin, capsys, caplog):
+    code = HEADER + "@hookimpl\ndef register_models(registry):\n    registry.register_model('Shared', '{0}:Model')\n"
+    install_plugin("zeta", code.format("zeta_impl"), dist="zeta-dist", version="2.0")
+    install_plugin("alpha", code.format("alpha_impl"), dist="alpha-dist", version="1.0")
+    for _ in range(2):
+        assert main(["models", "--json", "-v"]) == 0
+        row = next(r for r in json.loads(capsys.readouterr().out) if r["architecture"] == "Shared")
+        assert (row["implementation"], row["registered_by"]) == ("zeta_impl:Model", "zeta")
+        assert row["overrides"] == [{"implementation": "alpha_impl:Model", "registered_by": "alpha"}]
+    assert "plugin 'zeta' (distribution zeta-dist 2.0)" in caplog.text
+    assert "plugin 'alpha' (distribution alpha-dist 1.0)" in caplog.text
+
+
+def test_slow_plugin_import_time_is_visible(install_plugin, capsys):
+    install_plugin("slow", "import time\ntime.sleep(0.3)\n", dist="slow-dist")
+    assert main(["plugins", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "slow")
+    assert row["status"] == "loaded" and row["import_seconds"] >= 0.3
+    sys.modules.pop("slow")  # a fresh process would import it again
+    assert main(["plugins"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("slow "))
+    assert " ms" in line and int(line.split(" ms")[0].split()[-1]) >= 300
+
+
+def test_allow_list_naming_nothing_installed_exits_2_listing_what_is(install_plugin, capsys, monkeypatch):
+    install_plugin("present", "", dist="present-dist")
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "absent")
+    assert main(["plugins"]) == 2
+    err = capsys.readouterr().err
+    assert "'absent', which matches no installed plugin" in err and "present (present-dist)" in err
+
+
+def test_text_prompt_without_tokenizer_exits_2(capsys, tiny_opt_no_tokenizer):
+    assert main(["generate", "--model", str(tiny_opt_no_tokenizer), "--prompt", "Hello"]) == 2
+    assert "has no tokenizer files; pass token ids" in capsys.readouterr().err
