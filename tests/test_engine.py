@@ -11,6 +11,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
 from pluginhost.errors import ConfigError, PluginHookError
+from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
 FORCED = 7
@@ -127,17 +128,8 @@ class AlwaysEos(AlwaysPicks):
     token = 2
 
 
-class RegisterAs:
-    def __init__(self, architecture, model):
-        self.architecture, self.model = architecture, model
-
-    @hookimpl
-    def register_models(self, registry):
-        registry.register_model(self.architecture, self.model)
-
-
 def test_eos_stops_generation_unless_ignored(tiny_opt):
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", AlwaysEos)])
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", AlwaysEos)])
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0))[0]
     assert (out.token_ids, out.finish_reason) == ([2], "stop")
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
@@ -147,13 +139,13 @@ def test_eos_stops_generation_unless_ignored(tiny_opt):
 def test_plugin_overriding_the_builtin_changes_generation(tiny_opt, llm):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert llm.generate([PROMPTS[0]], params)[0].token_ids != [FORCED] * 6
-    patched = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", AlwaysPicks)])
+    patched = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", AlwaysPicks)])
     assert patched.generate([PROMPTS[0]], params)[0].token_ids == [FORCED] * 6
     assert type(patched.model) is AlwaysPicks
 
 
 def test_architecture_override_selects_a_plugin_architecture(tiny_opt):
-    plugin = RegisterAs("MockOPT", AlwaysPicks)
+    plugin = RegistersModel("MockOPT", AlwaysPicks)
     plain = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
     assert type(plain.model) is OPTForCausalLM  # registered, but config.json names OPTForCausalLM
     mocked = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin], model_architecture_override="MockOPT")
@@ -167,7 +159,7 @@ def test_subclass_overriding_forward_with_super_just_works(tiny_opt, llm):
         def forward(self, *args, **kwargs):
             return super().forward(*args, **kwargs) * 0.0  # all-zero hidden states: every logit is 0
 
-    engine = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegisterAs("OPTForCausalLM", ShiftedHidden)])
+    engine = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", ShiftedHidden)])
     out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, logprobs=0, ignore_eos=True))[0]
     uniform = -torch.log(torch.tensor(float(engine.vocab_size))).item()
     assert all(abs(next(iter(step.values())) - uniform) < 1e-5 for step in out.logprobs)

@@ -11,20 +11,12 @@ import torch
 from pluginhost import ModelRegistry, hookimpl
 from pluginhost.errors import ModelClassError, PluginHookError, UnknownArchitectureError
 from pluginhost.host import PluginHost
+from pluginhost.testing import RegistersModel
 from pluginhost.registry import ArchitectureRegistry
 
 
 def collect(*plugins, load_installed=False) -> ArchitectureRegistry:
     return PluginHost(plugins=plugins, load_installed=load_installed).collect_models()
-
-
-class RegistersAs:
-    def __init__(self, architecture, target):
-        self.architecture, self.target = architecture, target
-
-    @hookimpl
-    def register_models(self, registry):
-        registry.register_model(self.architecture, self.target)
 
 
 def test_builtin_opt_is_registered_lazily():
@@ -40,12 +32,12 @@ def test_builtin_opt_is_registered_lazily():
 
 def test_overriding_a_builtin_is_logged_with_both_sources(caplog):
     with caplog.at_level(logging.INFO, logger="pluginhost"):
-        registry = collect(RegistersAs("OPTForCausalLM", "my_pkg.model:MyOPT"))
+        registry = collect(RegistersModel("OPTForCausalLM", "my_pkg.model:MyOPT"))
     entry = registry.get("OPTForCausalLM")
     assert entry.implementation == "my_pkg.model:MyOPT"
-    assert entry.registered_by.name == "RegistersAs"
+    assert entry.registered_by.name == "RegistersModel"
     assert [o.registered_by.name for o in entry.overrides] == ["builtin_models"]
-    assert "my_pkg.model:MyOPT (plugin 'RegistersAs') replaces builtin_models.opt:OPTForCausalLM" in caplog.text
+    assert "my_pkg.model:MyOPT (plugin 'RegistersModel') replaces builtin_models.opt:OPTForCausalLM" in caplog.text
 
 
 def test_two_installed_plugins_registering_one_architecture_later_name_wins(install_plugin, caplog):
@@ -103,8 +95,8 @@ def test_unknown_architecture_names_close_matches_and_how_to_list():
 )
 def test_malformed_registration_fails_in_the_hook_naming_the_plugin(target, message):
     with pytest.raises(PluginHookError, match=message) as info:
-        collect(RegistersAs("Bad", target))
-    assert info.value.plugin == "RegistersAs" and info.value.hook == "register_models"
+        collect(RegistersModel("Bad", target))
+    assert info.value.plugin == "RegistersModel" and info.value.hook == "register_models"
 
 
 class NotAModule:
@@ -130,10 +122,10 @@ class NoComputeLogits(torch.nn.Module):
     ],
 )
 def test_bad_model_targets_are_reported_at_resolution(target, message):
-    registry = collect(RegistersAs("Bad", target))
+    registry = collect(RegistersModel("Bad", target))
     with pytest.raises(ModelClassError, match=message) as info:
         registry.resolve("Bad")
-    assert "registered by plugin 'RegistersAs'" in str(info.value)
+    assert "registered by plugin 'RegistersModel'" in str(info.value)
 
 
 def test_registration_outside_plugins_is_attributed_to_the_calling_module():
