@@ -9,9 +9,10 @@ Loading, in order:
 3. in-process plugin objects, in the order given.
 
 Each plugin is checked when it is registered: pluggy's own argument check at
-``register``, ``check_pending`` for unknown hooks, and the checks pluggy does
-not make (parameters with defaults, which pluggy would silently never pass;
-wrapper implementations, whose interleaved code could not be attributed).
+``register``, ``check_pending`` for unknown hooks, and the one check pluggy
+does not make (parameters with defaults, which pluggy would silently never
+pass). Everything else pluggy offers works as in pluggy: ``tryfirst``,
+``trylast``, ``specname``, and wrappers (``wrapper=True``).
 
 Plugins are registered in reverse of the order above, because pluggy calls
 the most recently registered implementation first: hooks therefore run
@@ -29,6 +30,7 @@ import difflib
 import inspect
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -96,17 +98,15 @@ def _remedy(record: PluginRecord, *, broken: bool = False) -> str:
 class _Impl:
     hook: str
     function: Any
-    wrapper: bool
 
 
-def _hookimpls_of(pm: pluggy.PluginManager, plugin: object) -> dict[str, _Impl]:
-    """``attribute -> _Impl`` for every hookimpl-marked attribute of ``plugin``."""
-    found = {}
+def _hookimpls_of(pm: pluggy.PluginManager, plugin: object) -> list[_Impl]:
+    """Every hookimpl-marked function of ``plugin``, with the hook it implements."""
+    found = []
     for attr in dir(plugin):
         opts = pm.parse_hookimpl_opts(plugin, attr)
         if opts is not None:
-            wrapper = bool(opts.get("wrapper") or opts.get("hookwrapper"))
-            found[attr] = _Impl(opts.get("specname") or attr, getattr(plugin, attr), wrapper)
+            found.append(_Impl(opts.get("specname") or attr, getattr(plugin, attr)))
     return found
 
 
@@ -262,38 +262,26 @@ class PluginHost:
 
     def _register(self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object) -> PluginRecord:
         impls = _hookimpls_of(pm, plugin)
-        record = replace(record, hooks=tuple(sorted({impl.hook for impl in impls.values()})))
-        problem = self._check_wrappers(impls)
-        if problem is None:
-            try:
-                pm.register(plugin, name=record.name)
-            except pluggy.PluginValidationError as exc:
-                problem = self._describe_mismatch(pm, impls) or str(exc)
-            except ValueError as exc:  # the same object registered twice
-                problem = str(exc).splitlines()[0]
-            else:
-                problem = self._check_after(pm, plugin, impls)
-                if problem is not None:
-                    pm.unregister(plugin, name=record.name)
+        record = replace(record, hooks=tuple(sorted({impl.hook for impl in impls})))
+        try:
+            pm.register(plugin, name=record.name)
+        except pluggy.PluginValidationError as exc:
+            problem = self._describe_mismatch(pm, impls) or str(exc).replace("\n", "; ")
+        except ValueError as exc:  # the same object registered twice
+            problem = str(exc).splitlines()[0]
+        else:
+            problem = self._check_after(pm, plugin, impls)
+            if problem is not None:
+                pm.unregister(plugin, name=record.name)
         if problem is not None:
             return replace(record, status="failed", reason=problem)
-        for impl in impls.values():
+        for impl in impls:
             self._owners.add(impl.function, record.ref)
         return record
 
     @staticmethod
-    def _check_wrappers(impls: dict[str, _Impl]) -> str | None:
-        for attr, impl in impls.items():
-            if impl.wrapper:
-                return (
-                    f"its {impl.hook} implementation ({attr}) is a wrapper; pluginhost hooks take plain "
-                    "implementations (order them with tryfirst/trylast instead)"
-                )
-        return None
-
-    @staticmethod
-    def _describe_mismatch(pm: pluggy.PluginManager, impls: dict[str, _Impl]) -> str | None:
-        for impl in impls.values():
+    def _describe_mismatch(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:
+        for impl in impls:
             hook, function = impl.hook, impl.function
             caller = getattr(pm.hook, hook, None)
             if caller is None or not caller.has_spec():
@@ -308,12 +296,12 @@ class PluginHost:
         return None
 
     @staticmethod
-    def _check_after(pm: pluggy.PluginManager, plugin: object, impls: dict[str, _Impl]) -> str | None:
+    def _check_after(pm: pluggy.PluginManager, plugin: object, impls: list[_Impl]) -> str | None:
         try:
             pm.check_pending()
         except pluggy.PluginValidationError:
             specs = sorted(n for n in vars(pm.hook) if getattr(pm.hook, n).has_spec())
-            for hook in (impl.hook for impl in impls.values()):
+            for hook in (impl.hook for impl in impls):
                 caller = getattr(pm.hook, hook)
                 if not caller.has_spec():
                     close = difflib.get_close_matches(hook, specs, n=1)
@@ -391,10 +379,13 @@ class PluginHost:
 
 
 def _describe_exception(exc: BaseException) -> str:
-    from pluginhost.config import describe_validation_error
+    if "pydantic" in sys.modules:  # only a configuration change can raise its ValidationError
+        from pydantic import ValidationError
 
-    if type(exc).__name__ == "ValidationError":
-        return f"invalid value: {describe_validation_error(exc)}"
+        from pluginhost.config import describe_validation_error
+
+        if isinstance(exc, ValidationError):
+            return f"invalid value: {describe_validation_error(exc)}"
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
     return f"{type(exc).__name__}: {exc}"

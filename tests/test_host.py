@@ -168,11 +168,11 @@ def test_load_installed_false_skips_entry_points(three_plugins):
             ["gives parameter(s) model a default value", "post_load(config, model)"],
         ),
         (
-            "@hookimpl(wrapper=True)\ndef modify_config(config):\n    yield\n",
-            ["is a wrapper"],
+            "@hookimpl(wrapper=True)\ndef modify_config(config):\n    return None\n",
+            ["Declared as wrapper=True or hookwrapper=True but function is not a generator function"],
         ),
     ],
-    ids=["unknown-hook", "wrong-argument", "default-value", "wrapper"],
+    ids=["unknown-hook", "wrong-argument", "default-value", "wrapper-not-generator"],
 )
 def test_plugins_that_do_not_match_the_specs_are_refused(install_plugin, code, expected):
     install_plugin("bad", "from pluginhost import hookimpl\n" + code, dist="bad-dist", version="0.7")
@@ -268,3 +268,31 @@ def test_two_plugins_with_the_same_entry_point_name_conflict(install_plugin):
     # Deterministic: sorted by distribution, the first keeps the name and the second is refused.
     assert [(r.distribution, r.status) for r in records] == [("first-dist", "loaded"), ("second-dist", "failed")]
     assert "already taken by distribution first-dist" in records[1].reason
+
+
+def test_wrapper_implementations_work_and_are_attributed():
+    class Plain:
+        @hookimpl
+        def modify_config(self, config):
+            config.seed = 1
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def modify_config(self, config):
+            config.max_num_seqs = 3  # before every plain implementation
+            result = yield
+            config.seed += 10  # after them
+            return result
+
+    class Raising:
+        @hookimpl(wrapper=True)
+        def modify_config(self, config):
+            yield
+            raise RuntimeError("after the others")
+
+    config = EngineConfig(model="m")
+    PluginHost(plugins=[Wrapper(), Plain()], load_installed=False).call("modify_config", config=config)
+    assert (config.seed, config.max_num_seqs) == (11, 3)
+    assert config.provenance["seed"] == "plugin:Wrapper" and config.provenance["max_num_seqs"] == "plugin:Wrapper"
+    with pytest.raises(PluginHookError, match="plugin 'Raising' failed in its modify_config hook: RuntimeError"):
+        PluginHost(plugins=[Raising(), Plain()], load_installed=False).call("modify_config", config=config)
