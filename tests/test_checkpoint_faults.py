@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -136,7 +135,7 @@ class Exploit:
 """
 
 
-def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt_no_tokenizer, tmp_path):
+def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt_no_tokenizer, tmp_path, capsys):
     model = tmp_path / "evil"
     model.mkdir()
     shutil.copy(tiny_opt_no_tokenizer / "config.json", model / "config.json")
@@ -144,7 +143,10 @@ def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt_no_to
     namespace: dict = {}
     exec(PAYLOAD.format(marker=marker), namespace)
     torch.save({"model.decoder.embed_tokens.weight": torch.zeros(1), "boom": namespace["Exploit"]()}, model / "pytorch_model.bin")
+    before = snapshot(model)
     with pytest.raises(PluginhostError, match="Refused to load .*pytorch_model.bin: it holds pickled objects other than tensors"):
         LLM(str(model), load_installed_plugins=False)
+    assert main(["generate", "--model", str(model), "--prompt", "Hi", "--no-plugins"]) == 2
+    assert "it holds pickled objects other than tensors" in capsys.readouterr().err
     assert not marker.exists()
-    assert not os.path.exists(marker)
+    assert snapshot(model) == before
