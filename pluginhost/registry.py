@@ -232,11 +232,8 @@ class _ProcessRegistry(ArchitectureRegistry):
     """The process-wide default registry (see the module docstring)."""
 
     def register_model(self, architecture: str, model: type | str) -> None:
-        target = _collecting.get()
-        if target is not None:
-            target._add(architecture, model, current_plugin() or _caller_ref())
-        else:
-            super()._add(architecture, model, current_plugin() or _caller_ref())
+        target = _collecting.get() or self
+        target._add(architecture, model, current_plugin() or _caller_ref())
 
 
 #: The process-wide default registry (``from pluginhost import ModelRegistry``).

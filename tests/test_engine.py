@@ -165,6 +165,18 @@ def test_subclass_overriding_forward_with_super_just_works(tiny_opt, llm):
     assert all(abs(next(iter(step.values())) - uniform) < 1e-5 for step in out.logprobs)
 
 
+def test_a_model_without_setup_caches_is_recomputed_each_step_with_the_same_result(tiny_opt, llm):
+    class NoCache(OPTForCausalLM):
+        setup_caches = None  # a minimal plugin model: forward and compute_logits only
+
+    engine = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", NoCache)])
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    recomputed, cached = engine.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    for a, b in zip(recomputed, cached, strict=True):
+        assert a.token_ids == b.token_ids
+        assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True) for k in x)
+
+
 INSTALLED_MOCK = """
 import torch
 from pluginhost import hookimpl
