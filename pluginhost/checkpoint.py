@@ -13,7 +13,6 @@ it when stderr is not a terminal, and ``TQDM_DISABLE=1`` hides it always.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pluginhost.envflags import env_flag
 from pluginhost.errors import CheckpointError
 
 __all__ = ["Checkpoint", "find_checkpoint"]
@@ -46,7 +46,8 @@ class Checkpoint:
         from tqdm.auto import tqdm
 
         read = _read_safetensors if self.format == "safetensors" else _read_bin
-        quiet = self.nbytes < _PROGRESS_MIN_BYTES or _asked_for_quiet()
+        # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
+        quiet = self.nbytes < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(
             total=self.nbytes, unit="B", unit_scale=True, desc="loading weights", disable=True if quiet else None, leave=False
@@ -59,11 +60,6 @@ class Checkpoint:
                         tensor = tensor.to(device=device)
                     progress.update(tensor.numel() * tensor.element_size())
                     yield name, tensor
-
-
-def _asked_for_quiet() -> bool:
-    """``TQDM_DISABLE`` set to a true value (tqdm ignores it when ``disable`` is passed, as here)."""
-    return os.environ.get("TQDM_DISABLE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def find_checkpoint(model_dir: Path) -> Checkpoint:

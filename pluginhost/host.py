@@ -29,7 +29,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ import pluggy
 import hookspecs
 from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatch, start_dispatch
 from pluginhost.discovery import InstalledPlugin, discover_installed
+from pluginhost.envflags import env_flag
 from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
 from pluginhost.registry import ArchitectureRegistry, ModelRegistry, collecting_into
 from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection
@@ -80,10 +80,6 @@ class PluginRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"hooks": list(self.hooks)}
-
-
-def _skip_broken_from_env() -> bool:
-    return os.environ.get(SKIP_BROKEN_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _remedy(record: PluginRecord, *, broken: bool = False) -> str:
@@ -164,7 +160,7 @@ class PluginHost:
             self._pm = self._load()
         failed = [r for r in self._records if r.status == "failed"]
         if failed and strict:
-            skip = self._skip_broken if self._skip_broken is not None else _skip_broken_from_env()
+            skip = self._skip_broken if self._skip_broken is not None else env_flag(SKIP_BROKEN_ENV)
             if not skip:
                 raise PluginLoadError("\n".join(self._failure_message(r) for r in failed))
             for record in failed:
