@@ -264,7 +264,12 @@ def _construct(model_class: type, plan: BuildPlan, dtype: torch.dtype) -> nn.Mod
         ) from exc
 
 
-def _check_loaded(model: nn.Module, loaded: set[str], model_dir: object) -> None:
+def _check_loaded(model: nn.Module, loaded: object, model_dir: object) -> None:
+    if not isinstance(loaded, set | frozenset):
+        raise ModelClassError(
+            f"{type(model).__name__}.load_weights returned {type(loaded).__name__}; it must return the set of "
+            "parameter names it loaded (see builtin_models.weights.assign_weights)."
+        )
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(name for name, p in params.items() if p.is_meta or name not in loaded)
     if missing:

@@ -10,7 +10,7 @@ import torch
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
-from pluginhost.errors import ConfigError, PluginHookError
+from pluginhost.errors import ConfigError, ModelClassError, PluginHookError
 from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -175,6 +175,15 @@ def test_a_model_without_setup_caches_is_recomputed_each_step_with_the_same_resu
     for a, b in zip(recomputed, cached, strict=True):
         assert a.token_ids == b.token_ids
         assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True) for k in x)
+
+
+def test_load_weights_must_report_what_it_loaded(tiny_opt):
+    class Forgetful(OPTForCausalLM):
+        def load_weights(self, weights):
+            super().load_weights(weights)  # forgets to return the names
+
+    with pytest.raises(ModelClassError, match="Forgetful.load_weights returned NoneType; it must return the set"):
+        LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Forgetful)])
 
 
 INSTALLED_MOCK = """
