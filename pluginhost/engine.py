@@ -19,7 +19,7 @@ from pluginhost.build import BuildPlan, plan_build
 from pluginhost.checkpoint import find_checkpoint
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import resolve_device, resolve_dtype
-from pluginhost.errors import CheckpointError, ConfigError, ModelClassError
+from pluginhost.errors import CheckpointError, ConfigError, ModelClassError, ModelRunError
 from pluginhost.generation import Request, generate_batch
 from pluginhost.host import PluginHost
 from pluginhost.model_dir import model_directory
@@ -86,6 +86,7 @@ class LLM:
         self.config = config
         self.hf_config = plan.hf_config
         self.architecture = plan.architecture
+        self.registration = plan.registration
         self.plugins = host.records
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = int(plan.hf_config.vocab_size)
@@ -119,7 +120,14 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
         for start in range(0, len(requests), self.config.max_num_seqs):
-            generate_batch(self.model, requests[start : start + self.config.max_num_seqs], self.device)
+            try:
+                generate_batch(self.model, requests[start : start + self.config.max_num_seqs], self.device)
+            except Exception as exc:
+                entry = self.registration
+                raise ModelRunError(
+                    f"The model {entry.implementation} (architecture {entry.architecture!r}, registered by "
+                    f"{entry.registered_by.describe()}) failed while generating: {type(exc).__name__}: {exc}"
+                ) from exc
         return [self._output(r) for r in requests]
 
     def _params_for(

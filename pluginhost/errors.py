@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ModelClassError",
+    "ModelRunError",
     "PluginError",
     "PluginHookError",
     "PluginLoadError",
@@ -56,6 +57,10 @@ class UnknownArchitectureError(RegistryError):
 
 class ModelClassError(RegistryError):
     """A registered model target cannot be imported or lacks the model interface."""
+
+
+class ModelRunError(PluginhostError):
+    """The model raised while generating (its forward pass or logits)."""
 
 
 class ConfigError(PluginhostError):

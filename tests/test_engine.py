@@ -10,7 +10,7 @@ import torch
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
-from pluginhost.errors import ConfigError, ModelClassError, PluginHookError
+from pluginhost.errors import ConfigError, ModelClassError, ModelRunError, PluginHookError
 from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -175,6 +175,23 @@ def test_a_model_without_setup_caches_is_recomputed_each_step_with_the_same_resu
     for a, b in zip(recomputed, cached, strict=True):
         assert a.token_ids == b.token_ids
         assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True) for k in x)
+
+
+def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt):
+    class Flaky(OPTForCausalLM):
+        failures = 1
+
+        def compute_logits(self, hidden_states):
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise RuntimeError("kernel fault")
+            return super().compute_logits(hidden_states)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+    with pytest.raises(ModelRunError, match=r"Flaky \(architecture 'OPTForCausalLM', registered by plugin 'RegistersModel'\) "
+                       r"failed while generating: RuntimeError: kernel fault"):
+        llm.generate([[2, 5]], SamplingParams(max_tokens=3))
+    assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
 def test_load_weights_must_report_what_it_loaded(tiny_opt):
