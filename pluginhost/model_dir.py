@@ -53,20 +53,19 @@ def read_config_json(model: str) -> dict[str, Any]:
 def load_hf_config(model: str) -> PretrainedConfig:
     """The directory's config as a transformers ``PretrainedConfig``.
 
-    Known ``model_type`` values get their transformers config class (the one
-    ``AutoConfig`` would pick); unknown ones, which plugins may well bring, a
-    generic ``PretrainedConfig`` holding every key.
+    Known ``model_type`` values go through transformers' ``AutoConfig`` (never
+    with remote code, never online); unknown ones, which plugins may well
+    bring, become a generic ``PretrainedConfig`` holding every key.
     """
     data = read_config_json(model)
-    from transformers import PretrainedConfig
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = model_directory(model)
     model_type = data.get("model_type")
     try:
         if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-            # What AutoConfig resolves to, without its hub machinery; auto_map (remote code) is ignored.
-            return CONFIG_MAPPING[model_type].from_dict(data)
+            return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
         logger.info("model_type %r is unknown to transformers; using a generic config", model_type)
         return PretrainedConfig.from_dict(data)
     except (ValueError, TypeError, OSError) as exc:
