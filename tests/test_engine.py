@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
@@ -192,6 +193,44 @@ def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_
                        r"failed while generating: RuntimeError: kernel fault"):
         llm.generate([[2, 5]], SamplingParams(max_tokens=3))
     assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+class BigramLM(torch.nn.Module):
+    """A whole new architecture in a few lines: next token from the current one."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, cache_slots=None, mask=None):
+        return self.embed(input_ids)
+
+    def compute_logits(self, hidden_states):
+        return self.head(hidden_states)
+
+    def load_weights(self, weights):
+        from builtin_models.weights import assign_weights
+
+        return assign_weights(self, weights)
+
+
+def test_a_new_architecture_unknown_to_transformers(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "bigram", "architectures": ["BigramLM"], "vocab_size": 50, "hidden_size": 8,
+                    "max_position_embeddings": 64, "eos_token_id": 0})
+    )
+    embed = torch.eye(50, 8)
+    head = torch.zeros(50, 8)
+    for token in range(8):  # token t -> t + 1 (embedding one-hot for the first 8 ids)
+        head[token + 1, token] = 5.0
+    save_file({"embed.weight": embed, "head.weight": head}, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), load_installed_plugins=False, plugins=[RegistersModel("BigramLM", BigramLM)])
+    assert type(llm.hf_config) is transformers.PretrainedConfig  # no config class needed
+    out = llm.generate([[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == [2, 3, 4, 5, 6]
 
 
 def test_load_weights_must_report_what_it_loaded(tiny_opt):
