@@ -81,17 +81,17 @@ def main() -> None:
         better="lower", target="<= 1.0x",
     )
 
-    # Weight bandwidth in decode, beside a plain F.linear pass over the same matrices.
-    weights = [m.weight for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
-    weight_bytes = sum(w.numel() * w.element_size() for w in {id(w): w for w in weights}.values())
-    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    # Weight bandwidth in decode, beside a plain F.linear pass over the same layers (weights and biases).
+    linears = [(m.weight, m.bias) for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in {id(w): w for w, _ in linears}.values())
+    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w, _ in linears}
 
     @torch.inference_mode()
     def linear_pass() -> float:
         start = time.perf_counter()
         for _ in range(20):
-            for w in weights:
-                torch.nn.functional.linear(x[w.shape[1]], w)
+            for w, b in linears:
+                torch.nn.functional.linear(x[w.shape[1]], w, b)
         return (time.perf_counter() - start) / 20
 
     step_prompt = prompts(1, 32)

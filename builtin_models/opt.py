@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -112,6 +113,9 @@ class OPTDecoder(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)  # (B, T, E)
         x = x + self.embed_positions(positions + POSITION_OFFSET)  # (B, T, E)
+        if mask is not None and mask.dtype == torch.bool:
+            # SDPA turns a boolean mask into an additive one on every call: do it once for all layers.
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for layer in self.layers:
             x = layer(x, cache_slots, mask)
         if self.final_layer_norm is not None:
@@ -130,8 +134,9 @@ class OPTForCausalLM(nn.Module):
     * ``positions`` (B, T): each token's position, 0 for the first real token.
     * ``cache_slots`` (T,): the cache slots this step's keys and values go to;
       ``None`` runs without the cache, causally over the T tokens.
-    * ``mask`` (B, 1, T, S) bool: which of the first S cache slots each new
-      token may attend to (causality and padding, decided by the engine).
+    * ``mask`` (B, 1, T, S): which of the first S cache slots each new token
+      may attend to (causality and padding, decided by the engine); bool
+      (True = attend) or an additive float mask.
     """
 
     def __init__(self, config: OPTConfig) -> None:
