@@ -49,8 +49,12 @@ def main() -> None:
         ids = torch.tensor(batch_prompts)
         seconds = timed(
             lambda: hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=1,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=1,
             )
         )
         return len(batch_prompts) * new / seconds
@@ -61,12 +65,16 @@ def main() -> None:
         ours_decode(batch_prompts, 8), hf_decode(batch_prompts, 8)  # warm up
         results = median_alternating(
             args.runs,
-            ours=lambda: ours_decode(batch_prompts, args.new_tokens),
-            theirs=lambda: hf_decode(batch_prompts, args.new_tokens),
+            ours=lambda p=batch_prompts: ours_decode(p, args.new_tokens),
+            theirs=lambda p=batch_prompts: hf_decode(p, args.new_tokens),
         )
         ratios[f"decode b{batch}"] = report(
-            f"decode, batch {batch}, 32+{args.new_tokens} tokens", results["ours"], results["theirs"], "tok/s",
-            better="higher", target=target,
+            f"decode, batch {batch}, 32+{args.new_tokens} tokens",
+            results["ours"],
+            results["theirs"],
+            "tok/s",
+            better="higher",
+            target=target,
         )
 
     long_prompt = prompts(1, 512)
@@ -77,8 +85,12 @@ def main() -> None:
         theirs=lambda: 1 / hf_decode(long_prompt, 1),
     )
     ratios["prefill"] = report(
-        "prefill, 512 tokens, to the first token", results["ours"], results["theirs"], "s",
-        better="lower", target="<= 1.0x",
+        "prefill, 512 tokens, to the first token",
+        results["ours"],
+        results["theirs"],
+        "s",
+        better="lower",
+        target="<= 1.0x",
     )
 
     # Weight bandwidth in decode, beside a plain F.linear pass over the same layers (weights and biases).

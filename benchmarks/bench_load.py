@@ -52,7 +52,10 @@ print(json.dumps({"process_seconds": end - process_start, "process_peak_mib": pe
 
 def load_once(which: str, path: Path) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, which, str(path)], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", CHILD, which, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"TQDM_DISABLE": "1", **__import__("os").environ},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,7 +66,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     path = checkpoint_dir()
-    print(f"machine: {machine()}; checkpoint: {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 2**20:.0f} MiB")
+    print(
+        f"machine: {machine()}; checkpoint: {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 2**20:.0f} MiB"
+    )
     samples: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}
     for _ in range(args.runs):
         samples["ours"].append(load_once("ours", path))
@@ -74,7 +79,14 @@ def main() -> None:
         ("load_seconds", "load call alone (after top-level imports)", "s"),
         ("load_peak_mib", "RSS added by the load call", "MiB"),
     ):
-        report(title, [s[key] for s in samples["ours"]], [s[key] for s in samples["theirs"]], unit, better="lower", target="<= 1.0x")
+        report(
+            title,
+            [s[key] for s in samples["ours"]],
+            [s[key] for s in samples["theirs"]],
+            unit,
+            better="lower",
+            target="<= 1.0x",
+        )
 
 
 if __name__ == "__main__":

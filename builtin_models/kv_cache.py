@@ -14,7 +14,14 @@ __all__ = ["KVCache"]
 
 class KVCache(nn.Module):
     def __init__(
-        self, max_batch_size: int, n_heads: int, max_seq_len: int, head_dim: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        max_batch_size: int,
+        n_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         shape = (max_batch_size, n_heads, max_seq_len, head_dim)

@@ -42,9 +42,7 @@ class OPTAttention(nn.Module):
         self.n_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.n_heads
         if self.head_dim * self.n_heads != config.hidden_size:
-            raise ValueError(
-                f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {self.n_heads}"
-            )
+            raise ValueError(f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {self.n_heads}")
         self.scaling = self.head_dim**-0.5
         bias = config.enable_bias
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)

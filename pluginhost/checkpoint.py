@@ -50,7 +50,12 @@ class Checkpoint:
         quiet = self.nbytes < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(
-            total=self.nbytes, unit="B", unit_scale=True, desc="loading weights", disable=True if quiet else None, leave=False
+            total=self.nbytes,
+            unit="B",
+            unit_scale=True,
+            desc="loading weights",
+            disable=True if quiet else None,
+            leave=False,
         ) as progress:
             for path in self.files:
                 for name, tensor in read(path):

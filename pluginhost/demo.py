@@ -42,9 +42,10 @@ DEMO_CONFIG = {
 
 
 def demo_model_path() -> Path:
-    root = os.environ.get("PLUGINHOST_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    ) / "pluginhost"
+    root = (
+        os.environ.get("PLUGINHOST_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pluginhost"
+    )
     return Path(root) / f"demo-opt-v{DEMO_VERSION}"
 
 

@@ -140,7 +140,8 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(
-                f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), got {len(params)} items"
+                f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), "
+                f"got {len(params)} items"
             )
         return params
 
@@ -177,9 +178,7 @@ class LLM:
                 raise ValueError(f"prompt {index} must hold only int token ids")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-            )
+            raise ValueError(f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         return token_ids
 
     def _output(self, request: Request) -> RequestOutput:
@@ -196,7 +195,10 @@ class LLM:
         )
 
     def __repr__(self) -> str:
-        return f"LLM(model={self.config.model!r}, architecture={self.architecture!r}, device={self.device}, dtype={self.dtype})"
+        return (
+            f"LLM(model={self.config.model!r}, architecture={self.architecture!r}, "
+            f"device={self.device}, dtype={self.dtype})"
+        )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -238,8 +240,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 _INIT_FUNCTIONS = (
-    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
 )
 
 

@@ -81,7 +81,9 @@ def generate_batch(model: nn.Module, requests: Sequence[Request], device: torch.
         logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         for i, r in enumerate(requests):
             if r.finish_reason is None:
-                r.append(int(tokens[i]), logprobs[i] if logprobs is not None and r.params.logprobs is not None else None)
+                r.append(
+                    int(tokens[i]), logprobs[i] if logprobs is not None and r.params.logprobs is not None else None
+                )
         if all(r.finish_reason is not None for r in requests) or step == N - 1:
             break
         slot = P + step

@@ -175,7 +175,6 @@ class PluginHost:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
         import builtin_models
-
         from pluginhost import __version__
 
         records: list[tuple[PluginRecord, object | None]] = [
@@ -187,8 +186,7 @@ class PluginHost:
 
         # pluggy calls the last registered first: register in reverse call order.
         registered = [
-            self._register(pm, record, plugin) if plugin is not None else record
-            for record, plugin in reversed(records)
+            self._register(pm, record, plugin) if plugin is not None else record for record, plugin in reversed(records)
         ]
         self._records = registered[::-1]
         for record in self._records:
@@ -370,7 +368,9 @@ class PluginHost:
             # Direct ModelRegistry registrations: from your own code, or made by an
             # installed plugin at import, which count only where that plugin is loaded.
             active = {r.name for r in self._records if r.status in ("loaded", "builtin")}
-            registry.update(ModelRegistry, include=lambda ref: ref.distribution is None or ref.name in active)
+            registry.update(
+                ModelRegistry, include=lambda ref, active=active: ref.distribution is None or ref.name in active
+            )
             return registry
 
 
@@ -389,4 +389,3 @@ def _describe_exception(exc: BaseException) -> str:
 
 def _since(start: float) -> float:
     return round(time.perf_counter() - start, 6)
-

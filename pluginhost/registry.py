@@ -200,7 +200,9 @@ def _import_target(entry: Registration) -> type:
 def _check_model_class(entry: Registration, cls: type) -> None:
     import torch  # only when a model is really about to be built
 
-    where = f"{entry.implementation} (architecture {entry.architecture!r}, registered by {entry.registered_by.describe()})"
+    where = (
+        f"{entry.implementation} (architecture {entry.architecture!r}, registered by {entry.registered_by.describe()})"
+    )
     if not issubclass(cls, torch.nn.Module):
         raise ModelClassError(f"{where} is not a torch.nn.Module subclass. {entry.registered_by.remedy()}")
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]

@@ -39,8 +39,14 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
 
-        check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}",
+        )
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")

@@ -59,8 +59,20 @@ def make_env(workdir: Path, full_install: bool) -> Path:
         shared = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
         (purelib / "_pluginhost_smoke_deps.pth").write_text("\n".join(sorted(shared)) + "\n")
         subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-             "--no-build-isolation", "--no-index", str(host_src), str(plugin_src)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(python),
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                str(host_src),
+                str(plugin_src),
+            ],
             check=True,
         )
     return env_dir / "bin"
@@ -94,7 +106,8 @@ def main() -> int:
     mock = plugins.get("mock_opt", {})
     check(
         "mock_opt is loaded from its distribution",
-        (mock.get("status"), mock.get("distribution"), mock.get("version")) == ("loaded", "pluginhost-mock-opt", "0.1.0"),
+        (mock.get("status"), mock.get("distribution"), mock.get("version"))
+        == ("loaded", "pluginhost-mock-opt", "0.1.0"),
         json.dumps(mock),
     )
     check("it implements register_models", mock.get("hooks") == ["register_models"], json.dumps(mock))
@@ -110,8 +123,19 @@ def main() -> int:
     check("the builtin OPT is still there", models.get("OPTForCausalLM", {}).get("registered_by") == "builtin_models")
 
     generated = pluginhost(
-        bin_dir, env, "generate", "--prompt", "Hello", "--prompt", "plugins", "--max-tokens", "4", "--ignore-eos",
-        "--model-architecture-override", "MockOPTForCausalLM", "--json",
+        bin_dir,
+        env,
+        "generate",
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "plugins",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--model-architecture-override",
+        "MockOPTForCausalLM",
+        "--json",
     )
     check("pluginhost generate exits 0", generated.returncode == 0, generated.stderr)
     rows = json.loads(generated.stdout or "[]")

@@ -89,7 +89,10 @@ FAULTS = {
     "missing tensor": (drop_tensor, "lacks 1 tensor(s) the model needs: decoder.layers.1.fc2.weight"),
     "extra tensor": (add_tensor, "unexpected tensors (not in OPTForCausalLM): model.decoder.layers.0.extra.weight"),
     "wrong shape": (reshape_tensor, "model.decoder.layers.0.fc1.weight: checkpoint shape (64, 31), model (64, 32)"),
-    "wrong dtype": (integer_tensor, "model.decoder.layers.0.fc1.bias: checkpoint dtype torch.int32, model torch.float32"),
+    "wrong dtype": (
+        integer_tensor,
+        "model.decoder.layers.0.fc1.bias: checkpoint dtype torch.int32, model torch.float32",
+    ),
     "truncated safetensors": (truncate, "it is not a valid safetensors file"),
     "corrupt safetensors": (garbage, "it is not a valid safetensors file"),
     "missing config.json": (remove_config, "config.json is missing"),
@@ -142,9 +145,14 @@ def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt_no_to
     marker = tmp_path / "code-ran"
     namespace: dict = {}
     exec(PAYLOAD.format(marker=marker), namespace)
-    torch.save({"model.decoder.embed_tokens.weight": torch.zeros(1), "boom": namespace["Exploit"]()}, model / "pytorch_model.bin")
+    torch.save(
+        {"model.decoder.embed_tokens.weight": torch.zeros(1), "boom": namespace["Exploit"]()},
+        model / "pytorch_model.bin",
+    )
     before = snapshot(model)
-    with pytest.raises(PluginhostError, match="Refused to load .*pytorch_model.bin: it holds pickled objects other than tensors"):
+    with pytest.raises(
+        PluginhostError, match="Refused to load .*pytorch_model.bin: it holds pickled objects other than tensors"
+    ):
         LLM(str(model), load_installed_plugins=False)
     assert main(["generate", "--model", str(model), "--prompt", "Hi", "--no-plugins"]) == 2
     assert "it holds pickled objects other than tensors" in capsys.readouterr().err

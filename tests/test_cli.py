@@ -80,7 +80,11 @@ def test_models_json_shows_who_registered_what_and_overrides(install_plugin, cap
 
 def test_selection_flags_work_on_listing_commands(install_plugin, capsys):
     install_plugin("good", GOOD_PLUGIN, dist="good-dist")
-    for flags in (["--no-plugins"], ["--disable-plugin", "good-dist"], ["--plugins", "good", "--disable-plugin", "good"]):
+    for flags in (
+        ["--no-plugins"],
+        ["--disable-plugin", "good-dist"],
+        ["--plugins", "good", "--disable-plugin", "good"],
+    ):
         code, out, _ = run(capsys, "models", "--json", *flags)
         assert code == 0
         assert {r["architecture"] for r in json.loads(out)} == {"OPTForCausalLM"}, flags
@@ -122,7 +126,10 @@ def test_config_table(capsys, tiny_opt):
         (["config", "--model", "{tiny}", "--hf-overrides", "{bad"], "--hf-overrides is not valid JSON"),
         (["config", "--model", "{tiny}", "--hf-overrides", "[1]"], "--hf-overrides must be a JSON object"),
         (["config", "--model", "{tiny}", "--device", "tpu"], "unknown device 'tpu'"),
-        (["config", "--model", "{tiny}", "--model-architecture-override", "OPTForCausalLm"], "Did you mean 'OPTForCausalLM'?"),
+        (
+            ["config", "--model", "{tiny}", "--model-architecture-override", "OPTForCausalLm"],
+            "Did you mean 'OPTForCausalLM'?",
+        ),
         (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
     ],
 )

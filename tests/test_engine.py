@@ -46,7 +46,9 @@ def test_batched_results_equal_one_by_one(llm):
 def test_batches_larger_than_max_num_seqs_are_split(tiny_opt, llm):
     small = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=2)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    assert [o.token_ids for o in small.generate(PROMPTS, params)] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in small.generate(PROMPTS, params)] == [
+        o.token_ids for o in llm.generate(PROMPTS, params)
+    ]
 
 
 def test_same_seed_same_output_whatever_the_batch(llm):
@@ -189,8 +191,11 @@ def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_
             return super().compute_logits(hidden_states)
 
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
-    with pytest.raises(ModelRunError, match=r"Flaky \(architecture 'OPTForCausalLM', registered by plugin 'RegistersModel'\) "
-                       r"failed while generating: RuntimeError: kernel fault"):
+    with pytest.raises(
+        ModelRunError,
+        match=r"Flaky \(architecture 'OPTForCausalLM', registered by plugin 'RegistersModel'\) "
+        r"failed while generating: RuntimeError: kernel fault",
+    ):
         llm.generate([[2, 5]], SamplingParams(max_tokens=3))
     assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
@@ -219,8 +224,16 @@ def test_a_new_architecture_unknown_to_transformers(tmp_path):
     from safetensors.torch import save_file
 
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "bigram", "architectures": ["BigramLM"], "vocab_size": 50, "hidden_size": 8,
-                    "max_position_embeddings": 64, "eos_token_id": 0})
+        json.dumps(
+            {
+                "model_type": "bigram",
+                "architectures": ["BigramLM"],
+                "vocab_size": 50,
+                "hidden_size": 8,
+                "max_position_embeddings": 64,
+                "eos_token_id": 0,
+            }
+        )
     )
     embed = torch.eye(50, 8)
     head = torch.zeros(50, 8)
@@ -263,7 +276,18 @@ def register_models(registry):
 @pytest.mark.parametrize("arch", ["MockOPT", "OPTForCausalLM"])
 def test_cli_generate_with_an_installed_mock_plugin(install_plugin, capsys, tiny_opt, arch):
     install_plugin("mock_installed", INSTALLED_MOCK.replace("{arch}", arch))
-    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--prompt", "world", "--max-tokens", "3", "--json"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_opt),
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "world",
+        "--max-tokens",
+        "3",
+        "--json",
+    ]
     if arch == "MockOPT":
         argv += ["--model-architecture-override", "MockOPT", "--ignore-eos"]
     else:
@@ -349,7 +373,9 @@ def test_exception_in_any_hook_aborts_the_build_and_the_next_build_works(tiny_op
 
 def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=12)
-    with pytest.raises(ValueError, match=r"prompt 0 has 8 tokens; with max_tokens=5 that is 13, more than max_model_len=12"):
+    with pytest.raises(
+        ValueError, match=r"prompt 0 has 8 tokens; with max_tokens=5 that is 13, more than max_model_len=12"
+    ):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5))
     assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions"):

@@ -36,7 +36,12 @@ def test_builtin_is_always_loaded_first():
 def test_installed_plugin_is_discovered_with_its_distribution(install_plugin):
     install_plugin("alpha", RECORDING_PLUGIN.format(digit=1), dist="alpha-dist", version="2.3")
     record = {r.name: r for r in PluginHost().load()}["alpha"]
-    assert (record.status, record.kind, record.distribution, record.version) == ("loaded", "installed", "alpha-dist", "2.3")
+    assert (record.status, record.kind, record.distribution, record.version) == (
+        "loaded",
+        "installed",
+        "alpha-dist",
+        "2.3",
+    )
     assert record.hooks == ("modify_config",)
     assert record.import_seconds is not None and record.import_seconds >= 0
     assert record.target == "alpha"
@@ -104,7 +109,10 @@ def test_env_allow_list_matches_entry_point_or_distribution_names(three_plugins,
     host = PluginHost()
     host.load()
     assert statuses(host) == {"builtin_models": "builtin", "alpha": "loaded", "beta": "blocked", "gamma": "loaded"}
-    assert "not in the allow-list (PLUGINHOST_PLUGINS=ALPHA_dist,gamma)" in {r.name: r for r in host.records}["beta"].reason
+    assert (
+        "not in the allow-list (PLUGINHOST_PLUGINS=ALPHA_dist,gamma)"
+        in {r.name: r for r in host.records}["beta"].reason
+    )
     assert host.plugin_manager.is_blocked("beta")  # pluggy's own blocking
 
 
@@ -161,7 +169,11 @@ def test_load_installed_false_skips_entry_points(three_plugins):
         ),
         (
             "@hookimpl\ndef pre_load(config, model_cls): pass\n",
-            ["pre_load(config, model_cls)", "the spec is pre_load(config, model_class)", "unknown argument(s) model_cls"],
+            [
+                "pre_load(config, model_cls)",
+                "the spec is pre_load(config, model_class)",
+                "unknown argument(s) model_cls",
+            ],
         ),
         (
             "@hookimpl\ndef post_load(config, model=None): pass\n",
@@ -240,13 +252,16 @@ def test_listing_never_fails_because_of_a_broken_plugin(install_plugin):
 
 
 def test_exception_in_a_hook_names_the_plugin_and_the_hook(install_plugin):
-    install_plugin("raiser", "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    raise KeyError('x')\n")
+    install_plugin(
+        "raiser", "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    raise KeyError('x')\n"
+    )
     host = PluginHost()
     with pytest.raises(PluginHookError) as info:
         host.call("modify_config", config=EngineConfig(model="m"))
     assert (info.value.plugin, info.value.hook) == ("raiser", "modify_config")
-    assert "plugin 'raiser' (distribution pluginhost-raiser 1.0) failed in its modify_config hook: KeyError: 'x'" in str(
-        info.value
+    assert (
+        "plugin 'raiser' (distribution pluginhost-raiser 1.0) failed in its modify_config hook: KeyError: 'x'"
+        in str(info.value)
     )
 
 

@@ -35,7 +35,11 @@ class NoComputeLogits(torch.nn.Module):
 
 
 def registers(target: str, extra: str = "") -> str:
-    return HEADER + extra + f"\n@hookimpl\ndef register_models(registry):\n    registry.register_model('OPTForCausalLM', {target})\n"
+    return (
+        HEADER
+        + extra
+        + f"\n@hookimpl\ndef register_models(registry):\n    registry.register_model('OPTForCausalLM', {target})\n"
+    )
 
 
 def raises_in(hook: str, args: str) -> str:
@@ -51,19 +55,37 @@ class Fault:
 FAULTS = {
     "ImportError at import": Fault("import not_a_real_dependency_xyz\n", "No module named 'not_a_real_dependency_xyz'"),
     "SyntaxError": Fault("def broken(:\n    pass\n", "SyntaxError: invalid syntax"),
-    "exception at import": Fault("raise RuntimeError('licence server unreachable')\n", "RuntimeError: licence server unreachable"),
-    "unknown hook": Fault(HEADER + "@hookimpl\ndef post_loadd(model):\n    pass\n", "'post_loadd', which is not a pluginhost hook"),
+    "exception at import": Fault(
+        "raise RuntimeError('licence server unreachable')\n", "RuntimeError: licence server unreachable"
+    ),
+    "unknown hook": Fault(
+        HEADER + "@hookimpl\ndef post_loadd(model):\n    pass\n", "'post_loadd', which is not a pluginhost hook"
+    ),
     "wrong argument name": Fault(HEADER + "@hookimpl\ndef modify_config(cfg):\n    pass\n", "unknown argument(s) cfg"),
-    "argument with a default": Fault(HEADER + "@hookimpl\ndef pre_load(config, model_class=None):\n    pass\n", "default value"),
-    "raises in register_models": Fault(raises_in("register_models", "registry"), "register_models hook: RuntimeError: refused by policy"),
-    "raises in modify_config": Fault(raises_in("modify_config", "config"), "modify_config hook: RuntimeError: refused by policy"),
-    "raises in pre_load": Fault(raises_in("pre_load", "config, model_class"), "pre_load hook: RuntimeError: refused by policy"),
+    "argument with a default": Fault(
+        HEADER + "@hookimpl\ndef pre_load(config, model_class=None):\n    pass\n", "default value"
+    ),
+    "raises in register_models": Fault(
+        raises_in("register_models", "registry"), "register_models hook: RuntimeError: refused by policy"
+    ),
+    "raises in modify_config": Fault(
+        raises_in("modify_config", "config"), "modify_config hook: RuntimeError: refused by policy"
+    ),
+    "raises in pre_load": Fault(
+        raises_in("pre_load", "config, model_class"), "pre_load hook: RuntimeError: refused by policy"
+    ),
     "raises in post_load": Fault(raises_in("post_load", "model"), "post_load hook: RuntimeError: refused by policy"),
-    "target without a colon": Fault(registers("'faulty.OPT'"), "is not of the form \"package.module:ClassName\""),
-    "target in a missing module": Fault(registers("'faulty_missing_module:OPT'"), "module 'faulty_missing_module' failed to import"),
+    "target without a colon": Fault(registers("'faulty.OPT'"), 'is not of the form "package.module:ClassName"'),
+    "target in a missing module": Fault(
+        registers("'faulty_missing_module:OPT'"), "module 'faulty_missing_module' failed to import"
+    ),
     "target naming a missing class": Fault(registers("'faulty:Missing'"), "module 'faulty' has no 'Missing'"),
-    "target that is not an nn.Module": Fault(registers("NotAModule", MODEL_CLASSES), "is not a torch.nn.Module subclass"),
-    "target without compute_logits": Fault(registers("NoComputeLogits", MODEL_CLASSES), "does not implement compute_logits"),
+    "target that is not an nn.Module": Fault(
+        registers("NotAModule", MODEL_CLASSES), "is not a torch.nn.Module subclass"
+    ),
+    "target without compute_logits": Fault(
+        registers("NoComputeLogits", MODEL_CLASSES), "does not implement compute_logits"
+    ),
     "modify_config assigns an invalid value": Fault(
         HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_model_len = -5\n",
         "invalid value: max_model_len: Input should be greater than 0",

@@ -82,7 +82,9 @@ def test_valid_engine_configs_are_accepted_and_marked_user(dtype, device, max_mo
 
 
 bad_values = st.one_of(
-    st.tuples(st.just("dtype"), st.text(max_size=10).filter(lambda s: s not in {"auto", "float32", "float16", "bfloat16"})),
+    st.tuples(
+        st.just("dtype"), st.text(max_size=10).filter(lambda s: s not in {"auto", "float32", "float16", "bfloat16"})
+    ),
     st.tuples(st.just("device"), st.text(max_size=10).filter(lambda s: not re.fullmatch(r"auto|cpu|cuda(:\d+)?", s))),
     st.tuples(st.just("max_model_len"), st.integers(max_value=0)),
     st.tuples(st.just("max_num_seqs"), st.integers(max_value=0)),

@@ -11,8 +11,8 @@ import torch
 from pluginhost import ModelRegistry, hookimpl
 from pluginhost.errors import ModelClassError, PluginHookError, UnknownArchitectureError
 from pluginhost.host import PluginHost
-from pluginhost.testing import RegistersModel
 from pluginhost.registry import ArchitectureRegistry
+from pluginhost.testing import RegistersModel
 
 
 def collect(*plugins, load_installed=False) -> ArchitectureRegistry:
@@ -41,7 +41,12 @@ def test_overriding_a_builtin_is_logged_with_both_sources(caplog):
 
 
 def test_two_installed_plugins_registering_one_architecture_later_name_wins(install_plugin, caplog):
-    code = "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n    registry.register_model('Shared', '{0}_impl:Model')\n"
+    code = (
+        "from pluginhost import hookimpl\n"
+        "@hookimpl\n"
+        "def register_models(registry):\n"
+        "    registry.register_model('Shared', '{0}_impl:Model')\n"
+    )
     install_plugin("bbb", code.format("bbb"), dist="bbb-dist")
     install_plugin("aaa", code.format("aaa"), dist="aaa-dist")
     with caplog.at_level(logging.WARNING, logger="pluginhost"):
@@ -49,7 +54,10 @@ def test_two_installed_plugins_registering_one_architecture_later_name_wins(inst
     assert entry.registered_by.name == "bbb"  # alphabetical order: bbb runs after aaa
     assert entry.registered_by.distribution == "bbb-dist" and entry.registered_by.version == "1.0"
     assert [o.registered_by.name for o in entry.overrides] == ["aaa"]
-    assert "plugin 'bbb' (distribution bbb-dist 1.0)" in caplog.text and "plugin 'aaa' (distribution aaa-dist 1.0)" in caplog.text
+    assert (
+        "plugin 'bbb' (distribution bbb-dist 1.0)" in caplog.text
+        and "plugin 'aaa' (distribution aaa-dist 1.0)" in caplog.text
+    )
 
 
 def test_vllm_style_registration_at_import_is_attributed_and_wins(install_plugin):

@@ -29,7 +29,9 @@ class UsageError(PluginhostError):
 def _selection_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
-    group.add_argument("--plugins", metavar="A,B", help="load only these installed plugins (entry-point or distribution names)")
+    group.add_argument(
+        "--plugins", metavar="A,B", help="load only these installed plugins (entry-point or distribution names)"
+    )
     group.add_argument("--no-plugins", action="store_true", help="load no installed plugin (builtins still load)")
     group.add_argument(
         "--disable-plugin", metavar="NAME", action="append", default=[], help="never load this plugin (repeatable)"
@@ -54,7 +56,9 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
-    group.add_argument("--hf-overrides", metavar="JSON", help='JSON object set on the HF config, e.g. \'{"dropout": 0}\'')
+    group.add_argument(
+        "--hf-overrides", metavar="JSON", help="JSON object set on the HF config, e.g. '{\"dropout\": 0}'"
+    )
     return parent
 
 
@@ -118,7 +122,9 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         except json.JSONDecodeError as exc:
             raise UsageError(f"--hf-overrides is not valid JSON: {exc.msg} (got {args.hf_overrides!r}).") from None
         if not isinstance(overrides, dict):
-            raise UsageError(f'--hf-overrides must be a JSON object such as \'{{"dropout": 0}}\', got {args.hf_overrides!r}.')
+            raise UsageError(
+                f"--hf-overrides must be a JSON object such as '{{\"dropout\": 0}}', got {args.hf_overrides!r}."
+            )
         settings["hf_overrides"] = overrides
     return settings
 
@@ -161,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(
-            f"internal error: {type(exc).__name__}: {exc}\n(rerun with --debug for the traceback, and please report it)",
+            f"internal error: {type(exc).__name__}: {exc}\n"
+            "(rerun with --debug for the traceback, and please report it)",
             file=sys.stderr,
         )
         return EXIT_INTERNAL

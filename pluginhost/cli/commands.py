@@ -60,8 +60,7 @@ def list_models(args: argparse.Namespace) -> int:
                     "distribution": e.registered_by.distribution,
                     "version": e.registered_by.version,
                     "overrides": [
-                        {"implementation": o.implementation, "registered_by": o.registered_by.name}
-                        for o in e.overrides
+                        {"implementation": o.implementation, "registered_by": o.registered_by.name} for o in e.overrides
                     ],
                 }
                 for e in entries

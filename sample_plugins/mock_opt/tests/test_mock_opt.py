@@ -1,8 +1,9 @@
 """The mock OPT plugin, tested with pluginhost's pytest fixtures."""
 
 import pluginhost_mock_opt
-from pluginhost import SamplingParams
 from pluginhost_mock_opt.model import DEFAULT_TOKEN_ID, MockOPTForCausalLM
+
+from pluginhost import SamplingParams
 
 
 def test_registers_its_architecture_lazily(make_host):

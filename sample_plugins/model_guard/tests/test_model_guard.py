@@ -2,11 +2,10 @@
 
 import shutil
 
+import pluginhost_model_guard
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
-import pluginhost_model_guard
 from pluginhost.errors import PluginHookError
 
 

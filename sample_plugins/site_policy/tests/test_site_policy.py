@@ -1,8 +1,8 @@
 """The site policy, tested with pluginhost's pytest fixtures."""
 
+import pluginhost_site_policy
 import pytest
 
-import pluginhost_site_policy
 from pluginhost import EngineConfig
 from pluginhost.errors import PluginHookError
 
