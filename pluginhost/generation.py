@@ -62,9 +62,7 @@ def generate_batch(model: nn.Module, requests: Sequence[Request], device: torch.
         positions[i, P - L :] = torch.arange(L)
         valid[i, P - L : P] = True
     ids, positions, valid = ids.to(device), positions.to(device), valid.to(device)
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(P, dtype=torch.bool, device=device)
-    prefill_mask = (causal & (valid[:, None, :P] | diagonal)).unsqueeze(1)  # (B, 1, P, P)
+    prefill_mask = _causal_mask(valid, P)  # (B, 1, P, P)
 
     cached = callable(getattr(model, "setup_caches", None))
     if cached:
@@ -96,11 +94,18 @@ def generate_batch(model: nn.Module, requests: Sequence[Request], device: torch.
         else:
             all_ids = torch.cat([all_ids, next_ids], dim=1)  # (B, P + step + 1)
             all_positions = torch.cat([all_positions, next_positions], dim=1)
-            T = all_ids.shape[1]
-            eye = torch.eye(T, dtype=torch.bool, device=device)
-            mask = (torch.ones(T, T, dtype=torch.bool, device=device).tril() & (valid[:, None, :T] | eye)).unsqueeze(1)
-            hidden = model(all_ids, all_positions, None, mask)
+            hidden = model(all_ids, all_positions, None, _causal_mask(valid, all_ids.shape[1]))
         logits = model.compute_logits(hidden[:, -1]).float()  # (B, V)
+
+
+def _causal_mask(valid: Tensor, T: int) -> Tensor:
+    """(B, 1, T, T): each of the first T slots attends to the real ones up to itself, and to itself.
+
+    Attending to itself keeps a padding token's (unused) activations finite.
+    """
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    itself = torch.eye(T, dtype=torch.bool, device=valid.device)
+    return (causal & (valid[:, None, :T] | itself)).unsqueeze(1)
 
 
 def _ensure_caches(model: nn.Module, batch_size: int, seq_len: int) -> None:
