@@ -16,7 +16,8 @@ The hooks run once per engine build, in this order::
 Within one hook, implementations run builtin first, then installed plugins in
 alphabetical order of entry-point name, then in-process plugins in the order
 given; a later implementation sees, and may override, what an earlier one did.
-``tryfirst``/``trylast`` move an implementation to the front or the back.
+``tryfirst``/``trylast`` move an implementation to the front or the back, and
+``wrapper=True`` generators wrap the others, as in pluggy.
 
 This module must stay importable without torch or transformers: the listing
 commands import it.
