@@ -28,14 +28,6 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.k.shape[2]
-
     def update(self, slots: Tensor, k: Tensor, v: Tensor, n_slots: int) -> tuple[Tensor, Tensor]:
         """Write k, v (B, H, T, D) at ``slots`` (T,); return the first ``n_slots`` slots (B, H, S, D)."""
         B = k.shape[0]

@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from pluginhost.attribution import current_plugin
 
-__all__ = ["DTYPES", "EngineConfig", "describe_validation_error"]
+__all__ = ["EngineConfig", "describe_validation_error"]
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -93,12 +92,6 @@ class EngineConfig(BaseModel):
     def provenance(self) -> dict[str, str]:
         """Who set each field last: ``default``, ``user`` or ``plugin:NAME``."""
         return dict(self._provenance)
-
-    def copy_with_provenance(self) -> EngineConfig:
-        """An independent copy that keeps each field's provenance."""
-        clone = self.model_copy(deep=True)
-        clone._provenance = dict(self._provenance)
-        return clone
 
 
 def describe_validation_error(exc: Exception) -> str:
