@@ -46,11 +46,12 @@ class Checkpoint:
         from tqdm.auto import tqdm
 
         read = _read_safetensors if self.format == "safetensors" else _read_bin
+        total = self.nbytes
         # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
-        quiet = self.nbytes < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
+        quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(
-            total=self.nbytes,
+            total=total,
             unit="B",
             unit_scale=True,
             desc="loading weights",
@@ -59,11 +60,11 @@ class Checkpoint:
         ) as progress:
             for path in self.files:
                 for name, tensor in read(path):
+                    progress.update(tensor.numel() * tensor.element_size())  # bytes read, as in the total
                     if tensor.is_floating_point():
                         tensor = tensor.to(device=device, dtype=dtype)
                     else:
                         tensor = tensor.to(device=device)
-                    progress.update(tensor.numel() * tensor.element_size())
                     yield name, tensor
 
 

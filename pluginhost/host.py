@@ -323,7 +323,7 @@ class PluginHost:
         An exception from an implementation becomes a ``PluginHookError`` naming
         the plugin and the hook.
         """
-        caller = getattr((self._pm or self.plugin_manager).hook, hook)
+        caller = getattr(self.plugin_manager.hook, hook)
         token = start_dispatch(self._owners)
         try:
             caller(**kwargs)
