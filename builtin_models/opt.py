@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from builtin_models.activations import activation
 from builtin_models.kv_cache import KVCache
-from builtin_models.weights import assign_weights, column_major
+from builtin_models.linear import Linear
+from builtin_models.weights import assign_weights
 
 if TYPE_CHECKING:
     from transformers import OPTConfig
@@ -45,10 +46,10 @@ class OPTAttention(nn.Module):
             raise ValueError(f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {self.n_heads}")
         self.scaling = self.head_dim**-0.5
         bias = config.enable_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.k_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.v_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
+        self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
@@ -78,8 +79,8 @@ class OPTDecoderLayer(nn.Module):
         affine = config.layer_norm_elementwise_affine
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
+        self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
         self.activation = activation(config.activation_function)
 
@@ -99,8 +100,8 @@ class OPTDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, W, config.pad_token_id)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, E)
         # 350m embeds words in W < E dimensions and projects in and out of the residual stream.
-        self.project_in = nn.Linear(W, E, bias=False) if W != E else None
-        self.project_out = nn.Linear(E, W, bias=False) if W != E else None
+        self.project_in = Linear(W, E, bias=False) if W != E else None
+        self.project_out = Linear(E, W, bias=False) if W != E else None
         has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = config.layer_norm_elementwise_affine
         self.final_layer_norm = nn.LayerNorm(E, elementwise_affine=affine) if has_final_norm else None
@@ -141,7 +142,7 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.decoder = OPTDecoder(config)
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every layer, on the model's device and dtype."""
@@ -164,41 +165,14 @@ class OPTForCausalLM(nn.Module):
         """Load Hugging Face OPT checkpoint names (``model.decoder.*`` or ``decoder.*``)."""
         tied = getattr(self.config, "tie_word_embeddings", True)
 
-        head = "decoder.embed_tokens.weight" if tied else "lm_head.weight"
-
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.")
             if tied and name == "lm_head.weight":
                 return None  # tied to the embeddings, as transformers does
             return name
 
-        def with_cpu_layout(weights: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
-            # Decoding multiplies a few rows of activations by every weight matrix.
-            # On CPU, BLAS streams the output head and the attention and fc1
-            # matrices faster stored column-major (fc2 is faster as it is);
-            # benchmarks/README.md has the figures. Relaid as each tensor streams
-            # by, so its original is freed at once and memory never holds both.
-            for name, tensor in weights:
-                target = rename(name)
-                if tensor.device.type == "cpu" and target is not None and _column_major_on_cpu(target, head):
-                    tensor = column_major(tensor)
-                yield name, tensor
-
-        loaded = assign_weights(self, with_cpu_layout(weights), rename)
+        loaded = assign_weights(self, weights, rename)
         if tied and "decoder.embed_tokens.weight" in loaded:
             self.lm_head.weight = self.decoder.embed_tokens.weight
             loaded.add("lm_head.weight")
         return loaded
-
-
-_COLUMN_MAJOR_SUFFIXES = (
-    ".self_attn.q_proj.weight",
-    ".self_attn.k_proj.weight",
-    ".self_attn.v_proj.weight",
-    ".self_attn.out_proj.weight",
-    ".fc1.weight",
-)
-
-
-def _column_major_on_cpu(name: str, head: str) -> bool:
-    return name == head or name.endswith(_COLUMN_MAJOR_SUFFIXES)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["assign_weights", "column_major"]
+__all__ = ["assign_weights"]
 
 
 def assign_weights(
@@ -74,16 +74,3 @@ def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: tor
         with torch.no_grad():
             param.copy_(tensor)
 
-
-def column_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same (out, in) matrix, stored transposed: ``weight.t()`` is contiguous.
-
-    ``F.linear(x, w)`` multiplies by ``w.t()``; on CPU, BLAS streams a large
-    matrix-vector product about 1.6x faster when that operand is contiguous
-    (see benchmarks/README.md). Values and shape are unchanged.
-    """
-    if weight.t().is_contiguous():
-        return weight
-    stored = torch.empty((weight.shape[1], weight.shape[0]), dtype=weight.dtype, device=weight.device)
-    stored.copy_(weight.t())
-    return stored.t()

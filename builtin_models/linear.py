@@ -1,0 +1,104 @@
+"""Linear layers that pick the fastest CPU kernel for the number of rows at hand.
+
+Decoding multiplies a few rows of activations (one per sequence) by every
+weight matrix, so a step is a string of skinny matrix products. On CPU,
+PyTorch's default kernel for those (MKL's sgemm, behind ``F.linear``) streams
+weights at a fraction of memory bandwidth; oneDNN, which PyTorch also ships,
+does much better when asked for ``weight @ x.T``: the weight becomes the
+streamed operand and the few activation rows the small, reused one. Large row
+counts (prefill) stay with MKL, the fastest there. benchmarks/README.md has
+the figures behind each threshold.
+
+Weights stay ordinary row-major ``(out, in)`` parameters, exactly as in the
+checkpoint: plugins can inspect, replace or patch them, and any device or
+dtype other than fp32 on CPU (or a missing oneDNN) goes to ``F.linear``.
+Only the rounding of the sums differs between kernels, as it does between
+any two BLAS libraries (parity with transformers is tested).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pluginhost.envflags import env_flag
+
+__all__ = ["Linear", "linear"]
+
+#: Up to this many rows, compute ``weight @ x.T`` with oneDNN (decode).
+SWAPPED_MAX_ROWS = 16
+#: Up to this many rows, compute ``x @ weight.T`` with oneDNN; more go to ``F.linear`` (MKL).
+ONEDNN_MAX_ROWS = 128
+
+#: Set to 1 to send every product to ``F.linear`` (to compare kernels, or to rule this module out).
+PLAIN_LINEAR_ENV = "PLUGINHOST_PLAIN_LINEAR"
+
+
+_ZERO = torch.zeros((), dtype=torch.float32)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward goes through :func:`linear`; parameters are unchanged."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return linear(input, self.weight, self.bias)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, by the fastest kernel for fp32 on CPU."""
+    if not _onednn_applies(x, weight):
+        return F.linear(x, weight, bias)
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    if rows == 0 or rows > ONEDNN_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    # oneDNN takes a strided operand (say, the last position of a batch) at a crawl: copy it.
+    x2d = x.reshape(rows, in_features).contiguous()
+    if rows <= SWAPPED_MAX_ROWS:
+        y_t = _onednn_linear(weight, x2d, None)  # (out, rows) = weight @ x2d.T
+        if rows == 1:
+            y = y_t.view(1, out_features)  # (1, out): one column is one row
+            if bias is not None:
+                y.add_(bias)
+        else:
+            # Transpose back while adding the bias (or zero): add's kernel is several times faster
+            # than copy_'s at writing a transposed tensor out contiguously.
+            y = torch.empty(rows, out_features, dtype=x.dtype)
+            torch.add(y_t.t(), _ZERO if bias is None else bias, out=y)
+    else:
+        y = _onednn_linear(x2d, weight, bias)  # (rows, out)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn_applies(x: Tensor, weight: Tensor) -> bool:
+    return (
+        _ONEDNN_USABLE
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()  # the swapped product streams it as it lies
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd formula
+    )
+
+
+def _onednn_usable() -> bool:
+    """Whether this PyTorch build has oneDNN's linear kernel and the user has not turned it off."""
+    if env_flag(PLAIN_LINEAR_ENV):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.ones(4)
+        return bool(torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN_USABLE = _onednn_usable()
