@@ -73,4 +73,3 @@ def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: tor
     else:
         with torch.no_grad():
             param.copy_(tensor)
-
