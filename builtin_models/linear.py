@@ -27,7 +27,7 @@ from pluginhost.envflags import env_flag
 __all__ = ["Linear", "linear"]
 
 #: Up to this many rows, compute ``weight @ x.T`` with oneDNN (decode).
-SWAPPED_MAX_ROWS = 16
+SWAPPED_MAX_ROWS = 24
 #: Up to this many rows, compute ``x @ weight.T`` with oneDNN; more go to ``F.linear`` (MKL).
 ONEDNN_MAX_ROWS = 128
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from builtin_models.activations import activation
 from builtin_models.kv_cache import KVCache
 from builtin_models.linear import Linear
-from builtin_models.weights import assign_weights
+from builtin_models.weights import Stacked, assign_weights
 
 if TYPE_CHECKING:
     from transformers import OPTConfig
@@ -35,6 +35,9 @@ __all__ = ["OPTAttention", "OPTDecoder", "OPTDecoderLayer", "OPTForCausalLM"]
 
 # OPT reserves the first two rows of its position table (a fairseq legacy).
 POSITION_OFFSET = 2
+
+#: The checkpoint's attention input projections, stacked in this order into ``qkv_proj``.
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")
 
 
 class OPTAttention(nn.Module):
@@ -46,20 +49,17 @@ class OPTAttention(nn.Module):
             raise ValueError(f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {self.n_heads}")
         self.scaling = self.head_dim**-0.5
         bias = config.enable_bias
-        self.q_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.k_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
-        self.v_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
+        # q, k and v stacked into one (3E, E) matrix: one product instead of three (checkpoints
+        # keep them apart; load_weights stacks them, rows [q; k; v]).
+        self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size, bias=bias)
         self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
         B, T, E = x.shape
-        # Scale q after the projection, as OPT does, so results match to the last bit.
-        q = self.q_proj(x) * self.scaling
-        k, v = self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        qkv = self.qkv_proj(x).view(B, T, 3, self.n_heads, self.head_dim)  # (B, T, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+        q = q * self.scaling  # after the projection, as OPT does
         if cache_slots is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_slots"
             assert mask is not None, "a cached forward needs the mask over cache slots"
@@ -165,10 +165,14 @@ class OPTForCausalLM(nn.Module):
         """Load Hugging Face OPT checkpoint names (``model.decoder.*`` or ``decoder.*``)."""
         tied = getattr(self.config, "tie_word_embeddings", True)
 
-        def rename(name: str) -> str | None:
+        def rename(name: str) -> str | Stacked | None:
             name = name.removeprefix("model.")
             if tied and name == "lm_head.weight":
                 return None  # tied to the embeddings, as transformers does
+            module, _, leaf = name.rpartition(".")  # "decoder.layers.0.self_attn.q_proj", "weight"
+            attention, _, projection = module.rpartition(".")
+            if projection in QKV_PARTS and attention.endswith(".self_attn"):
+                return Stacked(f"{attention}.qkv_proj.{leaf}", QKV_PARTS.index(projection), QKV_PARTS)
             return name
 
         loaded = assign_weights(self, weights, rename)

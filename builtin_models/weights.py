@@ -4,7 +4,9 @@ Models are constructed on the meta device, so a parameter still on meta has
 not been loaded. ``assign_weights`` replaces such a parameter with the
 checkpoint tensor itself (already on the target device and dtype: the engine
 converts while reading), which avoids a second copy of the model in memory;
-a parameter that already holds memory is copied into instead.
+a parameter that already holds memory is copied into instead. A parameter
+stacked from several checkpoint tensors (see ``Stacked``) is allocated once
+and each part copied into its rows.
 
 Plugin authors writing a model from scratch can call ``assign_weights`` from
 their ``load_weights``.
@@ -13,63 +15,119 @@ their ``load_weights``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["assign_weights"]
+__all__ = ["Stacked", "assign_weights"]
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Where a checkpoint tensor goes when the model stacks several into one parameter.
+
+    ``param`` is made of equal parts along dim 0, named ``parts`` in order
+    (say ``("q_proj", "k_proj", "v_proj")`` for a fused attention input
+    projection); this tensor is part ``parts[part]``. One matrix product then
+    does the work of several.
+    """
+
+    param: str
+    part: int
+    parts: tuple[str, ...]
 
 
 def assign_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    rename: Callable[[str], str | None] = lambda name: name,
+    rename: Callable[[str], str | Stacked | None] = lambda name: name,
 ) -> set[str]:
     """Load ``(checkpoint name, tensor)`` pairs into ``model``'s parameters.
 
-    ``rename`` maps a checkpoint name to a parameter name, or to ``None`` to
-    skip that tensor on purpose. Unexpected names and shape mismatches are
+    ``rename`` maps a checkpoint name to a parameter name, to a :class:`Stacked`
+    part of one, or to ``None`` to skip that tensor on purpose. Unexpected
+    names, shape mismatches and stacked parameters with parts missing are
     collected and raised together as one ``CheckpointError``; the names of
     the loaded parameters are returned, so the caller can report missing ones.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    stacked_parts: dict[str, tuple[Stacked, set[int]]] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
     for checkpoint_name, tensor in weights:
-        name = rename(checkpoint_name)
-        if name is None:
+        target = rename(checkpoint_name)
+        if target is None:
             continue
+        name = target.param if isinstance(target, Stacked) else target
         param = params.get(name)
         if param is None:
             unexpected.append(checkpoint_name)
             continue
-        if tuple(tensor.shape) != tuple(param.shape):
-            mismatched.append(f"{checkpoint_name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(param.shape)}")
+        expected = _part_shape(param, target) if isinstance(target, Stacked) else tuple(param.shape)
+        if tuple(tensor.shape) != expected:
+            where = f"model {expected}"
+            if isinstance(target, Stacked):
+                where += f" (the {target.parts[target.part]} part of {name})"
+            mismatched.append(f"{checkpoint_name}: checkpoint shape {tuple(tensor.shape)}, {where}")
             continue
         if tensor.dtype.is_floating_point != param.dtype.is_floating_point:
             mismatched.append(f"{checkpoint_name}: checkpoint dtype {tensor.dtype}, model {param.dtype}")
             continue
-        _set_parameter(model, name, param, tensor)
-        loaded.add(name)
+        if isinstance(target, Stacked):
+            params[name] = _set_part(model, name, param, target, tensor)
+            stacked_parts.setdefault(name, (target, set()))[1].add(target.part)
+        else:
+            params[name] = _set_parameter(model, name, param, tensor)
+            loaded.add(name)
+    incomplete = []
+    for name, (stacked, present) in sorted(stacked_parts.items()):
+        if len(present) == len(stacked.parts):
+            loaded.add(name)
+        else:
+            absent = ", ".join(part for i, part in enumerate(stacked.parts) if i not in present)
+            incomplete.append(f"{name} (stacked from {', '.join(stacked.parts)}; no {absent})")
     problems = []
     if unexpected:
         problems.append(f"unexpected tensors (not in {type(model).__name__}): {', '.join(sorted(unexpected))}")
     if mismatched:
         problems.append(f"tensors that do not fit: {'; '.join(mismatched)}")
+    if incomplete:
+        problems.append(f"parameters with parts missing: {'; '.join(incomplete)}")
     if problems:
         raise CheckpointError("The checkpoint does not fit the model: " + ". ".join(problems) + ".")
     return loaded
 
 
-def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor) -> None:
+def _part_shape(param: nn.Parameter, stacked: Stacked) -> tuple[int, ...]:
+    rows, rest = param.shape[0], tuple(param.shape[1:])
+    return (rows // len(stacked.parts), *rest)
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor) -> nn.Parameter:
     if param.is_meta:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
         tensor = tensor.to(dtype=param.dtype)  # no copy when the engine already converted it
-        setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
-    else:
-        with torch.no_grad():
-            param.copy_(tensor)
+        return _replace_parameter(model, name, tensor)
+    with torch.no_grad():
+        param.copy_(tensor)
+    return param
+
+
+def _set_part(model: nn.Module, name: str, param: nn.Parameter, stacked: Stacked, tensor: torch.Tensor) -> nn.Parameter:
+    if param.is_meta:  # the first part to arrive allocates the whole parameter
+        param = _replace_parameter(model, name, torch.empty(param.shape, dtype=param.dtype, device=tensor.device))
+    rows = param.shape[0] // len(stacked.parts)
+    with torch.no_grad():
+        param[stacked.part * rows : (stacked.part + 1) * rows].copy_(tensor)
+    return param
+
+
+def _replace_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    param = nn.Parameter(tensor, requires_grad=False)
+    setattr(owner, attr, param)
+    return param

@@ -35,6 +35,14 @@ def drop_tensor(d: Path) -> None:
     edit_tensors(d, lambda t: t.pop("model.decoder.layers.1.fc2.weight"))
 
 
+def drop_stacked_part(d: Path) -> None:
+    edit_tensors(d, lambda t: t.pop("model.decoder.layers.0.self_attn.k_proj.bias"))
+
+
+def reshape_stacked_part(d: Path) -> None:
+    edit_tensors(d, lambda t: t.update({"model.decoder.layers.1.self_attn.v_proj.weight": torch.zeros(31, 32)}))
+
+
 def add_tensor(d: Path) -> None:
     edit_tensors(d, lambda t: t.update({"model.decoder.layers.0.extra.weight": torch.zeros(2)}))
 
@@ -87,6 +95,15 @@ def bad_index(d: Path) -> None:
 
 FAULTS = {
     "missing tensor": (drop_tensor, "lacks 1 tensor(s) the model needs: decoder.layers.1.fc2.weight"),
+    "missing part of q/k/v": (
+        drop_stacked_part,
+        "decoder.layers.0.self_attn.qkv_proj.bias (stacked from q_proj, k_proj, v_proj; no k_proj)",
+    ),
+    "wrong shape of q/k/v": (
+        reshape_stacked_part,
+        "model.decoder.layers.1.self_attn.v_proj.weight: checkpoint shape (31, 32), model (32, 32) "
+        "(the v_proj part of decoder.layers.1.self_attn.qkv_proj.weight)",
+    ),
     "extra tensor": (add_tensor, "unexpected tensors (not in OPTForCausalLM): model.decoder.layers.0.extra.weight"),
     "wrong shape": (reshape_tensor, "model.decoder.layers.0.fc1.weight: checkpoint shape (64, 31), model (64, 32)"),
     "wrong dtype": (

@@ -87,6 +87,29 @@ def test_greedy_tokens_equal_transformers_generate(variant_dir):
     assert ours == theirs
 
 
+@pytest.mark.parametrize("batch, length", [(1, 1), (3, 7), (2, 40), (1, 200)])
+@torch.no_grad()
+def test_every_cpu_kernel_regime_matches_transformers(tmp_path, batch, length):
+    """Row counts that take each of builtin_models.linear's kernels (swapped oneDNN, oneDNN, MKL)."""
+    model_dir = make_tiny_opt(tmp_path, tokenizer=False, seed=3, max_position_embeddings=256)
+    llm = LLM(str(model_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf_model(model_dir)
+    ids = torch.randint(3, 384, (batch, length), generator=torch.Generator().manual_seed(length))
+    hidden = llm.model(ids, torch.arange(length).expand(batch, length))  # (batch, length, W)
+    ours = llm.model.compute_logits(hidden).log_softmax(-1)
+    theirs = reference(ids).logits.float().log_softmax(-1)
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_q_k_v_are_stacked_in_order(reference_dir):
+    llm = LLM(str(reference_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    tensors = load_file(str(reference_dir / "model.safetensors"))
+    for i, layer in enumerate(llm.model.decoder.layers):
+        for leaf in ("weight", "bias"):
+            parts = [tensors[f"model.decoder.layers.{i}.self_attn.{p}_proj.{leaf}"] for p in "qkv"]
+            assert torch.equal(getattr(layer.self_attn.qkv_proj, leaf), torch.cat(parts))
+
+
 # -- checkpoint formats ---------------------------------------------------------------
 
 

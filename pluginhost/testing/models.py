@@ -87,9 +87,9 @@ def make_tiny_opt(
     torch.manual_seed(seed)
     hf_config = OPTConfig(**{**TINY_OPT, **config})
     model = OPTForCausalLM(hf_config).eval()
-    with torch.no_grad():  # transformers initialises LayerNorms to 1/0: perturb them so tests see them
+    with torch.no_grad():  # transformers initialises LayerNorms to 1/0 and biases to 0: perturb them so tests see them
         for name, param in model.named_parameters():
-            if "layer_norm" in name:
+            if "layer_norm" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     if weights == "safetensors":
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
