@@ -18,6 +18,8 @@ any two BLAS libraries (parity with transformers is tested).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -47,7 +49,17 @@ class Linear(nn.Linear):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by the fastest kernel for fp32 on CPU."""
-    if not _onednn_applies(x, weight):
+    # Checked cheapest first: this runs for every product of every step.
+    if not (
+        _onednn is not None
+        and x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.is_contiguous()  # the swapped product streams it as it lies
+        and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # oneDNN has no backward
+    ):
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
@@ -55,50 +67,32 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     # oneDNN takes a strided operand (say, the last position of a batch) at a crawl: copy it.
     x2d = x.reshape(rows, in_features).contiguous()
-    if rows <= SWAPPED_MAX_ROWS:
-        y_t = _onednn_linear(weight, x2d, None)  # (out, rows) = weight @ x2d.T
+    # One row with a bias: the plain product adds the bias in the same pass, which beats the
+    # swapped one plus a separate add.
+    if rows <= SWAPPED_MAX_ROWS and not (rows == 1 and bias is not None):
+        y_t = _onednn(weight, x2d, None, "none", [], "")  # (out, rows) = weight @ x2d.T
         if rows == 1:
             y = y_t.view(1, out_features)  # (1, out): one column is one row
-            if bias is not None:
-                y.add_(bias)
         else:
             # Transpose back while adding the bias (or zero): add's kernel is several times faster
             # than copy_'s at writing a transposed tensor out contiguously.
             y = torch.empty(rows, out_features, dtype=x.dtype)
             torch.add(y_t.t(), _ZERO if bias is None else bias, out=y)
     else:
-        y = _onednn_linear(x2d, weight, bias)  # (rows, out)
-    return y.view(*x.shape[:-1], out_features)
+        y = _onednn(x2d, weight, bias, "none", [], "")  # (rows, out)
+    return y.view(x.shape[:-1] + (out_features,))
 
 
-def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def _onednn_applies(x: Tensor, weight: Tensor) -> bool:
-    return (
-        _ONEDNN_USABLE
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and weight.is_contiguous()  # the swapped product streams it as it lies
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd formula
-    )
-
-
-def _onednn_usable() -> bool:
-    """Whether this PyTorch build has oneDNN's linear kernel and the user has not turned it off."""
-    if env_flag(PLAIN_LINEAR_ENV):
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
+def _usable_onednn_linear() -> Callable[..., Tensor] | None:
+    """oneDNN's linear kernel, if this PyTorch build has it and the user has not turned it off."""
+    if env_flag(PLAIN_LINEAR_ENV) or not torch.backends.mkldnn.is_available():
+        return None
     try:
-        op = torch.ops.mkldnn._linear_pointwise
+        op = torch.ops.mkldnn._linear_pointwise.default
         x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.ones(4)
-        return bool(torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)))
+        return op if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)) else None
     except (AttributeError, RuntimeError):
-        return False
+        return None
 
 
-_ONEDNN_USABLE = _onednn_usable()
+_onednn = _usable_onednn_linear()
