@@ -7,12 +7,13 @@ much of transformers and torch.distributed (seconds of start-up).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ACTIVATIONS", "activation"]
+__all__ = ["ACTIVATIONS", "IN_PLACE", "activation"]
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -37,9 +38,26 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def activation(name: str) -> Callable[[Tensor], Tensor]:
-    """The function for config name ``name``; an unknown name is an error listing the known ones."""
+#: In-place versions, for a caller whose input is a temporary nobody else holds.
+IN_PLACE: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": torch.relu_,
+    "silu": partial(F.silu, inplace=True),
+    "swish": partial(F.silu, inplace=True),
+    "tanh": torch.tanh_,
+    "sigmoid": torch.sigmoid_,
+}
+
+
+def activation(name: str, *, in_place: bool = False) -> Callable[[Tensor], Tensor]:
+    """The function for config name ``name``; an unknown name is an error listing the known ones.
+
+    ``in_place=True`` returns a version that overwrites its input where one
+    exists (relu, silu, tanh, sigmoid): it saves allocating, and on a fresh
+    large tensor first touching, a second buffer of the same size.
+    """
     try:
+        if in_place and name in IN_PLACE:
+            return IN_PLACE[name]
         return ACTIVATIONS[name]
     except KeyError:
         raise ValueError(
