@@ -1,8 +1,11 @@
 """Reading a model directory's weights: safetensors (preferred) or ``pytorch_model*.bin``.
 
 Tensors are streamed one at a time, already converted to the target device and
-dtype, so a model is never held twice in memory: safetensors files are
-memory-mapped, and a tensor that needs no conversion is handed over as it is.
+dtype, so a model is never held twice in memory: safetensors files are read
+with ``pread`` into memory the engine owns (memory-mapped with safetensors
+older than 0.8), so a model never changes, nor crashes the process, if its
+file is rewritten while it runs; a tensor that needs no conversion is handed
+over as it is.
 ``.bin`` files are read with ``torch.load(weights_only=True)``, which refuses
 pickled code. Files are only ever read.
 
