@@ -37,7 +37,9 @@ ONEDNN_MAX_ROWS = 128
 PLAIN_LINEAR_ENV = "PLUGINHOST_PLAIN_LINEAR"
 
 
-_ZERO = torch.zeros((), dtype=torch.float32)
+# Device and dtype explicit: this module may first be imported under a meta-device or
+# default-dtype context (a plugin's model constructor, say).
+_ZERO = torch.zeros((), dtype=torch.float32, device="cpu")
 
 
 class Linear(nn.Linear):
@@ -76,7 +78,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         else:
             # Transpose back while adding the bias (or zero): add's kernel is several times faster
             # than copy_'s at writing a transposed tensor out contiguously.
-            y = torch.empty(rows, out_features, dtype=x.dtype)
+            y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
             torch.add(y_t.t(), _ZERO if bias is None else bias, out=y)
     else:
         y = _onednn(x2d, weight, bias, "none", [], "")  # (rows, out)
@@ -89,7 +91,7 @@ def _usable_onednn_linear() -> Callable[..., Tensor] | None:
         return None
     try:
         op = torch.ops.mkldnn._linear_pointwise.default
-        x, w, b = torch.ones(2, 3), torch.ones(4, 3), torch.ones(4)
+        x, w, b = (torch.ones(shape, dtype=torch.float32, device="cpu") for shape in ((2, 3), (4, 3), (4,)))
         return op if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)) else None
     except (AttributeError, RuntimeError):
         return None

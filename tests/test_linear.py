@@ -125,3 +125,17 @@ def test_plain_linear_switch_turns_onednn_off():
 
     assert onednn_usable("1").strip() == "False"
     assert onednn_usable("").strip() == str(torch.backends.mkldnn.is_available())
+
+
+def test_first_import_under_a_meta_device_and_half_default_dtype_still_finds_onednn():
+    """A plugin's model constructor (run on meta, under the engine's dtype) may be the first importer."""
+    code = (
+        "import torch\n"
+        "torch.set_default_dtype(torch.bfloat16)\n"
+        "with torch.device('meta'):\n"
+        "    import builtin_models.linear as m\n"
+        "print(m._onednn is not None, m._ZERO.device, m._ZERO.dtype)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != linear_module.PLAIN_LINEAR_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == [str(torch.backends.mkldnn.is_available()), "cpu", "torch.float32"]
