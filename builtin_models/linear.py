@@ -33,6 +33,10 @@ SWAPPED_MAX_ROWS = 24
 #: Up to this many rows, compute ``x @ weight.T`` with oneDNN; more go to ``F.linear`` (MKL).
 ONEDNN_MAX_ROWS = 128
 
+#: Smaller weights go to ``F.linear``: oneDNN's fixed cost per call (about 25 µs here, against 4 for
+#: ``F.linear``) outweighs its faster streaming below roughly a 384 x 384 matrix.
+ONEDNN_MIN_WEIGHT_ELEMENTS = 2**17
+
 #: Set to 1 to send every product to ``F.linear`` (to compare kernels, or to rule this module out).
 PLAIN_LINEAR_ENV = "PLUGINHOST_PLAIN_LINEAR"
 
@@ -59,6 +63,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and x.is_cpu
         and weight.is_cpu
         and weight.dim() == 2
+        and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
         and weight.is_contiguous()  # the swapped product streams it as it lies
         and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # oneDNN has no backward
     ):

@@ -15,6 +15,15 @@ from hypothesis import strategies as st
 import builtin_models.linear as linear_module
 from builtin_models.linear import ONEDNN_MAX_ROWS, SWAPPED_MAX_ROWS, Linear, linear
 
+
+@pytest.fixture(autouse=True, scope="module")
+def onednn_for_small_matrices():
+    """These tests' matrices are small: let them take oneDNN's paths all the same."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_module, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)
+        yield
+
+
 # Every regime: one row, the swapped product, its edge, plain oneDNN, its edge, F.linear.
 ROWS = [1, 2, SWAPPED_MAX_ROWS, SWAPPED_MAX_ROWS + 1, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300]
 
@@ -73,6 +82,13 @@ def test_inputs_are_never_written():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_other_dtypes_go_to_f_linear(dtype):
     x, weight, bias = torch.randn(2, 16, dtype=dtype), torch.randn(8, 16, dtype=dtype), torch.randn(8, dtype=dtype)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_small_weights_go_to_f_linear(monkeypatch):
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_WEIGHT_ELEMENTS", 64 * 64 + 1)
+    x, weight, bias = torch.randn(1, 64), torch.randn(64, 64), torch.randn(64)
     with torch.inference_mode():
         assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
 

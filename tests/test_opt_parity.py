@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import OPTForCausalLM as HFOPTForCausalLM
 
+import builtin_models.linear
 from pluginhost import LLM, SamplingParams
 from pluginhost.testing import make_tiny_opt
 
@@ -89,8 +90,9 @@ def test_greedy_tokens_equal_transformers_generate(variant_dir):
 
 @pytest.mark.parametrize("batch, length", [(1, 1), (3, 7), (2, 40), (1, 200)])
 @torch.no_grad()
-def test_every_cpu_kernel_regime_matches_transformers(tmp_path, batch, length):
+def test_every_cpu_kernel_regime_matches_transformers(tmp_path, monkeypatch, batch, length):
     """Row counts that take each of builtin_models.linear's kernels (swapped oneDNN, oneDNN, MKL)."""
+    monkeypatch.setattr(builtin_models.linear, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)  # tiny matrices too
     model_dir = make_tiny_opt(tmp_path, tokenizer=False, seed=3, max_position_embeddings=256)
     llm = LLM(str(model_dir), load_installed_plugins=False, dtype="float32", device="cpu")
     reference = hf_model(model_dir)
