@@ -63,6 +63,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and x.is_cpu
         and weight.is_cpu
         and weight.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1]  # else F.linear says what does not fit
         and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS
         and weight.is_contiguous()  # the swapped product streams it as it lies
         and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # oneDNN has no backward

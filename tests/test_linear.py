@@ -93,6 +93,15 @@ def test_small_weights_go_to_f_linear(monkeypatch):
         assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
 
 
+def test_mismatched_shapes_raise_what_f_linear_raises():
+    x, weight = torch.randn(2, 15), torch.randn(8, 16)
+    with pytest.raises(RuntimeError) as ours, torch.inference_mode():
+        linear(x, weight)
+    with pytest.raises(RuntimeError) as theirs:
+        F.linear(x, weight)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_transposed_weight_goes_to_f_linear():
     weight = torch.randn(16, 8).t()  # (8, 16), not contiguous: a plugin may hand one over
     x = torch.randn(1, 16)
