@@ -59,15 +59,14 @@ class OPTAttention(nn.Module):
         B, T, E = x.shape
         qkv = self.qkv_proj(x).view(B, T, 3, self.n_heads, self.head_dim)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
-        q = q * self.scaling  # after the projection, as OPT does
         if cache_slots is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_slots"
             assert mask is not None, "a cached forward needs the mask over cache slots"
             k, v = self.kv_cache.update(cache_slots, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=1.0)  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scaling)  # (B, H, T, D)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, E)  # (B, T, E)
         return self.out_proj(y)
 
