@@ -103,6 +103,12 @@ def test_every_cpu_kernel_regime_matches_transformers(tmp_path, monkeypatch, bat
     assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
+def test_cached_decoding_through_onednn_matches_transformers(tmp_path, monkeypatch):
+    """Decoding steps are a few rows each: with the size threshold off, they take oneDNN's products."""
+    monkeypatch.setattr(builtin_models.linear, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)
+    test_cached_decoding_matches_transformers_at_every_step(make_tiny_opt(tmp_path, tokenizer=False, seed=4))
+
+
 def test_q_k_v_are_stacked_in_order(reference_dir):
     llm = LLM(str(reference_dir), load_installed_plugins=False, dtype="float32", device="cpu")
     tensors = load_file(str(reference_dir / "model.safetensors"))
