@@ -18,6 +18,7 @@ any two BLAS libraries (parity with transformers is tested).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,8 @@ from torch import Tensor, nn
 from pluginhost.envflags import env_flag
 
 __all__ = ["Linear", "linear"]
+
+logger = logging.getLogger(__name__)
 
 #: Up to this many rows, compute ``weight @ x.T`` with oneDNN (decode).
 SWAPPED_MAX_ROWS = 24
@@ -94,14 +97,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _usable_onednn_linear() -> Callable[..., Tensor] | None:
     """oneDNN's linear kernel, if this PyTorch build has it and the user has not turned it off."""
-    if env_flag(PLAIN_LINEAR_ENV) or not torch.backends.mkldnn.is_available():
+    if env_flag(PLAIN_LINEAR_ENV):
+        logger.debug("CPU linear layers: F.linear for every product (%s is set)", PLAIN_LINEAR_ENV)
+        return None
+    if not torch.backends.mkldnn.is_available():
+        logger.debug("CPU linear layers: F.linear for every product (this PyTorch has no oneDNN)")
         return None
     try:
         op = torch.ops.mkldnn._linear_pointwise.default
         x, w, b = (torch.ones(shape, dtype=torch.float32, device="cpu") for shape in ((2, 3), (4, 3), (4,)))
-        return op if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)) else None
-    except (AttributeError, RuntimeError):
-        return None
+        if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)):
+            return op
+        logger.warning("oneDNN's linear kernel gave a wrong result on a self-check; using F.linear throughout")
+    except (AttributeError, RuntimeError) as exc:
+        logger.debug("CPU linear layers: F.linear for every product (oneDNN's linear kernel is missing: %s)", exc)
+    return None
 
 
 _onednn = _usable_onednn_linear()
