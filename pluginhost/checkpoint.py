@@ -1,11 +1,10 @@
 """Reading a model directory's weights: safetensors (preferred) or ``pytorch_model*.bin``.
 
 Tensors are streamed one at a time, already converted to the target device and
-dtype, so a model is never held twice in memory: safetensors files are read
-with ``pread`` into memory the engine owns (memory-mapped with safetensors
-older than 0.8), so a model never changes, nor crashes the process, if its
-file is rewritten while it runs; a tensor that needs no conversion is handed
-over as it is.
+dtype, so a model is never held twice in memory. safetensors checks each
+file; the data is then read straight into memory the engine owns, so a model
+never changes, nor crashes the process, if its file is rewritten while it
+runs; a tensor that needs no conversion is handed over as it is.
 ``.bin`` files are read with ``torch.load(weights_only=True)``, which refuses
 pickled code. Files are only ever read.
 
@@ -17,9 +16,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -103,23 +104,62 @@ def _files_from_index(index: Path) -> tuple[Path, ...]:
 
 
 def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
     try:
-        with _open_safetensors(path) as f:
+        # safetensors validates the file (header, offsets, size); the data is then read straight
+        # into tensors the engine owns, which is several times faster than safe_open's own readers
+        # and never leaves a tensor backed by the file (rewriting or truncating it later is harmless).
+        with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
+            entries, data_start = _safetensors_entries(raw)
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
-    except (SafetensorError, OSError) as exc:
+                dtype = _SAFETENSORS_DTYPES.get(entries[name]["dtype"])
+                if dtype is None or sys.byteorder != "little":  # what the direct read does not cover
+                    yield name, f.get_tensor(name).clone()
+                    continue
+                offset = data_start + entries[name]["data_offsets"][0]
+                yield name, _read_into(raw, offset, torch.empty(entries[name]["shape"], dtype=dtype), path)
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
 
 
-def _open_safetensors(path: Path):  # noqa: ANN202 - safetensors' handle type is private
-    from safetensors import safe_open
+#: safetensors' dtype names that map one to one onto torch dtypes (little-endian, as the format is).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
-    try:
-        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
-    except TypeError:  # safetensors < 0.8 has no backend choice: memory-mapped it is
-        return safe_open(str(path), framework="pt", device="cpu")
+
+def _safetensors_entries(raw: BinaryIO) -> tuple[dict[str, dict], int]:
+    """The header (name -> dtype, shape, data_offsets) and where the data begins."""
+    raw.seek(0)
+    header_size = int.from_bytes(raw.read(8), "little")
+    entries = json.loads(raw.read(header_size))
+    entries.pop("__metadata__", None)
+    return entries, 8 + header_size
+
+
+def _read_into(raw: BinaryIO, offset: int, tensor: torch.Tensor, path: Path) -> torch.Tensor:
+    """Fill ``tensor`` with the bytes at ``offset``: one read straight into its memory."""
+    if tensor.numel() == 0:
+        return tensor
+    buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    raw.seek(offset)
+    done = 0
+    while done < len(buffer):
+        count = raw.readinto(buffer[done:])
+        if not count:
+            raise CheckpointError(f"Cannot read {path}: the file ends inside a tensor (is it still being written?).")
+        done += count
+    return tensor
 
 
 def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

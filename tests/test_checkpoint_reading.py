@@ -1,0 +1,73 @@
+"""Reading safetensors files: every tensor exactly as safetensors itself reads it, in memory we own."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pluginhost.checkpoint import _read_into, find_checkpoint
+from pluginhost.errors import CheckpointError
+
+CPU = torch.device("cpu")
+
+
+def tensors_of_every_kind() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        f"{dtype}".removeprefix("torch."): (torch.randn(3, 5, generator=generator) * 100).to(dtype)
+        for dtype in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+        )
+    }
+    tensors["scalar"] = torch.tensor(3.5)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["odd size"] = torch.arange(7, dtype=torch.int8)
+    if hasattr(torch, "float8_e4m3fn"):  # read through safetensors itself, then copied
+        tensors["float8"] = torch.randn(4, 4, generator=generator).to(torch.float8_e4m3fn)
+    return tensors
+
+
+def read_raw(model_dir: Path) -> dict[str, torch.Tensor]:
+    checkpoint = find_checkpoint(model_dir)
+    # dtype only converts floating-point tensors; float64 in, float64 out, to compare bit for bit
+    return dict(checkpoint.tensors(dtype=torch.float64, device=CPU))
+
+
+def test_every_dtype_and_shape_reads_as_safetensors_reads_it(tmp_path):
+    tensors = tensors_of_every_kind()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    expected = load_file(str(tmp_path / "model.safetensors"))
+    ours = read_raw(tmp_path)
+    assert ours.keys() == expected.keys()
+    for name, tensor in expected.items():
+        reference = tensor.to(torch.float64) if tensor.is_floating_point() else tensor
+        assert ours[name].dtype == reference.dtype and ours[name].shape == reference.shape, name
+        assert torch.equal(ours[name], reference), name
+
+
+def test_loaded_tensors_survive_the_file_being_rewritten(tmp_path):
+    """The engine owns its weights: nothing is backed by the file once it is read."""
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(weights))
+    loaded = dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
+    weights.write_bytes(b"")  # truncated under the running engine
+    assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_a_file_ending_inside_a_tensor_is_one_clear_error():
+    short = io.BytesIO(b"\x01\x02\x03")
+    with pytest.raises(CheckpointError, match="the file ends inside a tensor"):
+        _read_into(short, 0, torch.empty(4, dtype=torch.int8), Path("model.safetensors"))
