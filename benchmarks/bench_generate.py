@@ -16,7 +16,15 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import checkpoint_dir, machine, median_alternating, report, setup_threads, timed
+from common import (
+    checkpoint_dir,
+    machine,
+    median_alternating,
+    pluginhost_tokens_per_second,
+    report,
+    setup_threads,
+    transformers_tokens_per_second,
+)
 
 
 def main() -> None:
@@ -30,7 +38,7 @@ def main() -> None:
     from transformers import OPTForCausalLM
 
     from builtin_models.linear import linear
-    from pluginhost import LLM, SamplingParams
+    from pluginhost import LLM
 
     llm = LLM(str(path), load_installed_plugins=False, device="cpu", dtype="float32")
     hf = OPTForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -42,24 +50,10 @@ def main() -> None:
         return [[2, *torch.randint(3, 50000, (length - 1,), generator=generator).tolist()] for _ in range(batch)]
 
     def ours_decode(batch_prompts: list[list[int]], new: int) -> float:
-        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        seconds = timed(lambda: llm.generate(batch_prompts, params))
-        return len(batch_prompts) * new / seconds
+        return pluginhost_tokens_per_second(llm, batch_prompts, new)
 
-    @torch.inference_mode()
     def hf_decode(batch_prompts: list[list[int]], new: int) -> float:
-        ids = torch.tensor(batch_prompts)
-        seconds = timed(
-            lambda: hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=1,
-            )
-        )
-        return len(batch_prompts) * new / seconds
+        return transformers_tokens_per_second(hf, batch_prompts, new)
 
     ratios = {}
     for batch, target in ((1, ">= 1.25x"), (8, ">= 1.5x")):

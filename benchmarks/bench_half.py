@@ -14,7 +14,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import checkpoint_dir, machine, median_alternating, report, setup_threads, timed
+from common import (
+    checkpoint_dir,
+    machine,
+    median_alternating,
+    pluginhost_tokens_per_second,
+    report,
+    setup_threads,
+    transformers_tokens_per_second,
+)
 
 
 def main() -> None:
@@ -27,32 +35,19 @@ def main() -> None:
 
     from transformers import OPTForCausalLM
 
-    from pluginhost import LLM, SamplingParams
+    from pluginhost import LLM
 
     print(f"machine: {machine()}; threads: {cores}")
     prompt = [[2, *range(100, 131)]]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     for dtype in ("float32", "bfloat16", "float16"):
         llm = LLM(str(path), load_installed_plugins=False, device="cpu", dtype=dtype)
         hf = OPTForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
         def ours(llm: LLM = llm) -> float:
-            return args.new_tokens / timed(lambda: llm.generate(prompt, params))
+            return pluginhost_tokens_per_second(llm, prompt, args.new_tokens)
 
-        @torch.inference_mode()
         def theirs(hf: OPTForCausalLM = hf) -> float:
-            ids = torch.tensor(prompt)
-            generate = hf.generate
-            return args.new_tokens / timed(
-                lambda: generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=args.new_tokens,
-                    min_new_tokens=args.new_tokens,
-                    do_sample=False,
-                    pad_token_id=1,
-                )
-            )
+            return transformers_tokens_per_second(hf, prompt, args.new_tokens)
 
         ours(), theirs()  # warm up
         results = median_alternating(args.runs, ours=ours, theirs=theirs)

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: facebook/opt-125m's shape, with random weights (nothing can be downloaded).
 OPT_125M = {
@@ -60,6 +61,33 @@ def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def pluginhost_tokens_per_second(llm: Any, prompts: list[list[int]], new: int) -> float:
+    """Greedy ``generate`` of ``new`` tokens per prompt, end-of-sequence ignored: generated tokens/s."""
+    from pluginhost import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    return len(prompts) * new / timed(lambda: llm.generate(prompts, params))
+
+
+def transformers_tokens_per_second(model: Any, prompts: list[list[int]], new: int) -> float:
+    """The same through transformers' ``generate``, as its users call it (prompts of equal length)."""
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        seconds = timed(
+            lambda: model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=1,
+            )
+        )
+    return len(prompts) * new / seconds
 
 
 def machine() -> str:
