@@ -113,12 +113,13 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
             entries, data_start = _safetensors_entries(raw)
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                dtype = _SAFETENSORS_DTYPES.get(entries[name]["dtype"])
+                entry = entries[name]
+                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
                 if dtype is None or sys.byteorder != "little":  # what the direct read does not cover
                     yield name, f.get_tensor(name).clone()
                     continue
-                offset = data_start + entries[name]["data_offsets"][0]
-                yield name, _read_into(raw, offset, torch.empty(entries[name]["shape"], dtype=dtype), path)
+                offset = data_start + entry["data_offsets"][0]
+                yield name, _read_into(raw, offset, torch.empty(entry["shape"], dtype=dtype), path)
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
 
