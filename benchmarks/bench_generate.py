@@ -5,7 +5,7 @@ OPT-125m shape, random weights saved with ``save_pretrained``, fp32, CPU,
 sides, medians of alternating runs. transformers runs with its defaults
 (``sdpa`` attention, ``generate``), as its users would.
 
-    python benchmarks/bench_generate.py [--runs 3] [--skip-prefill]
+    python benchmarks/bench_generate.py [--runs 3] [--new-tokens 128]
 """
 
 from __future__ import annotations
