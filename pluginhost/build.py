@@ -1,30 +1,33 @@
-"""Building an engine's model, hook by hook.
-
-The order, each step seeing what the earlier ones did:
+"""Building an engine's model: one straight line, each step once, cheapest errors first.
 
 1. plugins load (``PluginHost.load``);
 2. ``register_models`` collects this engine's architecture registry;
 3. ``modify_config`` adjusts the ``EngineConfig`` (the user's settings are in);
-4. ``config.json`` is read, then ``hf_overrides`` and the architecture override
-   are applied to it;
-5. the architecture is resolved to a class, and ``pre_load`` sees it;
-6. the model is constructed on the meta device (no memory yet), its weights
-   are loaded straight onto the target device and dtype;
-7. ``post_load`` sees the loaded model.
+4. the model directory is checked and its ``config.json`` read, then
+   ``hf_overrides`` and the architecture override applied;
+5. the architecture is picked from the registry;
+6. (``LLM``) the tokenizer is loaded and the weight files found, so a broken
+   tokenizer or missing weights fail before anything heavy; the model class
+   is resolved (imported and checked); device, dtype and ``max_model_len``
+   are decided and written into the config; ``pre_load`` sees all of it;
+7. (``LLM``) the model is constructed on the meta device (no memory yet), its
+   weights are loaded straight onto the target device and dtype, and
+   ``post_load`` sees the loaded model.
 
-``plan_build`` stops after step 4 plus the lookup of the registry entry, so
-``pluginhost config`` can show what would be built without importing torch.
-An exception anywhere aborts the build; nothing is kept.
+``plan_build`` is steps 1 to 5, so ``pluginhost config`` can show what would
+be built without importing torch. An exception anywhere aborts the build;
+nothing is kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pluginhost.config import EngineConfig
 from pluginhost.host import PluginHost
-from pluginhost.model_dir import apply_overrides, load_hf_config
+from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
 from pluginhost.registry import ArchitectureRegistry, Registration
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ class BuildPlan:
     """Everything decided before the model class is imported."""
 
     config: EngineConfig
+    model_dir: Path
     hf_config: PretrainedConfig
     registry: ArchitectureRegistry
     registration: Registration
@@ -56,13 +60,14 @@ class BuildPlan:
 
 
 def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
-    """Steps 1 to 4 of the build, and the registry entry that step 5 will use."""
+    """Steps 1 to 5 of the build."""
     host.load()
     registry = host.collect_models()
     host.call("modify_config", config=config)
-    hf_config = load_hf_config(config.model)
+    model_dir = model_directory(config.model)
+    hf_config = load_hf_config(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
-    return BuildPlan(config, hf_config, registry, _pick_architecture(registry, hf_config.architectures))
+    return BuildPlan(config, model_dir, hf_config, registry, _pick_architecture(registry, hf_config.architectures))
 
 
 def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str]) -> Registration:

@@ -88,6 +88,18 @@ class EngineConfig(BaseModel):
             plugin = current_plugin()
             self._provenance[name] = f"plugin:{plugin.name}" if plugin else "user"
 
+    def settle(self, **values: Any) -> None:
+        """Replace settings the engine decided (``device="auto"`` -> ``"cpu"``) by the decision.
+
+        Each value is validated; provenance keeps who asked for the setting, since
+        the decision follows from it. The engine calls this before ``pre_load``, so
+        plugins see the concrete device, dtype and ``max_model_len``.
+        """
+        for name, value in values.items():
+            source = self._provenance[name]
+            setattr(self, name, value)
+            self._provenance[name] = source
+
     @property
     def provenance(self) -> dict[str, str]:
         """Who set each field last: ``default``, ``user`` or ``plugin:NAME``."""

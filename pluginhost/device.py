@@ -12,11 +12,16 @@ from pluginhost.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["resolve_device", "resolve_dtype"]
+__all__ = ["dtype_name", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The ``EngineConfig.dtype`` spelling of a parameter dtype (``torch.float32`` -> ``"float32"``)."""
+    return next(name for name, value in _DTYPES.items() if value is dtype)
 
 
 def resolve_device(device: str) -> torch.device:

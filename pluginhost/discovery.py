@@ -10,7 +10,7 @@ from importlib import metadata
 
 from hookspecs import ENTRY_POINT_GROUP
 
-__all__ = ["InstalledPlugin", "discover_installed"]
+__all__ = ["InstalledPlugin", "discover_installed", "owner_of_module"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,28 @@ def discover_installed() -> list[InstalledPlugin]:
             InstalledPlugin(entry_point.name, entry_point.value, distribution, version, entry_point),
         )
     return sorted(found.values(), key=lambda p: (p.name, p.distribution or ""))
+
+
+def _module_of(plugin: InstalledPlugin) -> str:
+    return plugin.value.partition(":")[0].strip()
+
+
+def owner_of_module(module: str, installed: list[InstalledPlugin] | None = None) -> InstalledPlugin | None:
+    """The installed plugin whose package holds ``module`` (by its entry point's target), if any.
+
+    Metadata only: nothing is imported. When several plugins share a package
+    prefix (namespace packages), the one whose target shares the longest
+    dotted prefix with ``module`` wins.
+    """
+    parts = module.split(".")
+    best, best_len = None, 0
+    for plugin in discover_installed() if installed is None else installed:
+        target = _module_of(plugin).split(".")
+        common = 0
+        for a, b in zip(parts, target, strict=False):
+            if a != b:
+                break
+            common += 1
+        if common > best_len:
+            best, best_len = plugin, common
+    return best

@@ -2,44 +2,52 @@
 
 >>> llm = LLM(model="path/to/opt", dtype="float32")          # doctest: +SKIP
 >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
->>> out.text, out.token_ids, out.finish_reason                 # doctest: +SKIP
+>>> out.outputs[0].text, out.token_ids, out.finish_reason     # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from pluginhost.build import BuildPlan, plan_build
+from pluginhost.build import plan_build
 from pluginhost.checkpoint import find_checkpoint
 from pluginhost.config import EngineConfig, describe_validation_error
-from pluginhost.device import resolve_device, resolve_dtype
+from pluginhost.detokenizer import IncrementalDetokenizer
+from pluginhost.device import dtype_name, resolve_device, resolve_dtype
 from pluginhost.errors import CheckpointError, ConfigError, ModelClassError, ModelRunError
-from pluginhost.generation import Request, generate_batch
+from pluginhost.generation import Sequence as Seq
+from pluginhost.generation import generate_batch
 from pluginhost.host import PluginHost
-from pluginhost.model_dir import model_directory
 from pluginhost.outputs import RequestOutput
+from pluginhost.registry import Registration
+from pluginhost.sampler import SamplingState
 from pluginhost.sampling import SamplingParams
 from pluginhost.tokenizer import load_tokenizer
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "Prompt"]
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+#: A prompt: text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
     """An engine: one model, built once, generating for any number of requests.
 
     Takes every ``EngineConfig`` field as a keyword argument, plus ``plugins``
-    (in-process plugin objects, no packaging needed) and
-    ``load_installed_plugins`` (``False`` skips entry points).
+    (in-process plugin objects or ``register()`` functions, no packaging
+    needed) and ``load_installed_plugins`` (``False`` skips entry points).
     """
 
     def __init__(
@@ -60,7 +68,7 @@ class LLM:
         llm._build(host, settings)
         return llm
 
-    # -- building -----------------------------------------------------------------
+    # -- building: see pluginhost.build for the order ---------------------------------
 
     def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:
         try:
@@ -68,17 +76,17 @@ class LLM:
         except ValueError as exc:
             raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
         plan = plan_build(config, host)
+        tokenizer = load_tokenizer(plan.model_dir)
+        checkpoint = find_checkpoint(plan.model_dir)
         model_class = plan.registry.resolve(plan.architecture)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, plan.hf_config, device)
+        config.settle(device=str(device), dtype=dtype_name(dtype), max_model_len=_max_model_len(config, plan.hf_config))
         host.call("pre_load", config=config, model_class=model_class)
 
-        model_dir = model_directory(config.model)
-        checkpoint = find_checkpoint(model_dir)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, plan.hf_config, self.device)
-        self.max_model_len = _max_model_len(config, plan)
-        model = _construct(model_class, plan, self.dtype)
-        loaded = model.load_weights(checkpoint.tensors(dtype=self.dtype, device=self.device))
-        _check_loaded(model, loaded, model_dir)
+        model = _construct(model_class, plan.registration, plan.hf_config, dtype)
+        loaded = model.load_weights(checkpoint.tensors(dtype=dtype, device=device))
+        _check_loaded(model, loaded, plan.model_dir)
         model.eval().requires_grad_(False)
         host.call("post_load", config=config, model=model)
 
@@ -88,30 +96,39 @@ class LLM:
         self.architecture = plan.architecture
         self.registration = plan.registration
         self.plugins = host.records
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer
+        self.device, self.dtype = device, dtype
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]  # settled above
         self.vocab_size = int(plan.hf_config.vocab_size)
-        self._eos_ids = _eos_ids(plan.hf_config, self.tokenizer)
-        self._generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._eos_ids = _eos_ids(plan.hf_config, tokenizer)
+        self._generator = torch.Generator(device).manual_seed(config.seed)
+        self._model_code = _code_files(model)
+        self._next_request = 0
         logger.info(
             "built %s (%s) on %s as %s from %s",
             plan.architecture,
             plan.registration.implementation,
-            self.device,
-            self.dtype,
-            model_dir,
+            device,
+            dtype,
+            plan.model_dir,
         )
 
     # -- generating ---------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        """The model directory's tokenizer (a transformers tokenizer), or ``None`` without one."""
+        return self.tokenizer
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); results in prompt order.
+        """Generate for each prompt; one ``RequestOutput`` per prompt, in prompt order.
 
-        A bad prompt or parameter raises ``ValueError`` before anything runs,
-        and the engine stays usable.
+        A prompt is text, a list of token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``. A bad prompt or parameter raises
+        ``ValueError`` before anything runs, and the engine stays usable.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
@@ -119,16 +136,22 @@ class LLM:
             self._request(i, prompt, params)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        for start in range(0, len(requests), self.config.max_num_seqs):
+        sequences = [seq for _, seqs in requests for seq in seqs]
+        for start in range(0, len(sequences), self.config.max_num_seqs):
+            batch = sequences[start : start + self.config.max_num_seqs]
             try:
-                generate_batch(self.model, requests[start : start + self.config.max_num_seqs], self.device)
+                generate_batch(self.model, batch, self.device, self.vocab_size)
             except Exception as exc:
+                if not self._raised_by_model(exc.__traceback__):
+                    raise
                 entry = self.registration
                 raise ModelRunError(
                     f"The model {entry.implementation} (architecture {entry.architecture!r}, registered by "
                     f"{entry.registered_by.describe()}) failed while generating: {type(exc).__name__}: {exc}"
                 ) from exc
-        return [self._output(r) for r in requests]
+        for output, seqs in requests:
+            output.outputs = [seq.output() for seq in seqs]
+        return [output for output, _ in requests]
 
     def _params_for(
         self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
@@ -137,6 +160,10 @@ class LLM:
             return [SamplingParams()] * len(prompts)
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
+        if isinstance(params, str | bytes | Mapping) or not isinstance(params, Sequence):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}"
+            )
         params = list(params)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(
@@ -145,22 +172,41 @@ class LLM:
             )
         return params
 
-    def _request(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
-        token_ids = self._encode(index, prompt)
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
+    def _request(self, index: int, prompt: Prompt, params: SamplingParams) -> tuple[RequestOutput, list[Seq]]:
+        """The output to fill in for one prompt, and its ``n`` sequences; every check made here."""
+        text, token_ids = self._encode(index, prompt)
+        params.validate()
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        total = len(token_ids) + max_tokens
+        if total > self.max_model_len or max_tokens < 1:
             raise ValueError(
-                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={params.max_tokens} that is {total}, "
+                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={max_tokens} that is {total}, "
                 f"more than max_model_len={self.max_model_len}. Shorten the prompt or lower max_tokens."
             )
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        else:
-            generator = self._generator
-        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
-        return Request(token_ids, params, generator, stop)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} asks for stop strings, but {self.config.model} has no tokenizer to find them in "
+                "the text; use stop_token_ids instead"
+            )
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self._eos_ids)
+        sequences = []
+        for sample in range(params.n):
+            if params.seed is not None:  # sample i draws from seed + i, as in vLLM
+                generator = torch.Generator(self.device).manual_seed(params.seed + sample)
+            else:
+                generator = self._generator
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop or ())
+            sampling = SamplingState(params, generator, token_ids, stop_ids)
+            sequences.append(Seq(sample, token_ids, sampling, max_tokens, detokenizer))
+        request_id = str(self._next_request)
+        self._next_request += 1
+        return RequestOutput(request_id, text, token_ids), sequences
 
-    def _encode(self, index: int, prompt: Prompt) -> list[int]:
+    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            prompt = _unwrap_prompt_dict(index, prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
@@ -169,30 +215,24 @@ class LLM:
                     f"prompt {index} is text, but {self.config.model} has no tokenizer files; "
                     "pass token ids instead (a list of ints)"
                 )
-            token_ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            token_ids = list(prompt)
-            if not token_ids:
-                raise ValueError(f"prompt {index} is an empty list of token ids")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-                raise ValueError(f"prompt {index} must hold only int token ids")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError(f"prompt {index} is an empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError(f"prompt {index} must hold only int token ids")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
+        return None, token_ids
 
-    def _output(self, request: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
-        assert request.finish_reason is not None
-        return RequestOutput(
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.token_ids,
-            text=text,
-            logprobs=request.logprobs,
-            finish_reason=request.finish_reason,
-        )
+    def _raised_by_model(self, tb: TracebackType | None) -> bool:
+        """Whether the model's own code (its classes' files, outside torch) is in the traceback."""
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename in self._model_code:
+                return True
+            tb = tb.tb_next
+        return False
 
     def __repr__(self) -> str:
         return (
@@ -201,22 +241,39 @@ class LLM:
         )
 
 
+def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(
+        f"prompt {index} is a dict with keys {sorted(map(str, prompt))}; a dict prompt needs 'prompt' (text) "
+        "or 'prompt_token_ids' (a list of ints)"
+    )
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
+    if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Sequence | Iterator):
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, or a list of prompts, got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # a single prompt of token ids
     for i, p in enumerate(prompts):
-        if not isinstance(p, str | list | tuple):
-            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        if not isinstance(p, str | list | tuple | Mapping):
+            raise ValueError(
+                f"prompt {i} must be a string, a list of token ids or a prompt dict, got {type(p).__name__}"
+            )
     return prompts
 
 
-def _max_model_len(config: EngineConfig, plan: BuildPlan) -> int:
-    limit = getattr(plan.hf_config, "max_position_embeddings", None)
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if limit is None:
             raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
@@ -274,19 +331,19 @@ def _no_weight_init() -> Iterator[None]:
             setattr(torch.nn.init, name, function)
 
 
-def _construct(model_class: type, plan: BuildPlan, dtype: torch.dtype) -> nn.Module:
+def _construct(model_class: type, registration: Registration, hf_config: Any, dtype: torch.dtype) -> nn.Module:
     """Build the model on the meta device: no memory until its weights arrive."""
     try:
         with torch.device("meta"), _default_dtype(dtype), _no_weight_init():
-            return model_class(plan.hf_config)
+            return model_class(hf_config)
     except Exception as exc:
         raise ModelClassError(
-            f"Constructing {plan.registration.implementation}(config) for architecture {plan.architecture!r} "
-            f"(registered by {plan.registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
+            f"Constructing {registration.implementation}(config) for architecture {registration.architecture!r} "
+            f"(registered by {registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
         ) from exc
 
 
-def _check_loaded(model: nn.Module, loaded: object, model_dir: object) -> None:
+def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
     if not isinstance(loaded, set | frozenset):
         raise ModelClassError(
             f"{type(model).__name__}.load_weights returned {type(loaded).__name__}; it must return the set of "
@@ -306,6 +363,21 @@ def _check_loaded(model: nn.Module, loaded: object, model_dir: object) -> None:
             f"{type(model).__name__} left buffer(s) {', '.join(unset)} on the meta device: models are built on "
             "meta, so compute buffers in load_weights (or setup_caches), not in __init__."
         )
+
+
+def _code_files(model: nn.Module) -> frozenset[str]:
+    """The source files of the model's classes (and their bases), torch's own excluded."""
+    torch_dir = os.path.dirname(torch.__file__)
+    files = set()
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            try:
+                path = inspect.getsourcefile(cls)
+            except TypeError:  # builtins
+                continue
+            if path and not path.startswith(torch_dir):
+                files.add(path)
+    return frozenset(files)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:

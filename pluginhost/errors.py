@@ -2,7 +2,9 @@
 
 Every ``PluginhostError`` carries one complete message: what is wrong and what
 to do about it. The CLI prints it alone (exit status 2); anything else that
-escapes is an internal failure (exit status 1).
+escapes is an internal failure (exit status 1). As in vLLM, errors about bad
+settings, an unknown architecture or an unusable model directory are also
+``ValueError``s, so code written against vLLM catches them unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class PluginHookError(PluginError):
         self.hook = hook
 
 
-class RegistryError(PluginhostError):
-    """A model registration is malformed."""
+class RegistryError(PluginhostError, ValueError):
+    """A model registration is malformed (a ``ValueError``, as in vLLM)."""
 
 
 class UnknownArchitectureError(RegistryError):
@@ -59,13 +61,13 @@ class ModelClassError(RegistryError):
     """A registered model target cannot be imported or lacks the model interface."""
 
 
-class ModelRunError(PluginhostError):
+class ModelRunError(PluginhostError, RuntimeError):
     """The model raised while generating (its forward pass or logits)."""
 
 
-class ConfigError(PluginhostError):
-    """The engine configuration or the model directory's config is invalid."""
+class ConfigError(PluginhostError, ValueError):
+    """The engine configuration or the model directory's config is invalid (a ``ValueError``, as in vLLM)."""
 
 
-class CheckpointError(PluginhostError):
+class CheckpointError(PluginhostError, ValueError):
     """The model directory's weights are missing, unreadable or do not fit the model."""

@@ -1,4 +1,4 @@
-"""The decoding loop: one batch of requests, prefill then token by token.
+"""The decoding loop: one batch of sequences, prefill then token by token.
 
 Prompts of different lengths are left-padded to a common length P, so every
 sequence writes its t-th step into the same cache slot P + t. The mask keeps
@@ -11,54 +11,92 @@ A model with ``setup_caches`` decodes from its static cache; one without
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from pluginhost.sampler import next_tokens, top_logprobs
-from pluginhost.sampling import SamplingParams
+from pluginhost.detokenizer import IncrementalDetokenizer
+from pluginhost.outputs import CompletionOutput, FinishReason
+from pluginhost.sampler import SamplingState, sample, top_logprobs
 
-__all__ = ["Request", "generate_batch"]
+__all__ = ["Sequence", "generate_batch"]
 
 
 @dataclass
-class Request:
+class Sequence:
+    """One sample being generated for one request: its tokens, text and why it ended."""
+
+    sample_index: int
     prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    stop_ids: frozenset[int]
+    sampling: SamplingState
+    #: Most tokens to generate (``max_tokens``, or what ``max_model_len`` leaves).
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: Literal["length", "stop"] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
 
-    def append(self, token: int, logprobs: Tensor | None) -> None:
+    @property
+    def params(self):  # -> SamplingParams
+        return self.sampling.params
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprobs: Tensor | None, vocab_size: int) -> None:
+        """Take the next token (and the step's log-probabilities (V,), when asked for); decide whether to stop."""
         self.token_ids.append(token)
+        self.sampling.record(token, vocab_size, logprobs.device if logprobs is not None else torch.device("cpu"))
         if logprobs is not None:
             assert self.params.logprobs is not None
             if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.append(top_logprobs(logprobs, token, self.params.logprobs))
-        if token in self.stop_ids:
+                self.logprobs, self.cumulative_logprob = [], 0.0
+            step = top_logprobs(logprobs, token, self.params.logprobs)
+            self.logprobs.append(step)
+            self.cumulative_logprob += step[token]
+        may_stop = len(self.token_ids) >= self.params.min_tokens
+        stop_string = None
+        if self.detokenizer is not None:
+            stop_string = self.detokenizer.push(token, check_stop=may_stop)
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+        elif may_stop and token in self.sampling.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.token_ids) >= self.params.max_tokens:
+            self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
+        elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
+        if self.finished and self.detokenizer is not None and stop_string is None:
+            self.detokenizer.flush()
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.sample_index,
+            text=self.detokenizer.text if self.detokenizer is not None else None,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 @torch.inference_mode()
-def generate_batch(model: nn.Module, requests: Sequence[Request], device: torch.device) -> None:
-    """Decode ``requests`` together, filling in their tokens, logprobs and finish reasons."""
-    B = len(requests)
-    P = max(len(r.prompt_token_ids) for r in requests)
-    N = max(r.params.max_tokens for r in requests)
+def generate_batch(model: nn.Module, sequences: SequenceOf[Sequence], device: torch.device, vocab_size: int) -> None:
+    """Decode ``sequences`` together, filling in their tokens, logprobs and finish reasons."""
+    B = len(sequences)
+    P = max(len(s.prompt_token_ids) for s in sequences)
+    N = max(s.max_tokens for s in sequences)
     ids = torch.zeros(B, P, dtype=torch.long)
     positions = torch.zeros(B, P, dtype=torch.long)
     valid = torch.zeros(B, P + N, dtype=torch.bool)  # which cache slots hold real tokens
-    for i, r in enumerate(requests):
-        L = len(r.prompt_token_ids)
-        ids[i, P - L :] = torch.tensor(r.prompt_token_ids)
+    for i, s in enumerate(sequences):
+        L = len(s.prompt_token_ids)
+        ids[i, P - L :] = torch.tensor(s.prompt_token_ids)
         positions[i, P - L :] = torch.arange(L)
         valid[i, P - L : P] = True
     ids, positions, valid = ids.to(device), positions.to(device), valid.to(device)
@@ -72,21 +110,21 @@ def generate_batch(model: nn.Module, requests: Sequence[Request], device: torch.
         hidden = model(ids, positions, None, prefill_mask)
     logits = model.compute_logits(hidden[:, -1]).float()  # (B, V)
 
-    want_logprobs = any(r.params.logprobs is not None for r in requests)
+    want_logprobs = any(s.params.logprobs is not None for s in sequences)
     all_ids, all_positions = ids, positions
     for step in range(N):
-        tokens = next_tokens(logits, [r.params for r in requests], [r.generator for r in requests])
+        # Log-probabilities of the model's own distribution: before the sampler changes the logits.
         logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        for i, r in enumerate(requests):
-            if r.finish_reason is None:
-                r.append(
-                    int(tokens[i]), logprobs[i] if logprobs is not None and r.params.logprobs is not None else None
-                )
-        if all(r.finish_reason is not None for r in requests) or step == N - 1:
+        tokens = sample(logits, [s.sampling for s in sequences]).tolist()
+        for i, s in enumerate(sequences):
+            if not s.finished:
+                row = logprobs[i] if logprobs is not None and s.params.logprobs is not None else None
+                s.append(tokens[i], row, vocab_size)
+        if all(s.finished for s in sequences) or step == N - 1:
             break
         slot = P + step
         valid[:, slot] = True
-        next_ids = tokens[:, None]  # (B, 1)
+        next_ids = torch.tensor(tokens, device=device)[:, None]  # (B, 1)
         next_positions = positions[:, -1:] + step + 1  # (B, 1)
         if cached:
             mask = valid[:, None, None, : slot + 1]  # (B, 1, 1, S)

@@ -8,6 +8,12 @@ Loading, in order:
    each imported with its import time measured;
 3. in-process plugin objects, in the order given.
 
+A plugin is a module or object holding hook implementations, or a function
+taking no arguments (vLLM's ``register()`` shape): the host calls such a
+function once each time it loads the plugin, acting as that plugin, so what it
+registers through ``ModelRegistry`` is attributed to it. Anything else, holding
+no hook implementation, is a broken plugin.
+
 Each plugin is checked when it is registered: pluggy's own argument check at
 ``register``, ``check_pending`` for unknown hooks, and the one check pluggy
 does not make (parameters with defaults, which pluggy would silently never
@@ -32,6 +38,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -42,15 +49,15 @@ from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatc
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.envflags import env_flag
 from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
-from pluginhost.registry import ArchitectureRegistry, ModelRegistry, collecting_into
+from pluginhost.registry import BUILTIN_PLUGIN, ArchitectureRegistry, ModelRegistry, builtin_ref, collecting_into
 from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection
 
-__all__ = ["BUILTIN_PLUGIN", "PluginHost", "PluginRecord"]
+__all__ = ["BUILTIN_PLUGIN", "REGISTER_FUNCTION_HOOK", "PluginHost", "PluginRecord"]
 
 logger = logging.getLogger(__name__)
 
-#: The name of the always-loaded plugin that registers the builtin architectures.
-BUILTIN_PLUGIN = "builtin_models"
+#: What ``PluginRecord.hooks`` lists for a plugin that is a ``register()`` function.
+REGISTER_FUNCTION_HOOK = "register"
 
 Kind = Literal["builtin", "installed", "in-process"]
 Status = Literal["builtin", "loaded", "blocked", "failed"]
@@ -132,6 +139,8 @@ class PluginHost:
         self._pm: pluggy.PluginManager | None = None
         self._records: list[PluginRecord] = []
         self._owners = HookOwners()
+        # What in-process register() functions registered: this host's alone.
+        self._in_process_registrations = ArchitectureRegistry()
 
     # -- loading ---------------------------------------------------------------
 
@@ -175,14 +184,16 @@ class PluginHost:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
         import builtin_models
-        from pluginhost import __version__
 
+        builtin = builtin_ref()
         records: list[tuple[PluginRecord, object | None]] = [
-            (PluginRecord(BUILTIN_PLUGIN, "builtin", "builtin", "pluginhost", __version__), builtin_models)
+            (PluginRecord(BUILTIN_PLUGIN, "builtin", "builtin", builtin.distribution, builtin.version), builtin_models)
         ]
         if self._load_installed:
             records += self._import_installed(pm)
         records += self._in_process_records()
+        # register() functions run once per load, as their plugin, in hook call order.
+        records = [self._run_if_function(pm, record, plugin) for record, plugin in records]
 
         # pluggy calls the last registered first: register in reverse call order.
         registered = [
@@ -191,9 +202,7 @@ class PluginHost:
         self._records = registered[::-1]
         for record in self._records:
             if record.kind == "in-process" and record.status == "failed":
-                raise PluginError(
-                    f"{record.ref.describe()} does not match the hook specs: {record.reason}. {_remedy(record)}"
-                )
+                raise PluginError(f"{record.ref.describe()} is broken: {record.reason}. {_remedy(record)}")
         return pm
 
     def _import_installed(self, pm: pluggy.PluginManager) -> list[tuple[PluginRecord, object | None]]:
@@ -241,11 +250,53 @@ class PluginHost:
             out.append((replace(base, import_seconds=_since(start)), obj))
         return out
 
+    def _run_if_function(
+        self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object | None
+    ) -> tuple[PluginRecord, object | None]:
+        """Call a ``register()``-function plugin; refuse a plugin with no hook implementation.
+
+        An installed plugin's registrations are process-wide (``ModelRegistry``
+        lists them) and apply wherever that plugin is selected; an in-process
+        plugin's belong to this host alone, like everything else it passes.
+        Returns the record and what is left to register with pluggy (``None``
+        for a function plugin, which has no hooks, or a failed one).
+        """
+        if plugin is None or _hookimpls_of(pm, plugin):
+            return record, plugin
+        if not inspect.isroutine(plugin):
+            what = "module" if inspect.ismodule(plugin) else type(plugin).__name__
+            reason = (
+                f"{record.target or record.name} is a {what} that holds no hook implementation: mark its functions "
+                "with @hookimpl, or point the entry point at a function taking no arguments that does the "
+                "registering (vLLM's register() shape)"
+            )
+            return replace(record, status="failed", reason=reason), None
+        function = getattr(plugin, "__qualname__", repr(plugin))
+        required = _required_parameters(plugin)
+        if required:
+            reason = (
+                f"its register function {function}() takes argument(s) {', '.join(required)}; a plugin function "
+                "is called with none (mark hook implementations with @hookimpl instead)"
+            )
+            return replace(record, status="failed", reason=reason), None
+        start = time.perf_counter()
+        scope = collecting_into(self._in_process_registrations) if record.kind == "in-process" else nullcontext()
+        try:
+            with acting_as(record.ref), scope:
+                plugin()
+        except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            reason = f"its register function {function}() failed: {_describe_exception(exc)}"
+            return replace(record, status="failed", reason=reason), None
+        seconds = (record.import_seconds or 0.0) + _since(start)
+        return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
+
     def _in_process_records(self) -> list[tuple[PluginRecord, object | None]]:
         out: list[tuple[PluginRecord, object | None]] = []
         names: set[str] = {BUILTIN_PLUGIN}
         for plugin in self._in_process:
-            base = getattr(plugin, "__name__", None) or type(plugin).__name__
+            base = _in_process_name(plugin)
             name, n = base, 1
             while name in names:
                 n += 1
@@ -261,6 +312,10 @@ class PluginHost:
             pm.register(plugin, name=record.name)
         except pluggy.PluginValidationError as exc:
             problem = self._describe_mismatch(pm, impls) or str(exc).replace("\n", "; ")
+            if pm.get_plugin(record.name) is plugin:
+                # pluggy < 1.7 leaves a plugin failing validation half-registered: its
+                # implementations checked before the failing one would still run.
+                pm.unregister(plugin, name=record.name)
         except ValueError as exc:  # the same object registered twice
             problem = str(exc).splitlines()[0]
         else:
@@ -365,12 +420,15 @@ class PluginHost:
                 ]
                 pm.unregister(name=exc.plugin)
                 continue
-            # Direct ModelRegistry registrations: from your own code, or made by an
-            # installed plugin at import, which count only where that plugin is loaded.
-            active = {r.name for r in self._records if r.status in ("loaded", "builtin")}
+            # Direct ModelRegistry registrations: from your own code (always), or from an
+            # installed plugin's code (only where that plugin is loaded). The builtins
+            # came through the hook already.
+            active = {(r.name, r.distribution) for r in self._records if r.kind == "installed" and r.status == "loaded"}
             registry.update(
-                ModelRegistry, include=lambda ref, active=active: ref.distribution is None or ref.name in active
+                ModelRegistry,
+                include=lambda ref, active=active: ref.distribution is None or (ref.name, ref.distribution) in active,
             )
+            registry.update(self._in_process_registrations)
             return registry
 
 
@@ -385,6 +443,21 @@ def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _in_process_name(plugin: object) -> str:
+    """A module's name, ``module:function`` for a function, else the object's class name."""
+    if inspect.isroutine(plugin):
+        return f"{getattr(plugin, '__module__', None) or '?'}:{getattr(plugin, '__qualname__', None) or plugin!r}"
+    return getattr(plugin, "__name__", None) or type(plugin).__name__
+
+
+def _required_parameters(function: Any) -> list[str]:
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _since(start: float) -> float:

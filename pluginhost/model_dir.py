@@ -34,9 +34,9 @@ def model_directory(model: str) -> Path:
     return path
 
 
-def read_config_json(model: str) -> dict[str, Any]:
+def read_config_json(model_dir: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of the model directory, checked to be a JSON object."""
-    path = model_directory(model) / "config.json"
+    path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json.")
     try:
@@ -50,26 +50,29 @@ def read_config_json(model: str) -> dict[str, Any]:
     return data
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
-    """The directory's config as a transformers ``PretrainedConfig``.
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    """The directory's config as a transformers ``PretrainedConfig``, from one read of ``config.json``.
 
-    Known ``model_type`` values go through transformers' ``AutoConfig`` (never
-    with remote code, never online); unknown ones, which plugins may well
-    bring, become a generic ``PretrainedConfig`` holding every key.
+    Known ``model_type`` values get their transformers config class (as
+    ``AutoConfig`` would pick; no remote code, nothing online); unknown ones,
+    which plugins may well bring, become a generic ``PretrainedConfig``
+    holding every key.
     """
-    data = read_config_json(model)
-    from transformers import AutoConfig, PretrainedConfig
+    data = read_config_json(model_dir)
+    from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    path = model_directory(model)
     model_type = data.get("model_type")
     try:
         if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-            return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-        logger.info("model_type %r is unknown to transformers; using a generic config", model_type)
-        return PretrainedConfig.from_dict(data)
+            config = CONFIG_MAPPING[model_type].from_dict(data)
+        else:
+            logger.info("model_type %r is unknown to transformers; using a generic config", model_type)
+            config = PretrainedConfig.from_dict(data)
+        config.name_or_path = str(model_dir)  # as from_pretrained records it
+        return config
     except (ValueError, TypeError, OSError) as exc:
-        raise ConfigError(f"{path / 'config.json'} cannot be used as a {model_type} config: {exc}") from None
+        raise ConfigError(f"{model_dir / 'config.json'} cannot be used as a {model_type} config: {exc}") from None
 
 
 def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], architecture: str | None) -> None:

@@ -2,18 +2,24 @@
 
 Each engine build collects its own ``ArchitectureRegistry`` through the
 ``register_models`` hook. ``pluginhost.ModelRegistry`` is the process-wide
-default, so plugins written the vLLM way
-(``ModelRegistry.register_model(...)``) work too:
+default, so plugins written the vLLM way (``ModelRegistry.register_model(...)``
+at import, in a ``register()`` function, or in a hook) work too:
 
+* it knows the builtin architectures from the start, so vLLM's guard
+  ``if arch not in ModelRegistry.get_supported_archs()`` behaves as in vLLM;
 * called while an engine collects registrations (inside a hook), it registers
-  into that engine's registry, so two engines never see each other's plugins;
-* called anywhere else (at a plugin's import, or by your own code before
-  building an engine), it is kept and applied to every engine after the
-  ``register_models`` hook, so it wins over hook registrations.
+  into that engine's registry, so two engines never see each other's hooks;
+* called anywhere else, it keeps the registration, attributed to the installed
+  plugin whose code made it (or, for code that belongs to no installed plugin,
+  to the calling module). An engine applies it after the ``register_models``
+  hook, but only while that plugin is selected: disabling a plugin removes its
+  registrations even when its module was imported earlier. Registrations by
+  code that belongs to no installed plugin (your own script) always apply.
 
 Registering a name that exists replaces the entry; the entry remembers what it
-replaced. Lazy ``"package.module:ClassName"`` targets are imported only when
-the architecture is resolved, so listing models never imports torch.
+replaced. Registering the same model again from the same source is silent.
+Lazy ``"package.module:ClassName"`` targets are imported only when the
+architecture is resolved, so listing models never imports torch.
 """
 
 from __future__ import annotations
@@ -27,16 +33,34 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from pluginhost.attribution import PluginRef, current_plugin
 from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
 
-__all__ = ["ArchitectureRegistry", "ModelRegistry", "Registration", "REQUIRED_METHODS"]
+__all__ = [
+    "REQUIRED_METHODS",
+    "ArchitectureRegistry",
+    "ModelRegistry",
+    "Registration",
+    "RegistrySnapshot",
+    "builtin_ref",
+]
 
 logger = logging.getLogger(__name__)
 
 #: What every model class must provide, besides being a ``torch.nn.Module``.
 REQUIRED_METHODS = ("forward", "compute_logits", "load_weights")
+
+#: The name of the always-loaded plugin that registers the builtin architectures.
+BUILTIN_PLUGIN = "builtin_models"
+
+
+def builtin_ref() -> PluginRef:
+    """The identity of the builtin architectures' plugin (``builtin_models``, shipped with pluginhost)."""
+    from pluginhost import __version__
+
+    return PluginRef(BUILTIN_PLUGIN, "pluginhost", __version__)
 
 
 @dataclass(frozen=True)
@@ -61,14 +85,41 @@ class Registration:
             entry = entry.replaced
         return chain
 
+    def same_as(self, implementation: str, model_class: type | None, source: PluginRef) -> bool:
+        """Whether registering ``implementation`` from ``source`` again would change nothing."""
+        return (
+            self.implementation == implementation and self.model_class is model_class and self.registered_by == source
+        )
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    """A registry's entries at one moment, for ``ArchitectureRegistry.restore``."""
+
+    entries: MappingProxyType[str, Registration]
+
 
 def _caller_ref() -> PluginRef:
-    """Attribution for a registration made outside plugin code: the calling module."""
+    """Who made a registration outside plugin loading and hook calls: the code on the stack.
+
+    The innermost frame whose module belongs to an installed plugin (by its
+    entry point's package) attributes the registration to that plugin, however
+    the module came to be imported; otherwise it is the calling module's.
+    """
+    from pluginhost.discovery import discover_installed, owner_of_module
+
+    installed = discover_installed()
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    caller = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("pluginhost.") and module != "pluginhost":
+            caller = caller or module
+            owner = owner_of_module(module, installed) if installed else None
+            if owner is not None:
+                return PluginRef(owner.name, owner.distribution, owner.version)
         frame = frame.f_back
-    module = frame.f_globals.get("__name__", "<unknown>") if frame is not None else "<unknown>"
-    return PluginRef(name=module)
+    return PluginRef(name=caller or "<unknown>")
 
 
 def _target_of(model: type | str) -> str:
@@ -92,7 +143,9 @@ class ArchitectureRegistry:
     def register_model(self, architecture: str, model: type | str) -> None:
         """Register ``model`` (a class, or a lazy ``"package.module:ClassName"``) as ``architecture``.
 
-        An existing entry of the same name is replaced, and the replacement logged.
+        An existing entry of the same name is replaced, and the replacement
+        logged; the same model registered again by the same source changes
+        nothing.
         """
         self._add(architecture, model, current_plugin() or _caller_ref())
 
@@ -106,15 +159,11 @@ class ArchitectureRegistry:
             implementation = _target_of(model)
         except ValueError as exc:
             raise RegistryError(f"register_model({architecture!r}, ...) got a bad target: {exc}") from None
+        model_class = model if inspect.isclass(model) else None
         previous = self._entries.get(architecture)
-        entry = Registration(
-            architecture=architecture,
-            implementation=implementation,
-            registered_by=source,
-            model_class=model if inspect.isclass(model) else None,
-            replaced=previous,
-        )
-        self._entries[architecture] = entry
+        if previous is not None and previous.same_as(implementation, model_class, source):
+            return
+        self._entries[architecture] = Registration(architecture, implementation, source, model_class, previous)
         self._resolved.pop(architecture, None)
         if previous is not None:
             log = logger.warning if previous.registered_by.distribution and source.distribution else logger.info
@@ -171,6 +220,15 @@ class ArchitectureRegistry:
         self._resolved[architecture] = cls
         return cls
 
+    def snapshot(self) -> RegistrySnapshot:
+        """The registry's entries now; ``restore`` brings them back (tests undo registrations with it)."""
+        return RegistrySnapshot(MappingProxyType(dict(self._entries)))
+
+    def restore(self, snapshot: RegistrySnapshot) -> None:
+        """Put back the entries of ``snapshot``, forgetting every registration made since."""
+        self._entries = dict(snapshot.entries)
+        self._resolved.clear()
+
 
 def _import_target(entry: Registration) -> type:
     module_name, _, qualname = entry.implementation.partition(":")
@@ -213,6 +271,33 @@ def _check_model_class(entry: Registration, cls: type) -> None:
             f"{where} does not implement {', '.join(missing)}: a model class needs "
             f"{', '.join(REQUIRED_METHODS)} (see builtin_models.opt.OPTForCausalLM). {entry.registered_by.remedy()}"
         )
+    signature = _compute_logits_problem(cls)
+    if signature is not None:
+        raise ModelClassError(
+            f"{where} defines compute_logits{signature}, but pluginhost calls compute_logits(hidden_states) with "
+            "the hidden states alone (vLLM's older compute_logits(hidden_states, sampling_metadata) does not "
+            "port): drop the other parameters or give them defaults. "
+            f"{entry.registered_by.remedy()}"
+        )
+
+
+def _compute_logits_problem(cls: type) -> str | None:
+    """The signature of ``cls.compute_logits`` when it cannot be called with the hidden states alone."""
+    try:
+        signature = inspect.signature(cls.compute_logits)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return None
+    params = list(signature.parameters.values())[1:]  # drop self
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes_one = any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    required = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if takes_one and len(required) <= 1 and all(p.kind in positional for p in required):
+        return None
+    return str(signature)
 
 
 # Set while an engine runs its register_models hook: the process-wide registry
@@ -233,9 +318,52 @@ def collecting_into(registry: ArchitectureRegistry) -> Iterator[None]:
 class _ProcessRegistry(ArchitectureRegistry):
     """The process-wide default registry (see the module docstring)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._seeded = False
+
+    def _seed(self) -> None:
+        # The builtins, registered through the builtin plugin's own hook, on first use
+        # (not at import: pluginhost's version is not known yet while it is imported).
+        if not self._seeded:
+            self._seeded = True
+            import builtin_models
+            from pluginhost.attribution import acting_as
+
+            with acting_as(builtin_ref()):
+                builtin_models.register_models(self)
+
     def register_model(self, architecture: str, model: type | str) -> None:
-        target = _collecting.get() or self
-        target._add(architecture, model, current_plugin() or _caller_ref())
+        source = current_plugin() or _caller_ref()
+        collecting = _collecting.get()
+        if collecting is not None:
+            collecting._add(architecture, model, source)
+            return
+        self._seed()
+        self._add(architecture, model, source)
+
+    def get_supported_archs(self) -> list[str]:
+        """The builtin architectures and every registration made so far (and, inside a hook, the engine's)."""
+        self._seed()
+        collecting = _collecting.get()
+        extra = collecting.get_supported_archs() if collecting is not None else []
+        return sorted({*self._entries, *extra})
+
+    def entries(self) -> list[Registration]:
+        self._seed()
+        return super().entries()
+
+    def get(self, architecture: str) -> Registration:
+        self._seed()
+        return super().get(architecture)
+
+    def __contains__(self, architecture: object) -> bool:
+        self._seed()
+        return super().__contains__(architecture)
+
+    def snapshot(self) -> RegistrySnapshot:
+        self._seed()
+        return super().snapshot()
 
 
 #: The process-wide default registry (``from pluginhost import ModelRegistry``).

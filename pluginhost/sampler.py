@@ -1,30 +1,97 @@
-"""Choosing the next token of each sequence from its logits."""
+"""Choosing the next token of each sequence from its logits, as vLLM's v1 sampler does.
+
+In order, on a batch of rows (one per sequence) of float32 logits:
+
+1. ``min_tokens``: the sequence's stop tokens are masked until it has that many;
+2. penalties: repetition (prompt and output tokens), frequency and presence
+   (output tokens only);
+3. greedy rows take the most likely token; the others are divided by their
+   temperature, filtered by ``min_p``, ``top_k`` and ``top_p``, and drawn from
+   their own random stream.
+
+Rows that need none of steps 1-2 cost nothing there, and an all-greedy batch
+without them is one ``argmax``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["next_tokens", "top_logprobs"]
+__all__ = ["SamplingState", "sample", "top_logprobs"]
 
 
-def next_tokens(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> Tensor:
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one sequence besides its parameters."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: Sequence[int]
+    #: Tokens that end the sequence (end-of-sequence unless ignored, and ``stop_token_ids``).
+    stop_ids: frozenset[int]
+    num_generated: int = 0
+    #: Per-token counts of the generated tokens (V,), kept only when a penalty needs them.
+    output_counts: Tensor | None = None
+    #: Tokens of the prompt (V,), kept only for the repetition penalty.
+    prompt_mask: Tensor | None = field(default=None, repr=False)
+
+    def record(self, token: int, vocab_size: int, device: torch.device) -> None:
+        """Count a generated token."""
+        self.num_generated += 1
+        if self.params.penalized:
+            if self.output_counts is None:
+                self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self.output_counts[token] += 1
+
+
+def sample(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
     """One token per row of ``logits`` (B, V), float32; returns (B,) token ids."""
-    if all(p.greedy for p in params):
+    masked = [i for i, s in enumerate(states) if s.num_generated < s.params.min_tokens and s.stop_ids]
+    penalized = [i for i, s in enumerate(states) if s.params.penalized]
+    if masked or penalized:
+        logits = logits.clone()  # the model's own tensor stays as it returned it
+    for i in masked:
+        logits[i, list(states[i].stop_ids)] = float("-inf")
+    for i in penalized:
+        _apply_penalties(logits[i], states[i])
+    if all(s.params.greedy for s in states):
         return logits.argmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for i, (row, p, generator) in enumerate(zip(logits, params, generators, strict=True)):
-        tokens[i] = row.argmax() if p.greedy else _sample(row, p, generator)
+    for i, (row, state) in enumerate(zip(logits, states, strict=True)):
+        tokens[i] = row.argmax() if state.params.greedy else _draw(row, state.params, state.generator)
     return tokens
 
 
-def _sample(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
-    """Temperature, then top-k, then top-p, then a draw from the request's own stream."""
+def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
+    """vLLM's (and, for repetition, transformers') penalties on one row (V,), in place."""
+    p = state.params
+    V = logits.shape[-1]
+    counts = state.output_counts if state.output_counts is not None else torch.zeros(V, device=logits.device)
+    if p.repetition_penalty != 1.0:
+        if state.prompt_mask is None:
+            ids = torch.tensor([t for t in state.prompt_token_ids if t < V], dtype=torch.long, device=logits.device)
+            state.prompt_mask = torch.zeros(V, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
+        seen = state.prompt_mask | (counts > 0)
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if p.frequency_penalty != 0.0:
+        logits.sub_(counts * p.frequency_penalty)
+    if p.presence_penalty != 0.0:
+        logits.sub_((counts > 0).to(logits.dtype) * p.presence_penalty)
+
+
+def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
+    """Temperature, then min-p, top-k and top-p, then a draw from the sequence's own stream."""
     logits = logits / p.temperature  # (V,)
+    if p.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,66 +1,152 @@
-"""``SamplingParams``: how one request is decoded."""
+"""``SamplingParams``: how one request is decoded, with vLLM's names, meanings and defaults."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-__all__ = ["SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
+
+#: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
+GREEDY_TEMPERATURE = 1e-5
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ``ValueError`` at once.
 
-    * ``max_tokens``: most tokens to generate (>= 1).
-    * ``temperature``: 0 is greedy; higher flattens the distribution.
+    * ``n``: how many independent samples to generate for the prompt
+      (``RequestOutput.outputs``). With a ``seed``, sample ``i`` draws from
+      the stream of ``seed + i``, as in vLLM.
+    * ``max_tokens``: most tokens to generate (>= 1), or ``None`` for as many
+      as ``max_model_len`` leaves room for.
+    * ``min_tokens``: end-of-sequence, ``stop_token_ids`` and ``stop`` strings
+      cannot end generation before this many tokens.
+    * ``temperature``: 0 (or below 1e-5) is greedy; higher flattens the distribution.
     * ``top_p``: nucleus sampling, in (0, 1]; 1 keeps every token.
-    * ``top_k``: keep the k most likely tokens; 0 keeps all.
+    * ``top_k``: keep the k most likely tokens; 0 (or -1, as in vLLM) keeps all.
+    * ``min_p``: drop tokens less likely than ``min_p`` times the most likely one; 0 keeps all.
+    * ``presence_penalty``, ``frequency_penalty`` (in [-2, 2]): subtracted from
+      the logits of tokens already generated (prompt tokens do not count),
+      once, and once per occurrence.
+    * ``repetition_penalty`` (> 0): logits of tokens in the prompt or the
+      output are divided by it when positive, multiplied when negative
+      (transformers' ``repetition_penalty``); 1 is off.
     * ``seed``: the request's own random stream: the same seed gives the same
       output, whatever else is in the batch. ``None`` uses the engine's stream.
     * ``logprobs``: ``None``, or k >= 0: each generated step reports the
-      log-probabilities (of the model's distribution, before temperature and
-      filtering) of the chosen token and of the k most likely tokens.
-    * ``stop_token_ids``: generation stops after any of these (it is included).
+      log-probabilities (of the model's distribution, before penalties,
+      temperature and filtering) of the chosen token and of the k most likely.
+    * ``stop``: strings that end generation; the text stops before them
+      (``finish_reason`` "stop", ``stop_reason`` the string).
+    * ``stop_token_ids``: token ids that end generation (the token is kept).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
+    * ``extra_args``: per-request options for plugins (logits processors, request hooks).
     """
 
-    max_tokens: int = 16
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    logprobs: int | None = None
-    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    extra_args: dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and normalise ``stop``, ``stop_token_ids``, ``top_k=-1``); raise ``ValueError``.
+
+        The engine calls it again when it accepts a request, after plugins had
+        their chance to change the parameters.
+        """
+
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
 
+        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}",
+        )
+        check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
         )
         check(
             _is_number(self.temperature) and self.temperature >= 0,
             f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}",
         )
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}",
+        )
+        if self.top_k == -1:
+            self.top_k = 0
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
+        )
         check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
         )
-        stop = tuple(self.stop_token_ids)
-        check(all(_is_int(t) and t >= 0 for t in stop), f"stop_token_ids must be token ids >= 0, got {list(stop)!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        check(
+            stop is None or (isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop)),
+            f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+        )
+        self.stop = list(stop) if stop else None
+        ids = self.stop_token_ids
+        check(
+            ids is None or (isinstance(ids, list | tuple) and all(_is_int(t) and t >= 0 for t in ids)),
+            f"stop_token_ids must be a list of token ids >= 0, got {ids!r}",
+        )
+        self.stop_token_ids = list(ids) if ids else None
+        check(
+            self.extra_args is None or isinstance(self.extra_args, dict),
+            f"extra_args must be a dict or None, got {type(self.extra_args).__name__}",
+        )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether decoding takes the most likely token (temperature 0, or too small to divide by)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied (``extra_args`` copied, not shared)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["extra_args"] = dict(self.extra_args) if self.extra_args is not None else None
+        values.update(changes)
+        return SamplingParams(**values)
 
 
 def _is_int(value: object) -> bool:
@@ -68,6 +154,4 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    import math
-
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

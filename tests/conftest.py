@@ -26,6 +26,11 @@ def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def isolated_registry(model_registry: object) -> None:
+    """No registration a test makes through ``ModelRegistry`` reaches the next one (the plugin kit's fixture)."""
+
+
 InstallPlugin = Callable[..., Path]
 
 

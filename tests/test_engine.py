@@ -408,9 +408,9 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
         ({"temperature": float("nan")}, "temperature must be >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_k": -2}, "top_k must be an integer >= 0"),
         ({"logprobs": -2}, "logprobs must be None or an integer >= 0"),
-        ({"stop_token_ids": [-3]}, "stop_token_ids must be token ids >= 0"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of token ids >= 0"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error(kwargs, message):

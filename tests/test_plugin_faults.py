@@ -144,7 +144,7 @@ def test_two_plugins_registering_one_architecture_is_deterministic_and_names_bot
 
 
 def test_slow_plugin_import_time_is_visible(install_plugin, capsys):
-    install_plugin("slow", "import time\ntime.sleep(0.3)\n", dist="slow-dist")
+    install_plugin("slow", "import time\ntime.sleep(0.3)\n" + raises_in("pre_load", "config"), dist="slow-dist")
     assert main(["plugins", "--json"]) == 0
     row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "slow")
     assert row["status"] == "loaded" and row["import_seconds"] >= 0.3

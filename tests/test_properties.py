@@ -24,14 +24,22 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 valid_sampling = st.fixed_dictionaries(
     {
+        "n": st.integers(1, 64),
         "max_tokens": st.integers(1, 10_000),
+        "min_tokens": st.integers(0, 1),
         "temperature": st.floats(0, 100),
         "top_p": st.floats(0, 1, exclude_min=True),
         "top_k": st.integers(0, 100_000),
+        "min_p": st.floats(0, 1),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0, 1e6, exclude_min=True),
         "seed": st.none() | st.integers(-(2**63), 2**63 - 1),
         "logprobs": st.none() | st.integers(0, 100),
-        "stop_token_ids": st.lists(st.integers(0, 2**31), max_size=5),
+        "stop": st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, 2**31), min_size=1, max_size=5),
         "ignore_eos": st.booleans(),
+        "extra_args": st.none() | st.dictionaries(st.text(max_size=5), st.integers()),
     }
 )
 
@@ -40,16 +48,23 @@ valid_sampling = st.fixed_dictionaries(
 def test_valid_sampling_params_are_kept_as_given(kwargs):
     params = SamplingParams(**kwargs)
     for name, value in kwargs.items():
-        expected = tuple(value) if name == "stop_token_ids" else value
-        assert getattr(params, name) == expected
-    assert params.greedy == (kwargs["temperature"] == 0)
+        assert getattr(params, name) == value
+    assert params.greedy == (kwargs["temperature"] < 1e-5)
+    assert SamplingParams(stop="end").stop == ["end"]  # one string is a list of one, as in vLLM
 
 
 invalid_field = st.one_of(
     st.tuples(st.just("max_tokens"), st.integers(max_value=0) | st.just(True) | finite),
     st.tuples(st.just("temperature"), st.floats(max_value=0, exclude_max=True) | st.just(math.nan) | st.just(math.inf)),
     st.tuples(st.just("top_p"), st.floats(max_value=0) | st.floats(min_value=1, exclude_min=True) | st.just(math.nan)),
-    st.tuples(st.just("top_k"), st.integers(max_value=-1) | st.floats()),
+    st.tuples(st.just("top_k"), st.integers(max_value=-2) | st.floats()),
+    st.tuples(st.just("n"), st.integers(max_value=0) | finite),
+    st.tuples(st.just("min_p"), st.floats(min_value=1, exclude_min=True) | st.floats(max_value=0, exclude_max=True)),
+    st.tuples(st.just("presence_penalty"), st.floats(min_value=2, exclude_min=True) | st.just(math.nan)),
+    st.tuples(st.just("frequency_penalty"), st.floats(max_value=-2, exclude_max=True) | st.just(math.inf)),
+    st.tuples(st.just("repetition_penalty"), st.floats(max_value=0) | st.just(math.nan)),
+    st.tuples(st.just("stop"), st.just("") | st.lists(st.integers(), min_size=1, max_size=2)),
+    st.tuples(st.just("extra_args"), st.lists(st.integers(), max_size=2) | st.text(max_size=3)),
     st.tuples(st.just("logprobs"), st.integers(max_value=-1) | st.text(max_size=3)),
     st.tuples(st.just("seed"), finite | st.text(max_size=3)),
     st.tuples(st.just("stop_token_ids"), st.lists(st.integers(max_value=-1), min_size=1, max_size=3)),

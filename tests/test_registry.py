@@ -60,20 +60,36 @@ def test_two_installed_plugins_registering_one_architecture_later_name_wins(inst
     )
 
 
-def test_vllm_style_registration_at_import_is_attributed_and_wins(install_plugin):
+def test_vllm_style_register_function_is_called_attributed_and_wins(install_plugin):
     install_plugin(
         "vllm_style",
-        "from pluginhost import ModelRegistry\nModelRegistry.register_model('OPTForCausalLM', 'vllm_style_impl:Opt')\n",
+        "from pluginhost import ModelRegistry\n"
+        "def register():\n"
+        "    ModelRegistry.register_model('OPTForCausalLM', 'vllm_style_impl:Opt')\n",
         dist="vllm-style-plugin",
+        target="vllm_style:register",
     )
-    try:
-        registry = PluginHost().collect_models()
-        entry = registry.get("OPTForCausalLM")
-        assert entry.implementation == "vllm_style_impl:Opt"
-        assert (entry.registered_by.name, entry.registered_by.distribution) == ("vllm_style", "vllm-style-plugin")
-        assert entry.overrides[0].registered_by.name == "builtin_models"
-    finally:
-        ModelRegistry._entries.pop("OPTForCausalLM", None)
+    host = PluginHost()
+    entry = host.collect_models().get("OPTForCausalLM")
+    assert entry.implementation == "vllm_style_impl:Opt"
+    assert (entry.registered_by.name, entry.registered_by.distribution) == ("vllm_style", "vllm-style-plugin")
+    assert entry.overrides[0].registered_by.name == "builtin_models"
+    record = next(r for r in host.records if r.name == "vllm_style")
+    assert (record.status, record.hooks) == ("loaded", ("register",))
+
+
+def test_import_time_registration_of_a_plugin_with_hooks_is_attributed_to_it(install_plugin):
+    install_plugin(
+        "eager",
+        "from pluginhost import ModelRegistry, hookimpl\n"
+        "ModelRegistry.register_model('EagerArch', 'eager_impl:M')\n"
+        "@hookimpl\n"
+        "def modify_config(config):\n"
+        "    pass\n",
+        dist="eager-dist",
+    )
+    entry = PluginHost().collect_models().get("EagerArch")
+    assert (entry.registered_by.name, entry.registered_by.distribution) == ("eager", "eager-dist")
 
 
 def test_vllm_style_registration_inside_a_hook_stays_in_that_engine():
@@ -145,12 +161,34 @@ def test_registration_outside_plugins_is_attributed_to_the_calling_module():
 def test_import_time_registration_applies_only_where_its_plugin_is_loaded(install_plugin, monkeypatch):
     install_plugin(
         "global_reg",
-        "from pluginhost import ModelRegistry\nModelRegistry.register_model('GlobalArch', 'global_impl:M')\n",
+        "from pluginhost import ModelRegistry\n"
+        "def register():\n"
+        "    ModelRegistry.register_model('GlobalArch', 'global_impl:M')\n",
+        target="global_reg:register",
     )
-    try:
-        assert "GlobalArch" in PluginHost().collect_models()  # imports it: the registration is process-wide
-        monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "global_reg")
-        assert "GlobalArch" not in PluginHost().collect_models()
-        assert "GlobalArch" not in PluginHost(load_installed=False).collect_models()
-    finally:
-        ModelRegistry._entries.pop("GlobalArch", None)
+    assert "GlobalArch" in PluginHost().collect_models()  # calls register(): the registration is process-wide
+    assert "GlobalArch" in ModelRegistry.get_supported_archs()
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "global_reg")
+    assert "GlobalArch" not in PluginHost().collect_models()
+    assert "GlobalArch" not in PluginHost(load_installed=False).collect_models()
+
+
+def test_a_plugin_module_imported_by_other_code_first_still_registers_as_that_plugin(install_plugin, monkeypatch):
+    """Importing a plugin's module (a test, an application) must not make its registrations global."""
+    install_plugin(
+        "leaky",
+        "from pluginhost import ModelRegistry, hookimpl\n"
+        "ModelRegistry.register_model('LeakyArch', 'leaky_impl:M')\n"
+        "@hookimpl\n"
+        "def modify_config(config):\n"
+        "    pass\n",
+        dist="leaky-dist",
+    )
+    import leaky  # noqa: F401 - imported by "user code", before any host loads it
+
+    entry = ModelRegistry.get("LeakyArch")
+    assert (entry.registered_by.name, entry.registered_by.distribution) == ("leaky", "leaky-dist")
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "")
+    assert "LeakyArch" not in PluginHost().collect_models()
+    monkeypatch.delenv("PLUGINHOST_PLUGINS")
+    assert "LeakyArch" in PluginHost().collect_models()

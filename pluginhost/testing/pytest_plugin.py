@@ -9,6 +9,10 @@
   registry and configuration checks (``make_host(p).collect_models()``).
 * ``hook_recorder``: every hook call made by engines and hosts from the two
   factories above, with its arguments, through pluggy's hook call monitoring.
+* ``model_registry``: the process-wide ``pluginhost.ModelRegistry``, restored
+  after the test to what it held before: registrations a test makes (at a
+  plugin's import, in a ``register()`` function, in your own code) do not
+  leak into later tests. ``make_host`` and ``make_engine`` use it.
 
 Example::
 
@@ -22,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,8 +36,9 @@ import pytest
 if TYPE_CHECKING:
     from pluginhost.engine import LLM
     from pluginhost.host import PluginHost
+    from pluginhost.registry import ArchitectureRegistry
 
-__all__ = ["HookCall", "HookRecorder", "hook_recorder", "make_engine", "make_host", "tiny_opt_dir"]
+__all__ = ["HookCall", "HookRecorder", "hook_recorder", "make_engine", "make_host", "model_registry", "tiny_opt_dir"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,19 @@ def hook_recorder() -> HookRecorder:
 
 
 @pytest.fixture
-def make_host(hook_recorder: HookRecorder) -> Callable[..., PluginHost]:
+def model_registry() -> Iterator[ArchitectureRegistry]:
+    """``pluginhost.ModelRegistry``, with every registration made during the test undone afterwards."""
+    from pluginhost.registry import ModelRegistry
+
+    snapshot = ModelRegistry.snapshot()
+    try:
+        yield ModelRegistry
+    finally:
+        ModelRegistry.restore(snapshot)
+
+
+@pytest.fixture
+def make_host(hook_recorder: HookRecorder, model_registry: ArchitectureRegistry) -> Callable[..., PluginHost]:
     def factory(*plugins: object) -> PluginHost:
         from pluginhost.host import PluginHost
 

@@ -1,36 +1,20 @@
-"""The vLLM-style plugin, tested with pluginhost's pytest fixtures."""
+"""The vLLM-style plugin, tested with pluginhost's pytest fixtures (in-process, as a register() function)."""
 
-import importlib
+from pluginhost_vllm_style import register
 
-from pluginhost import ModelRegistry, SamplingParams
+from pluginhost import SamplingParams
 
-
-def load_plugin():
-    """Import the plugin as pluginhost would, attributing its import-time registration."""
-    from pluginhost.attribution import PluginRef, acting_as
-
-    with acting_as(PluginRef("vllm_style")):
-        import pluginhost_vllm_style
-
-        return importlib.reload(pluginhost_vllm_style)
+PROMPT = [[2, 5, 9]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def test_overrides_the_builtin_opt(make_engine):
-    plugin = load_plugin()
-    try:
-        llm = make_engine(plugin)
-        assert type(llm.model).__name__ == "BannedTokensOPT"
-    finally:
-        ModelRegistry._entries.pop("OPTForCausalLM", None)
+def test_overrides_the_builtin_opt_only_where_it_is_given(make_engine):
+    assert type(make_engine(register).model).__name__ == "BannedTokensOPT"
+    assert type(make_engine().model).__name__ == "OPTForCausalLM"  # not leaked into an engine without it
 
 
 def test_banned_tokens_are_never_generated(make_engine):
-    plugin = load_plugin()
-    try:
-        free = make_engine(plugin).generate([[2, 5, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        banned = sorted(set(free[0].token_ids))
-        llm = make_engine(plugin, hf_overrides={"banned_token_ids": banned})
-        out = llm.generate([[2, 5, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-        assert not set(out.token_ids) & set(banned)
-    finally:
-        ModelRegistry._entries.pop("OPTForCausalLM", None)
+    free = make_engine().generate(PROMPT, GREEDY)[0].token_ids
+    banned = sorted(set(free))
+    out = make_engine(register, hf_overrides={"banned_token_ids": banned}).generate(PROMPT, GREEDY)[0]
+    assert len(out.token_ids) == 6 and not set(out.token_ids) & set(banned)

@@ -1,0 +1,84 @@
+"""Turning generated tokens into text one token at a time, and finding stop strings.
+
+Decoding each new token alone is wrong twice over: a multi-byte character
+split across tokens decodes to U+FFFD halves, and tokenizers that mark spaces
+on the token (SentencePiece's "▁") drop a leading space without context. So,
+as in vLLM and text-generation-inference, each step decodes a short window of
+tokens twice, with and without the newest one, and keeps the difference
+only once it no longer ends in an incomplete character. The window starts with
+a few prompt tokens, for context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["IncrementalDetokenizer"]
+
+#: Prompt tokens decoded as context before the first generated one.
+CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of one sequence's generated tokens, grown token by token.
+
+    ``stop`` strings end the text before them: ``push`` then reports the
+    string found, and ``text`` no longer grows.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        # Decoded window: ids[prefix:read] is text already emitted (context included).
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._stop = tuple(stop)
+        self.text = ""
+
+    @property
+    def stop_buffer(self) -> int:
+        """How many trailing characters may still turn out to start a stop string (withheld when streaming)."""
+        return max((len(s) for s in self._stop), default=1) - 1
+
+    def push(self, token_id: int, *, check_stop: bool = True) -> str | None:
+        """Add a generated token; return the stop string it completed, if any (``check_stop``)."""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith(_INCOMPLETE):
+            return None  # wait for the rest of the character (or the token decodes to nothing)
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return self._find_stop(len(delta)) if check_stop else None
+
+    def flush(self) -> None:
+        """At the end: keep whatever is left undecoded (an incomplete character shows as U+FFFD)."""
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) > len(before):
+            self.text += after[len(before) :]
+        self._prefix = self._read = len(self._ids)
+
+    def _find_stop(self, new_chars: int) -> str | None:
+        """The stop string that starts earliest among those the new characters complete; cut the text there."""
+        found: tuple[int, str] | None = None
+        for stop in self._stop:
+            # Only where the new characters could complete it.
+            index = self.text.find(stop, max(0, len(self.text) - new_chars - len(stop) + 1))
+            if index >= 0 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
+            return None
+        self.text = self.text[: found[0]]
+        return found[1]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
