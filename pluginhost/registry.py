@@ -166,7 +166,11 @@ class ArchitectureRegistry:
         self._entries[architecture] = Registration(architecture, implementation, source, model_class, previous)
         self._resolved.pop(architecture, None)
         if previous is not None:
-            log = logger.warning if previous.registered_by.distribution and source.distribution else logger.info
+            # Two installed plugins claiming one name deserve a warning; overriding a builtin is what
+            # registration is for, and is only logged.
+            builtin = builtin_ref()
+            conflict = all(r.distribution and r != builtin for r in (previous.registered_by, source))
+            log = logger.warning if conflict else logger.info
             log(
                 "architecture %r: %s (%s) replaces %s (%s)",
                 architecture,
@@ -297,7 +301,8 @@ def _compute_logits_problem(cls: type) -> str | None:
     ]
     if takes_one and len(required) <= 1 and all(p.kind in positional for p in required):
         return None
-    return str(signature)
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return "(" + ", ".join(prefix.get(p.kind, "") + p.name for p in signature.parameters.values()) + ")"
 
 
 # Set while an engine runs its register_models hook: the process-wide registry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_stop_token_ids_end_generation_and_are_included(llm):
     stop_at = free[2]
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at]))[0]
     assert out.token_ids == free[: free.index(stop_at) + 1]
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", stop_at)
 
 
 class AlwaysPicks(OPTForCausalLM):
@@ -431,7 +432,89 @@ def test_invalid_engine_settings_are_one_clear_error(tiny_opt):
         LLM(str(tiny_opt), load_installed_plugins=False, dtype="fp64")
     with pytest.raises(ConfigError, match="unknown setting"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_len=3)
-    with pytest.raises(ConfigError, match="CUDA is not available"):
-        if torch.cuda.is_available():
-            raise ConfigError("CUDA is not available (skipped: a GPU is present)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: CUDA is available")
+def test_asking_for_cuda_without_it_is_one_clear_error(tiny_opt):
+    with pytest.raises(ConfigError, match="device 'cuda' was asked for, but CUDA is not available here"):
         LLM(str(tiny_opt), load_installed_plugins=False, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_engine_generates_what_the_cpu_engine_does(tiny_opt, llm):
+    gpu = LLM(str(tiny_opt), load_installed_plugins=False, device="cuda", dtype="float32")
+    assert next(gpu.model.parameters()).is_cuda and gpu.config.device.startswith("cuda")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in gpu.generate(PROMPTS, params)] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+# -- the build: a straight line ---------------------------------------------------------
+
+
+def test_the_build_reads_checks_and_resolves_each_thing_once(tiny_opt, monkeypatch):
+    import pluginhost.build
+    import pluginhost.engine
+    import pluginhost.model_dir
+    from pluginhost.registry import ArchitectureRegistry
+
+    calls: Counter[str] = Counter()
+
+    def count(owner, name):
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count(pluginhost.model_dir, "read_config_json")
+    count(pluginhost.build, "model_directory")
+    count(pluginhost.engine, "load_tokenizer")
+    count(pluginhost.engine, "find_checkpoint")
+    count(ArchitectureRegistry, "resolve")
+    LLM(str(tiny_opt), load_installed_plugins=False)
+    assert calls == {n: 1 for n in ("read_config_json", "model_directory", "load_tokenizer", "find_checkpoint", "resolve")}
+
+
+def test_pre_load_sees_the_device_dtype_and_length_the_engine_decided(tiny_opt):
+    seen = {}
+
+    class Peek:
+        @hookimpl
+        def pre_load(self, config):
+            seen.update(device=config.device, dtype=config.dtype, max_model_len=config.max_model_len)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Peek()])
+    assert seen == {"device": "cpu", "dtype": "float32", "max_model_len": 128}
+    assert llm.config.provenance["device"] == "default"  # decided from the default "auto", not set by anyone
+
+
+def test_a_broken_tokenizer_fails_before_anything_heavy(tiny_opt, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_opt, tmp_path / "model")
+    (model / "tokenizer.json").write_text("{ not json")
+    (model / "model.safetensors").unlink()
+    reached = []
+
+    class Watch:
+        @hookimpl
+        def pre_load(self):
+            reached.append("pre_load")
+
+    with pytest.raises(ConfigError, match="tokenizer files in .* could not be loaded"):
+        LLM(str(model), load_installed_plugins=False, plugins=[Watch()])
+    assert reached == []  # neither pre_load nor the (missing) weights were reached
+
+
+def test_an_engine_failure_is_not_blamed_on_the_model(llm, monkeypatch):
+    import pluginhost.generation
+
+    def broken_sampler(logits, states):
+        raise RuntimeError("a bug in the sampler")
+
+    monkeypatch.setattr(pluginhost.generation, "sample", broken_sampler)
+    with pytest.raises(RuntimeError, match="a bug in the sampler") as info:
+        llm.generate([[2, 5]], SamplingParams(max_tokens=2))
+    assert not isinstance(info.value, ModelRunError)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 
 import pytest
 
@@ -311,3 +313,122 @@ def test_wrapper_implementations_work_and_are_attributed():
     assert config.provenance["seed"] == "plugin:Wrapper" and config.provenance["max_num_seqs"] == "plugin:Wrapper"
     with pytest.raises(PluginHookError, match="plugin 'Raising' failed in its modify_config hook: RuntimeError"):
         PluginHost(plugins=[Raising(), Plain()], load_installed=False).call("modify_config", config=config)
+
+
+def test_tryfirst_trylast_and_specname_work_as_in_pluggy():
+    order = []
+
+    class Early:
+        @hookimpl(trylast=True)
+        def modify_config(self, config):
+            order.append("trylast")
+
+    class Late:
+        @hookimpl(tryfirst=True)
+        def modify_config(self, config):
+            order.append("tryfirst")
+
+    class Plain:
+        @hookimpl
+        def modify_config(self, config):
+            order.append("plain")
+
+    class Renamed:
+        @hookimpl(specname="modify_config")
+        def shrink_context(self, config):
+            order.append("specname")
+            config.max_model_len = 64
+
+    config = EngineConfig(model="m")
+    host = PluginHost(plugins=[Early(), Plain(), Renamed(), Late()], load_installed=False)
+    host.call("modify_config", config=config)
+    # Given first, Early still runs last; given last, Late still runs first; the rest in the order given.
+    assert order == ["tryfirst", "plain", "specname", "trylast"]
+    assert config.max_model_len == 64 and config.provenance["max_model_len"] == "plugin:Renamed"
+    assert {r.name: r.hooks for r in host.records}["Renamed"] == ("modify_config",)
+
+
+HALF_VALID_PLUGIN = """
+from pluginhost import hookimpl
+
+@hookimpl
+def modify_config(config):
+    config.seed = 99  # valid on its own: it must not run once the plugin is refused
+
+@hookimpl
+def pre_load(config, model_cls):  # wrong argument name: the plugin fails validation
+    pass
+"""
+
+
+def test_a_plugin_failing_validation_leaves_none_of_its_hooks_behind(install_plugin, monkeypatch):
+    install_plugin("half", HALF_VALID_PLUGIN)
+    monkeypatch.setenv("PLUGINHOST_SKIP_BROKEN_PLUGINS", "1")
+    host = PluginHost()
+    config = EngineConfig(model="m")
+    host.call("modify_config", config=config)
+    assert statuses(host)["half"] == "failed"
+    assert (config.seed, config.provenance["seed"]) == (0, "default")
+
+
+@pytest.mark.slow
+def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(tmp_path):
+    """pluggy < 1.7 half-registers a plugin that fails validation; the host must undo it there too."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    lowest = re.fullmatch(r"pluggy>=([\d.]+)(,.*)?", next(r for r in requirements if r.startswith("pluggy"))).group(1)
+    old = tmp_path / "old-pluggy"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(old), f"pluggy=={lowest}"],
+        check=True,
+        timeout=300,
+    )
+    (tmp_path / "half.py").write_text(HALF_VALID_PLUGIN)
+    info = tmp_path / "half_dist-1.0.dist-info"  # installed, as pip would leave it
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: half-dist\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pluginhost.plugins]\nhalf = half\n")
+    check = (
+        "import pluggy\n"
+        f"assert pluggy.__version__.startswith({lowest!r}), pluggy.__version__\n"
+        "from pluginhost import EngineConfig\n"
+        "from pluginhost.host import PluginHost\n"
+        "host = PluginHost()\n"
+        "config = EngineConfig(model='m')\n"
+        "host.call('modify_config', config=config)\n"
+        "record = next(r for r in host.records if r.name == 'half')\n"
+        "assert record.status == 'failed' and 'model_cls' in record.reason, record\n"
+        "assert config.seed == 0, config.seed\n"
+        "print('ok', pluggy.__version__)\n"
+    )
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(old), str(tmp_path), *sys.path]),
+        "PATH": os.environ["PATH"],
+        "PLUGINHOST_SKIP_BROKEN_PLUGINS": "1",
+    }
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok")
+
+
+@pytest.mark.parametrize(
+    ("code", "target", "reason"),
+    [
+        ("X = 1\n", None, "is a module that holds no hook implementation"),
+        ("def register(registry):\n    pass\n", "fn:register", "takes argument(s) registry"),
+        ("def register():\n    raise RuntimeError('no licence')\n", "fn:register", "failed: RuntimeError: no licence"),
+        ("class Thing:\n    pass\nTHING = Thing()\n", "fn:THING", "is a Thing that holds no hook implementation"),
+    ],
+    ids=["module-without-hooks", "function-with-arguments", "function-raising", "object-without-hooks"],
+)
+def test_an_entry_point_with_no_hook_implementation_is_a_broken_plugin(install_plugin, code, target, reason):
+    install_plugin("fn", code, target=target)
+    record = {r.name: r for r in PluginHost().load(strict=False)}["fn"]
+    assert record.status == "failed" and reason in record.reason
+    with pytest.raises(PluginLoadError, match=re.escape(reason)):
+        PluginHost().load()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from pluginhost import LLM, SamplingParams
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, EngineConfig, SamplingParams
 from pluginhost.cli import main
 from pluginhost.errors import PluginhostError
 
@@ -113,15 +114,28 @@ def test_plugin_fault_through_the_cli(install_plugin, capsys, tiny_opt, fault):
     assert main(["generate", "--model", str(tiny_opt), "--prompt", "Hello", "--max-tokens", "2", *REMEDY.split()]) == 0
 
 
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def clean_output(tiny_opt):
+    """What an engine with no plugin at all generates, before any fault was installed."""
+    return LLM(str(tiny_opt), load_installed_plugins=False).generate([[2, 9, 40]], GREEDY)[0]
+
+
 @pytest.mark.parametrize("fault", list(FAULTS), ids=list(FAULTS))
-def test_plugin_fault_in_python_then_a_correct_engine(install_plugin, tiny_opt, fault):
+def test_plugin_fault_in_python_then_a_correct_engine(install_plugin, monkeypatch, tiny_opt, clean_output, fault):
     install_plugin("faulty", FAULTS[fault].code, dist="faulty-dist", version="0.3.1")
     with pytest.raises(PluginhostError) as info:
         LLM(str(tiny_opt))
     assert IDENTITY in str(info.value) and FAULTS[fault].cause in str(info.value)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    expected = LLM(str(tiny_opt), load_installed_plugins=False).generate([[2, 9, 40]], params)[0].token_ids
-    assert len(expected) == 4
+    # The same process, the plugin disabled as the message says: an engine exactly like a clean one.
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "faulty")
+    llm = LLM(str(tiny_opt))
+    assert type(llm.model) is OPTForCausalLM
+    assert llm.config.provenance == {name: "user" if name == "model" else "default" for name in EngineConfig.model_fields}
+    out = llm.generate([[2, 9, 40]], GREEDY)[0]
+    assert out.token_ids == clean_output.token_ids and out.logprobs == clean_output.logprobs
 
 
 def test_debug_shows_the_traceback_of_a_plugin_fault(install_plugin, tiny_opt):

@@ -1,0 +1,262 @@
+"""Sampling with vLLM's meanings: penalties, min_p, min_tokens, stop strings, n samples.
+
+Each feature is checked against an independent reference: transformers'
+``generate`` for the repetition penalty, a step-by-step loop over transformers'
+full forward passes for the presence and frequency penalties, the model's own
+distribution for ``min_p``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import OPTForCausalLM as HFOPTForCausalLM
+
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, SamplingParams
+from pluginhost.detokenizer import IncrementalDetokenizer
+from pluginhost.testing import RegistersModel
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_opt) -> LLM:
+    return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_opt) -> HFOPTForCausalLM:
+    return HFOPTForCausalLM.from_pretrained(tiny_opt, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 12, **kwargs})
+
+
+# -- penalties ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("penalty", [1.3, 2.5, 0.7])
+def test_repetition_penalty_equals_transformers_generate(llm, reference, penalty):
+    plain = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    ours = [o.token_ids for o in llm.generate(PROMPTS, greedy(repetition_penalty=penalty))]
+    with torch.no_grad():
+        theirs = [
+            reference.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                repetition_penalty=penalty,
+                eos_token_id=None,
+                pad_token_id=1,
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    assert ours == theirs
+    assert ours != plain  # the penalty changed something, so the comparison means something
+
+
+@torch.no_grad()
+def reference_penalized(model: HFOPTForCausalLM, prompt: list[int], presence: float, frequency: float) -> list[int]:
+    """Greedy decoding with vLLM's presence/frequency penalties, over transformers' full forward passes."""
+    out: list[int] = []
+    for _ in range(12):
+        logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1]).float()
+        logits -= frequency * counts + presence * (counts > 0).float()  # generated tokens only
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.8), (0.5, 1.2), (-2.0, 0.0)])
+def test_presence_and_frequency_penalties_count_generated_tokens_only(llm, reference, presence, frequency):
+    params = greedy(presence_penalty=presence, frequency_penalty=frequency)
+    ours = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert ours == [reference_penalized(reference, p, presence, frequency) for p in PROMPTS]
+    assert ours != [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+
+
+def test_a_prompt_token_is_not_penalised_by_presence(llm):
+    """Penalising the prompt would push the prompt's own tokens down at the first step; vLLM does not."""
+    first = llm.generate([PROMPTS[0]], greedy(max_tokens=1, logprobs=0))[0].token_ids[0]
+    prompt = [2, first, first, first]  # the would-be first token, all over the prompt
+    free = llm.generate([prompt], greedy(max_tokens=1))[0].token_ids
+    assert llm.generate([prompt], greedy(max_tokens=1, presence_penalty=2.0))[0].token_ids == free
+
+
+# -- min_p, min_tokens ----------------------------------------------------------------------
+
+
+def test_min_p_only_keeps_tokens_near_the_most_likely(llm):
+    min_p = 0.2
+    chosen = set()
+    for seed in range(30):
+        params = SamplingParams(temperature=1.0, min_p=min_p, seed=seed, max_tokens=1, logprobs=1)
+        out = llm.generate([PROMPTS[0]], params)[0]
+        token = out.token_ids[0]
+        best = max(out.logprobs[0].values())
+        assert out.logprobs[0][token] >= best + math.log(min_p) - 1e-6
+        chosen.add(token)
+    assert len(chosen) > 1  # still sampling, not greedy
+
+
+class AlwaysEos(OPTForCausalLM):
+    def compute_logits(self, hidden_states):
+        logits = torch.full_like(super().compute_logits(hidden_states), -1e9)
+        logits[..., 2] = 0.0
+        logits[..., 9] = -1.0  # the runner-up, once end-of-sequence is masked
+        return logits
+
+
+def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", AlwaysEos)])
+    out = llm.generate([[2, 5]], SamplingParams(temperature=0, max_tokens=10, min_tokens=3))[0]
+    assert (out.token_ids, out.finish_reason) == ([9, 9, 9, 2], "stop")
+    # Both stop tokens held back for two tokens (the model's next choice is token 0), then end-of-sequence.
+    out = llm.generate([[2, 5]], SamplingParams(temperature=0, max_tokens=10, min_tokens=2, stop_token_ids=[9]))[0]
+    assert (out.token_ids, out.finish_reason, out.outputs[0].stop_reason) == ([0, 0, 2], "stop", None)
+
+
+# -- stop strings -------------------------------------------------------------------------
+
+
+class Scripted(OPTForCausalLM):
+    """Writes ``SCRIPT`` whatever the weights say: the token after position p is ``script[p + 1]``."""
+
+    script: list[int] = []
+
+    def forward(self, input_ids, positions, *args, **kwargs):
+        hidden = super().forward(input_ids, positions, *args, **kwargs)  # (B, T, W): the cache is still used
+        return positions[..., None].to(hidden.dtype).expand(hidden.shape).contiguous()
+
+    def compute_logits(self, hidden_states):
+        following = (hidden_states[..., 0].long() + 1) % len(self.script)
+        logits = torch.full((*hidden_states.shape[:-1], self.config.vocab_size), -1e9)
+        return logits.scatter_(-1, torch.tensor(self.script)[following][..., None], 0.0)
+
+
+TEXT = "The quick brown fox jumps over the lazy dog. Hello world!"
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_opt) -> LLM:
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Scripted)])
+    Scripted.script = [2, *llm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]]
+    return llm
+
+
+def test_a_scripted_model_writes_its_text(scripted):
+    out = scripted.generate([[2]], greedy(max_tokens=len(Scripted.script) - 1))[0]
+    assert out.text == TEXT
+
+
+def test_stop_strings_cut_the_text_across_token_boundaries(scripted):
+    ids = Scripted.script[1:]
+    pieces = [scripted.tokenizer.decode([t]) for t in ids]
+    assert "".join(pieces) == TEXT and len(ids) < len(TEXT)  # several characters per token here
+    # A stop string from inside one token to inside a later one.
+    k = next(i for i in range(2, len(pieces)) if len(pieces[i]) >= 2 and len(pieces[i + 2]) >= 2)
+    start = len("".join(pieces[:k])) + 1
+    end = len("".join(pieces[: k + 2])) + 1
+    stop = TEXT[start:end]
+    assert TEXT.index(stop) == start
+
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=stop))[0].outputs[0]
+    assert out.text == TEXT[:start]  # the stop string is not part of the text
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == ids[: k + 3]  # generation ended with the token that completed it
+
+
+def test_several_stop_strings_end_at_the_earliest(scripted):
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=["lazy", "fox", "never \u2603"]))[0]
+    assert out.text == "The quick brown " and out.outputs[0].stop_reason == "fox"
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=["o"]))[0]  # the first "o", inside "brown"
+    assert out.text == "The quick br"
+
+
+def test_stop_strings_wait_for_min_tokens(scripted):
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop="The", min_tokens=3))[0]
+    assert out.text == TEXT  # "The" was complete before the third token, so nothing stopped it
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=["The", "o"], min_tokens=3))[0]
+    assert out.outputs[0].stop_reason == "o" and len(out.token_ids) >= 3
+
+
+def test_stop_strings_need_a_tokenizer(tiny_opt_no_tokenizer):
+    llm = LLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False)
+    with pytest.raises(ValueError, match="asks for stop strings, but .* has no tokenizer"):
+        llm.generate([[2, 5]], SamplingParams(stop="x"))
+    assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "snow \u2603 and \U0001f389 party", "日本語のテキスト"])
+def test_incremental_text_never_shows_half_characters(llm, text):
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # multi-byte characters are split over several tokens here
+    detokenizer = IncrementalDetokenizer(llm.tokenizer, [2])
+    seen = []
+    for token in ids:
+        detokenizer.push(token)
+        seen.append(detokenizer.text)
+        assert "\ufffd" not in detokenizer.text
+    detokenizer.flush()
+    assert detokenizer.text == text and seen[-1] == text
+
+
+# -- n samples ----------------------------------------------------------------------------
+
+
+def test_n_samples_are_independent_streams_from_one_seed(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, logprobs=0)
+    out = llm.generate([PROMPTS[0]], params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert [o.token_ids for o in llm.generate([PROMPTS[0]], params)[0].outputs] == [o.token_ids for o in out.outputs]
+    for i, sample in enumerate(out.outputs):  # sample i is what seed + i gives alone
+        alone = llm.generate([PROMPTS[0]], params.clone(n=1, seed=11 + i))[0]
+        assert alone.token_ids == sample.token_ids
+        assert sample.cumulative_logprob == pytest.approx(sum(s[t] for s, t in zip(sample.logprobs, sample.token_ids)))
+    assert (out.text, out.token_ids, out.finish_reason) == (
+        out.outputs[0].text,
+        out.outputs[0].token_ids,
+        out.outputs[0].finish_reason,
+    )
+
+
+def test_unseeded_samples_are_reproducible_from_the_engine_seed(tiny_opt):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True)
+    runs = [
+        [o.token_ids for o in LLM(str(tiny_opt), load_installed_plugins=False, seed=5).generate(PROMPTS[:1], params)[0].outputs]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
+
+
+# -- bad values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, "n must be an integer >= 1"),
+        ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
+        ({"stop": 5}, "stop must be"),
+        ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens \(20\) must be at most max_tokens \(10\)"),
+        ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"extra_args": ["a"]}, "extra_args must be a dict or None"),
+    ],
+)
+def test_bad_values_are_one_clear_value_error_and_the_engine_stays_usable(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    params.n = kwargs.get("n", 2)  # a value changed after construction is checked when the request arrives
+    if params.n == 0:
+        with pytest.raises(ValueError, match="n must be"):
+            llm.generate([PROMPTS[0]], params)
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
