@@ -15,8 +15,9 @@
    ``post_load`` sees the loaded model.
 
 ``plan_build`` is steps 1 to 5, so ``pluginhost config`` can show what would
-be built without importing torch. An exception anywhere aborts the build;
-nothing is kept.
+be built without reading weights or importing the model class (transformers'
+config classes, and with them torch, are imported). An exception anywhere
+aborts the build; nothing is kept.
 """
 
 from __future__ import annotations

@@ -161,9 +161,7 @@ class LLM:
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
         if isinstance(params, str | bytes | Mapping) or not isinstance(params, Sequence):
-            raise ValueError(
-                f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}"
-            )
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(

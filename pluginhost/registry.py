@@ -295,9 +295,7 @@ def _compute_logits_problem(cls: type) -> str | None:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     takes_one = any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     required = [
-        p
-        for p in params
-        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        p for p in params if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if takes_one and len(required) <= 1 and all(p.kind in positional for p in required):
         return None

@@ -474,7 +474,9 @@ def test_the_build_reads_checks_and_resolves_each_thing_once(tiny_opt, monkeypat
     count(pluginhost.engine, "find_checkpoint")
     count(ArchitectureRegistry, "resolve")
     LLM(str(tiny_opt), load_installed_plugins=False)
-    assert calls == {n: 1 for n in ("read_config_json", "model_directory", "load_tokenizer", "find_checkpoint", "resolve")}
+    assert calls == {
+        n: 1 for n in ("read_config_json", "model_directory", "load_tokenizer", "find_checkpoint", "resolve")
+    }
 
 
 def test_pre_load_sees_the_device_dtype_and_length_the_engine_decided(tiny_opt):

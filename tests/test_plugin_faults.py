@@ -133,7 +133,9 @@ def test_plugin_fault_in_python_then_a_correct_engine(install_plugin, monkeypatc
     monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "faulty")
     llm = LLM(str(tiny_opt))
     assert type(llm.model) is OPTForCausalLM
-    assert llm.config.provenance == {name: "user" if name == "model" else "default" for name in EngineConfig.model_fields}
+    assert llm.config.provenance == {
+        name: "user" if name == "model" else "default" for name in EngineConfig.model_fields
+    }
     out = llm.generate([[2, 9, 40]], GREEDY)[0]
     assert out.token_ids == clean_output.token_ids and out.logprobs == clean_output.logprobs
 

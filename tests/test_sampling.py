@@ -217,7 +217,9 @@ def test_n_samples_are_independent_streams_from_one_seed(llm):
     for i, sample in enumerate(out.outputs):  # sample i is what seed + i gives alone
         alone = llm.generate([PROMPTS[0]], params.clone(n=1, seed=11 + i))[0]
         assert alone.token_ids == sample.token_ids
-        assert sample.cumulative_logprob == pytest.approx(sum(s[t] for s, t in zip(sample.logprobs, sample.token_ids)))
+        assert sample.cumulative_logprob == pytest.approx(
+            sum(s[t] for s, t in zip(sample.logprobs, sample.token_ids, strict=True))
+        )
     assert (out.text, out.token_ids, out.finish_reason) == (
         out.outputs[0].text,
         out.outputs[0].token_ids,
@@ -228,7 +230,10 @@ def test_n_samples_are_independent_streams_from_one_seed(llm):
 def test_unseeded_samples_are_reproducible_from_the_engine_seed(tiny_opt):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=6, ignore_eos=True)
     runs = [
-        [o.token_ids for o in LLM(str(tiny_opt), load_installed_plugins=False, seed=5).generate(PROMPTS[:1], params)[0].outputs]
+        [
+            o.token_ids
+            for o in LLM(str(tiny_opt), load_installed_plugins=False, seed=5).generate(PROMPTS[:1], params)[0].outputs
+        ]
         for _ in range(2)
     ]
     assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1

@@ -133,7 +133,10 @@ def test_the_guard_and_a_second_register_call_are_silent(dummy_plugin, caplog: p
     assert caplog.records == []
     entry = ModelRegistry.get("MyOPTForCausalLM")
     assert entry.model_class is MyOPTForCausalLM
-    assert (entry.registered_by.name, entry.registered_by.distribution) == ("register_dummy_model", "vllm_add_dummy_model")
+    assert (entry.registered_by.name, entry.registered_by.distribution) == (
+        "register_dummy_model",
+        "vllm_add_dummy_model",
+    )
 
 
 def test_an_unguarded_register_function_called_by_every_engine_is_silent(install_plugin, caplog, tiny_opt):
@@ -203,7 +206,13 @@ def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt
     assert json.loads(generated.stdout)[0]["token_ids"] == [0, 0, 0, 0]
 
     disabled = run_cli(
-        dummy_plugin_site, "generate", "--model", dummy_opt_path, "--prompt", "Hello", "--disable-plugin",
+        dummy_plugin_site,
+        "generate",
+        "--model",
+        dummy_opt_path,
+        "--prompt",
+        "Hello",
+        "--disable-plugin",
         "register_dummy_model",
     )
     assert disabled.returncode == 2
