@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from pluginhost.envflags import env_flag
 
-__all__ = ["Linear", "linear"]
+__all__ = ["Linear", "linear", "onednn_in_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     else:
         y = _onednn(x2d, weight, bias, "none", [], "")  # (rows, out)
     return y.view(x.shape[:-1] + (out_features,))
+
+
+def onednn_in_use() -> bool:
+    """Whether products may go to oneDNN here (``False``: ``F.linear`` throughout, see the log for why)."""
+    return _onednn is not None
 
 
 def _usable_onednn_linear() -> Callable[..., Tensor] | None:
