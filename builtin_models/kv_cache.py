@@ -1,7 +1,12 @@
-"""A static key/value cache: fixed-size buffers written in place, slot by slot.
+"""A static key/value cache: one row per sequence, one slot per position, written in place.
 
-Allocated once per shape by ``setup_caches`` (never in a model's
-``__init__``), so decoding allocates nothing per step.
+Created by a model's ``setup_caches`` (never in its ``__init__``); the engine
+then owns its shape: it grows the cache (keeping what it holds) as longer or
+more sequences arrive, and moves a sequence's row when it compacts the batch.
+Decoding allocates nothing per step: the keys and values of the token at
+position p of the sequence in row r go to slot p of row r.
+
+Shapes: R rows, H heads, S slots, D head dim; B sequences, T new tokens.
 """
 
 from __future__ import annotations
@@ -9,7 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KVCache"]
+__all__ = ["CacheRows", "KVCache"]
+
+#: Which rows a forward pass uses: ``slice(start, start + B)`` (a view, as in decoding) or a
+#: (B,) tensor of row indices (gathered; fine for the few rows of a prefill).
+CacheRows = slice | Tensor
 
 
 class KVCache(nn.Module):
@@ -28,10 +37,37 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, slots: Tensor, k: Tensor, v: Tensor, n_slots: int) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H, T, D) at ``slots`` (T,); return the first ``n_slots`` slots (B, H, S, D)."""
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, slots)."""
+        return self.k.shape[0], self.k.shape[2]
+
+    def update(self, rows: CacheRows, positions: Tensor, k: Tensor, v: Tensor, n_slots: int) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H, T, D) at ``positions`` (B, T) of ``rows``; return their first ``n_slots`` slots (B, H, S, D)."""
         B = k.shape[0]
-        k_cache, v_cache = self.k[:B], self.v[:B]
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
-        return k_cache[:, :, :n_slots], v_cache[:, :, :n_slots]
+        if isinstance(rows, slice):
+            k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
+            batch = torch.arange(B, device=k.device)[:, None]  # (B, 1)
+            k_rows[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
+            v_rows[batch, :, positions] = v.transpose(1, 2)
+            return k_rows[:, :, :n_slots], v_rows[:, :, :n_slots]
+        self.k[rows[:, None], :, positions] = k.transpose(1, 2)
+        self.v[rows[:, None], :, positions] = v.transpose(1, 2)
+        return self.k[rows, :, :n_slots], self.v[rows, :, :n_slots]  # (B, H, S, D) gathered
+
+    def resize(self, rows: int, slots: int) -> None:
+        """Make the cache ``rows`` x ``slots``, keeping what fits of its contents."""
+        old_rows, old_slots = self.shape
+        if (rows, slots) == (old_rows, old_slots):
+            return
+        keep_rows, keep_slots = min(rows, old_rows), min(slots, old_slots)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((rows, old.shape[1], slots, old.shape[3]))
+            new[:keep_rows, :, :keep_slots] = old[:keep_rows, :, :keep_slots]
+            setattr(self, name, new)
+
+    def move(self, src: int, dst: int, n_slots: int) -> None:
+        """Copy the first ``n_slots`` slots of row ``src`` into row ``dst``."""
+        self.k[dst, :, :n_slots] = self.k[src, :, :n_slots]
+        self.v[dst, :, :n_slots] = self.v[src, :, :n_slots]

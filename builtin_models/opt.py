@@ -8,10 +8,10 @@ embeddings are projected in and out of the residual width.
 Shapes: B batch, T new tokens, S cache slots attended, H heads, D head dim,
 E hidden size, W word embedding size, V vocabulary.
 
-The engine passes positions explicitly (left-padded batches have different
-positions per row), writes keys and values into a static cache set up with
-``setup_caches`` (apart from ``__init__``, so a model is built once and used
-for any batch), and passes the attention mask over cache slots.
+The engine passes positions explicitly (every sequence of a batch is at its
+own position), names the rows of the static cache the sequences use (the cache
+is set up with ``setup_caches``, apart from ``__init__``, so a model is built
+once and used for any batch), and passes the attention mask over cache slots.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
-from builtin_models.kv_cache import KVCache
+from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.weights import Stacked, assign_weights
 
@@ -55,14 +55,14 @@ class OPTAttention(nn.Module):
         self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor | None) -> Tensor:
         B, T, E = x.shape
         qkv = self.qkv_proj(x).view(B, T, 3, self.n_heads, self.head_dim)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
-        if cache_slots is not None:
-            assert self.kv_cache is not None, "call setup_caches() before passing cache_slots"
+        if cache_rows is not None:
+            assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             assert mask is not None, "a cached forward needs the mask over cache slots"
-            k, v = self.kv_cache.update(cache_slots, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
+            k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scaling)  # (B, H, T, D)
         else:
@@ -84,12 +84,12 @@ class OPTDecoderLayer(nn.Module):
         # In place: fc1's output is a temporary of this forward alone.
         self.activation = activation(config.activation_function, in_place=True)
 
-    def forward(self, x: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor | None) -> Tensor:
         if self.layer_norm_before:  # 125m, 1.3b and larger
-            x = x + self.self_attn(self.self_attn_layer_norm(x), cache_slots, mask)
+            x = x + self.self_attn(self.self_attn_layer_norm(x), positions, cache_rows, mask)
             return x + self.fc2(self.activation(self.fc1(self.final_layer_norm(x))))
         # 350m: LayerNorm after each residual block
-        x = self.self_attn_layer_norm(x + self.self_attn(x, cache_slots, mask))
+        x = self.self_attn_layer_norm(x + self.self_attn(x, positions, cache_rows, mask))
         return self.final_layer_norm(x + self.fc2(self.activation(self.fc1(x))))
 
 
@@ -107,7 +107,9 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = nn.LayerNorm(E, elementwise_affine=affine) if has_final_norm else None
         self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None, mask: Tensor | None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor | None
+    ) -> Tensor:
         x = self.embed_tokens(input_ids)  # (B, T, W)
         if self.project_in is not None:
             x = self.project_in(x)  # (B, T, E)
@@ -116,7 +118,7 @@ class OPTDecoder(nn.Module):
             # SDPA turns a boolean mask into an additive one on every call: do it once for all layers.
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         for layer in self.layers:
-            x = layer(x, cache_slots, mask)
+            x = layer(x, positions, cache_rows, mask)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -127,12 +129,14 @@ class OPTDecoder(nn.Module):
 class OPTForCausalLM(nn.Module):
     """OPT with a language-modelling head, in the pluginhost model interface.
 
-    ``forward(input_ids, positions, cache_slots=None, mask=None)`` returns hidden
+    ``forward(input_ids, positions, cache_rows=None, mask=None)`` returns hidden
     states (B, T, W); ``compute_logits(hidden)`` returns logits (..., V).
 
-    * ``positions`` (B, T): each token's position, 0 for the first real token.
-    * ``cache_slots`` (T,): the cache slots this step's keys and values go to;
-      ``None`` runs without the cache, causally over the T tokens.
+    * ``positions`` (B, T): each token's position in its sequence, 0 for the
+      first; its keys and values go to the cache slot of that number.
+    * ``cache_rows``: the cache rows of the B sequences (``slice(start,
+      start + B)`` or a (B,) tensor); ``None`` runs without the cache,
+      causally over the T tokens.
     * ``mask`` (B, 1, T, S): which of the first S cache slots each new token
       may attend to (causality and padding, decided by the engine); bool
       (True = attend) or an additive float mask.
@@ -154,9 +158,9 @@ class OPTForCausalLM(nn.Module):
             )
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None = None, mask: Tensor | None = None
+        self, input_ids: Tensor, positions: Tensor, cache_rows: CacheRows | None = None, mask: Tensor | None = None
     ) -> Tensor:
-        return self.decoder(input_ids, positions, cache_slots, mask)
+        return self.decoder(input_ids, positions, cache_rows, mask)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         return self.lm_head(hidden_states)  # (..., V)

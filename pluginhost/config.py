@@ -51,7 +51,17 @@ class EngineConfig(BaseModel):
         gt=0,
         description="Longest prompt plus generated tokens; defaults to the model's position limit.",
     )
-    max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded together in one batch.")
+    max_num_seqs: int = Field(default=32, gt=0, description="Most sequences running together (rows of the batch).")
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description="Prompt tokens (padding included) a step prefills for joining sequences; the first always joins.",
+    )
+    max_waiting_seqs: int = Field(
+        default=1024,
+        gt=0,
+        description="Most sequences waiting to run; more are refused (a server answers 503) instead of queued.",
+    )
     seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)

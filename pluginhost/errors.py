@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "EngineOverloadedError",
     "ModelClassError",
     "ModelRunError",
     "PluginError",
@@ -63,6 +64,10 @@ class ModelClassError(RegistryError):
 
 class ModelRunError(PluginhostError, RuntimeError):
     """The model raised while generating (its forward pass or logits)."""
+
+
+class EngineOverloadedError(PluginhostError):
+    """The engine's waiting queue is full; the request was refused (a server answers 503)."""
 
 
 class ConfigError(PluginhostError, ValueError):

@@ -69,5 +69,7 @@ def test_plugin_assignments_are_attributed_to_the_plugin():
         "device": "default",
         "max_model_len": "plugin:SitePolicy",
         "max_num_seqs": "default",
+        "max_num_batched_tokens": "default",
+        "max_waiting_seqs": "default",
         "seed": "user",
     }

@@ -453,7 +453,7 @@ def test_a_cuda_engine_generates_what_the_cpu_engine_does(tiny_opt, llm):
 
 def test_the_build_reads_checks_and_resolves_each_thing_once(tiny_opt, monkeypatch):
     import pluginhost.build
-    import pluginhost.engine
+    import pluginhost.engine.loader
     import pluginhost.model_dir
     from pluginhost.registry import ArchitectureRegistry
 
@@ -470,8 +470,8 @@ def test_the_build_reads_checks_and_resolves_each_thing_once(tiny_opt, monkeypat
 
     count(pluginhost.model_dir, "read_config_json")
     count(pluginhost.build, "model_directory")
-    count(pluginhost.engine, "load_tokenizer")
-    count(pluginhost.engine, "find_checkpoint")
+    count(pluginhost.engine.loader, "load_tokenizer")
+    count(pluginhost.engine.loader, "find_checkpoint")
     count(ArchitectureRegistry, "resolve")
     LLM(str(tiny_opt), load_installed_plugins=False)
     assert calls == {
@@ -511,12 +511,12 @@ def test_a_broken_tokenizer_fails_before_anything_heavy(tiny_opt, tmp_path):
 
 
 def test_an_engine_failure_is_not_blamed_on_the_model(llm, monkeypatch):
-    import pluginhost.generation
+    import pluginhost.engine.core
 
     def broken_sampler(logits, states):
         raise RuntimeError("a bug in the sampler")
 
-    monkeypatch.setattr(pluginhost.generation, "sample", broken_sampler)
+    monkeypatch.setattr(pluginhost.engine.core, "sample", broken_sampler)
     with pytest.raises(RuntimeError, match="a bug in the sampler") as info:
         llm.generate([[2, 5]], SamplingParams(max_tokens=2))
     assert not isinstance(info.value, ModelRunError)

@@ -16,7 +16,7 @@ from transformers import OPTForCausalLM as HFOPTForCausalLM
 
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams
-from pluginhost.detokenizer import IncrementalDetokenizer
+from pluginhost.engine.detokenizer import IncrementalDetokenizer
 from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]

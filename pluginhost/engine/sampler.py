@@ -35,18 +35,20 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     #: Tokens that end the sequence (end-of-sequence unless ignored, and ``stop_token_ids``).
     stop_ids: frozenset[int]
+    vocab_size: int
+    device: torch.device
     num_generated: int = 0
     #: Per-token counts of the generated tokens (V,), kept only when a penalty needs them.
     output_counts: Tensor | None = None
     #: Tokens of the prompt (V,), kept only for the repetition penalty.
     prompt_mask: Tensor | None = field(default=None, repr=False)
 
-    def record(self, token: int, vocab_size: int, device: torch.device) -> None:
+    def record(self, token: int) -> None:
         """Count a generated token."""
         self.num_generated += 1
         if self.params.penalized:
             if self.output_counts is None:
-                self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+                self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
             self.output_counts[token] += 1
 
 

@@ -1,0 +1,241 @@
+"""The engine loop: one step at a time, for every request from every caller.
+
+``EngineCore.step`` takes what was submitted since the last step, lets the
+scheduler admit, place and compact, runs the model once (``ModelRunner``),
+samples one token for every running sequence, and hands each request that
+changed its cumulative output. Requests join the running batch at the next
+step and leave it when they finish.
+
+Callers never touch the scheduler: ``submit`` and ``abort`` leave their
+requests in an inbox, under a lock of their own, which the next step empties.
+Steps themselves are serialised by a second lock, so any thread may drive the
+loop (``LLM.generate`` steps in its caller's thread, ``AsyncLLM`` in a thread
+of its own), and requests of several callers share every step. A step only
+changes a sequence once its forward pass and sampling succeeded, so a step
+interrupted half-way (Ctrl-C) can simply be run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from pluginhost.engine.loader import LoadedModel
+from pluginhost.engine.request import EngineRequest
+from pluginhost.engine.runner import ModelRunner
+from pluginhost.engine.sampler import sample
+from pluginhost.engine.scheduler import ScheduledStep, Scheduler
+from pluginhost.errors import EngineOverloadedError, ModelRunError
+
+__all__ = ["EngineCore", "EngineStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What one step did (``record_stats`` hooks and ``/metrics`` read it)."""
+
+    #: Sequences in the running batch during the step, and still waiting after it.
+    num_running: int
+    num_waiting: int
+    #: Tokens sampled this step (one per running sequence), and prompt tokens prefilled.
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    #: Sequences (and requests) that finished this step.
+    num_finished: int
+    step_time_s: float
+    #: The KV cache's (rows, slots) after the step.
+    cache_shape: tuple[int, int]
+
+
+class EngineCore:
+    """Scheduler, model runner and sampler, stepped by whoever drives."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        config = loaded.config
+        self.loaded = loaded
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting=config.max_waiting_seqs,
+        )
+        self.runner = ModelRunner(
+            loaded.model, loaded.device, max_num_seqs=config.max_num_seqs, max_model_len=loaded.max_model_len
+        )
+        self._step_lock = threading.RLock()
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[EngineRequest] = []
+        self._aborts: set[str] = set()
+        self._requests: dict[str, EngineRequest] = {}
+        self._work = threading.Condition(self._inbox_lock)
+        self.last_stats: EngineStats | None = None
+        #: Called after every step with its stats (by the thread that stepped).
+        self.stats_listeners: list[Callable[[EngineStats], None]] = []
+
+    # -- callers ----------------------------------------------------------------------
+
+    def submit(self, requests: Iterable[EngineRequest]) -> None:
+        """Queue requests for the next step, all or none (a full queue refuses them all)."""
+        requests = list(requests)
+        with self._inbox_lock:
+            queued = self.scheduler.num_waiting + sum(len(r.sequences) for r in self._inbox)
+            wanted = sum(len(r.sequences) for r in requests)
+            if queued + wanted > self.scheduler.max_waiting:
+                raise EngineOverloadedError(
+                    f"the engine's queue is full ({queued} sequences waiting, at most {self.scheduler.max_waiting}); "
+                    "try again later, or raise max_waiting_seqs"
+                )
+            self._inbox.extend(requests)
+            self._work.notify_all()
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End these requests at the next step (unknown or finished ones are ignored)."""
+        with self._inbox_lock:
+            self._aborts.update(request_ids)
+            self._work.notify_all()
+
+    def has_work(self) -> bool:
+        with self._inbox_lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until something was submitted or aborted (or ``timeout``); whether there is work."""
+        with self._inbox_lock:
+            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                self._work.wait(timeout)
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Step until ``done()``; other threads' requests are served by the same steps."""
+        while not done():
+            with self._step_lock:
+                if done():
+                    return
+                if not self.step():
+                    time.sleep(0.001)  # another thread holds our requests' step; let it finish
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one step; whether anything ran."""
+        with self._step_lock:
+            self._take_inbox()
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return False
+            start = time.perf_counter()
+            try:
+                tokens, logprobs = self._run(plan)
+            except Exception as exc:
+                self._fail(plan, self._blame(exc))
+                return True
+            deliveries = self._advance(plan, tokens, logprobs)
+            stats = EngineStats(
+                num_running=len(plan.rows),
+                num_waiting=self.scheduler.num_waiting,
+                num_generated_tokens=len(plan.rows),
+                num_prompt_tokens=sum(len(plan.rows[r].prompt_token_ids) for r in plan.prefill_rows),
+                num_finished=sum(1 for s in plan.rows if s.finished),
+                step_time_s=time.perf_counter() - start,
+                cache_shape=self.runner.cache_shape,
+            )
+            self.last_stats = stats
+        for callback, output in deliveries:
+            callback(output, None)
+        for listener in self.stats_listeners:
+            listener(stats)
+        return True
+
+    def _run(self, plan: ScheduledStep) -> tuple[list[int], torch.Tensor | None]:
+        logits = self.runner.execute(plan)  # (B, V)
+        states = [s.sampling for s in plan.rows]
+        # Log-probabilities of the model's own distribution: before the sampler changes the logits.
+        logprobs = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in states) else None
+        return sample(logits, states).tolist(), logprobs
+
+    def _advance(self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None) -> list:
+        """Give every sequence its token; free the finished; collect the outputs to hand out."""
+        joining = set(plan.prefill_rows)
+        now = time.monotonic()
+        changed: dict[int, EngineRequest] = {}
+        for row, sequence in enumerate(plan.rows):
+            if row in joining:
+                sequence.num_computed = len(sequence.prompt_token_ids)
+            else:
+                sequence.num_computed += 1
+            wants = logprobs is not None and sequence.params.logprobs is not None
+            sequence.append(tokens[row], logprobs[row] if wants else None)
+            request = sequence.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if sequence.finished:
+                self.scheduler.free(sequence)
+            changed[id(request)] = request
+        deliveries = []
+        for request in changed.values():
+            if request.finished:
+                self._requests.pop(request.request_id, None)
+            if request.on_output is not None:
+                deliveries.append((request.on_output, request.output()))
+        return deliveries
+
+    def _take_inbox(self) -> None:
+        with self._inbox_lock:
+            arrived, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for request in arrived:
+            if request.request_id in self._requests:
+                self._end(request, ValueError(f"request id {request.request_id!r} is already running"))
+                continue
+            self._requests[request.request_id] = request
+            self.scheduler.add(request.sequences)
+        for request_id in aborts:
+            request = self._requests.pop(request_id, None)
+            if request is not None and not request.finished:
+                request.aborted = True
+                for sequence in request.sequences:
+                    if not sequence.finished:
+                        sequence.finish_reason = "abort"
+                    self.scheduler.free(sequence)
+                if request.on_output is not None:
+                    request.on_output(request.output(), None)
+
+    def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
+        """End every request the failed step touched, with ``error``; the others go on."""
+        failed = {id(s.request): s.request for s in plan.rows}
+        for request in failed.values():
+            self._end(request, error)
+
+    def _end(self, request: EngineRequest, error: BaseException) -> None:
+        request.error = error
+        for sequence in request.sequences:
+            self.scheduler.free(sequence)
+        self._requests.pop(request.request_id, None)
+        if request.on_output is not None:
+            request.on_output(None, error)
+
+    def _blame(self, exc: Exception) -> BaseException:
+        """The model's failure as a ``ModelRunError`` naming it; the engine's own as it is."""
+        if not _raised_in(exc.__traceback__, self.loaded.code_files):
+            logger.error("internal error in an engine step", exc_info=exc)
+            return exc
+        error = ModelRunError(
+            f"The model {self.loaded.describe()} failed while generating: {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+
+
+def _raised_in(tb: TracebackType | None, files: frozenset[str]) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in files:
+            return True
+        tb = tb.tb_next
+    return False

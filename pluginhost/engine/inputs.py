@@ -1,0 +1,132 @@
+"""Turning a prompt and its ``SamplingParams`` into an ``EngineRequest``, checking everything first.
+
+Runs in the caller's thread, so a bad prompt or parameter raises
+``ValueError`` at once, before the engine loop sees anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pluginhost.engine.detokenizer import IncrementalDetokenizer
+from pluginhost.engine.loader import LoadedModel
+from pluginhost.engine.request import EngineRequest, OutputCallback
+from pluginhost.engine.request import Sequence as EngineSequence
+from pluginhost.engine.sampler import SamplingState
+from pluginhost.sampling import SamplingParams
+
+__all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
+
+#: A prompt: text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+class InputProcessor:
+    """Makes checked ``EngineRequest``s for one loaded model."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._loaded = loaded
+        self._generator = torch.Generator(loaded.device).manual_seed(loaded.config.seed)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        on_output: OutputCallback | None = None,
+        streaming: bool = False,
+    ) -> EngineRequest:
+        """The request for ``prompt``; ``index`` names the prompt in error messages."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling params for prompt {index} must be a SamplingParams, got {type(params).__name__}"
+            )
+        loaded = self._loaded
+        text, token_ids = self._encode(index, prompt)
+        params.validate()
+        max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
+        total = len(token_ids) + max_tokens
+        if total > loaded.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={max_tokens} that is {total}, "
+                f"more than max_model_len={loaded.max_model_len}. Shorten the prompt or lower max_tokens."
+            )
+        if params.stop and loaded.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} asks for stop strings, but {loaded.config.model} has no tokenizer to find them in "
+                "the text; use stop_token_ids instead"
+            )
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
+        request = EngineRequest(request_id, text, token_ids, params, on_output=on_output, streaming=streaming)
+        for sample in range(params.n):
+            if params.seed is not None:  # sample i draws from seed + i, as in vLLM
+                generator = torch.Generator(loaded.device).manual_seed(params.seed + sample)
+            else:
+                generator = self._generator
+            detokenizer = None
+            if loaded.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
+            sampling = SamplingState(params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device)
+            request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
+        return request
+
+    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+        loaded = self._loaded
+        if isinstance(prompt, Mapping):
+            prompt = _unwrap_prompt_dict(index, prompt)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
+            if loaded.tokenizer is None:
+                raise ValueError(
+                    f"prompt {index} is text, but {loaded.config.model} has no tokenizer files; "
+                    "pass token ids instead (a list of ints)"
+                )
+            return prompt, list(loaded.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise ValueError(
+                f"prompt {index} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
+            )
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError(f"prompt {index} is an empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError(f"prompt {index} must hold only int token ids")
+        bad = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {loaded.vocab_size})"
+            )
+        return None, token_ids
+
+
+def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(
+        f"prompt {index} is a dict with keys {sorted(map(str, prompt))}; a dict prompt needs 'prompt' (text) "
+        "or 'prompt_token_ids' (a list of ints)"
+    )
+
+
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or a list of them, as a list (a flat list of ints is one prompt of token ids)."""
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, or a list of prompts, got {type(prompts).__name__}"
+        )
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # a single prompt of token ids
+    return prompts

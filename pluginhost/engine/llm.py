@@ -1,0 +1,167 @@
+"""``LLM``: offline generation, vLLM's way, on the engine loop.
+
+>>> llm = LLM(model="path/to/opt", dtype="float32")          # doctest: +SKIP
+>>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
+>>> out.outputs[0].text, out.token_ids, out.finish_reason     # doctest: +SKIP
+
+``generate`` submits its prompts together and steps the engine loop in the
+caller's thread until they are done; several threads may call it on one
+``LLM`` at once, and their requests share the batch. Each gets exactly what it
+would get alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from pluginhost.engine.core import EngineCore
+from pluginhost.engine.inputs import InputProcessor, Prompt, as_prompt_list
+from pluginhost.engine.loader import LoadedModel, load_model
+from pluginhost.host import PluginHost
+from pluginhost.outputs import RequestOutput
+from pluginhost.sampling import SamplingParams
+
+__all__ = ["LLM"]
+
+
+class LLM:
+    """An engine: one model, built once, generating for any number of requests.
+
+    Takes every ``EngineConfig`` field as a keyword argument, plus ``plugins``
+    (in-process plugin objects or ``register()`` functions, no packaging
+    needed) and ``load_installed_plugins`` (``False`` skips entry points).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        plugins: Sequence[object] = (),
+        load_installed_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
+        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
+        self._start(load_model(host, {"model": model, **settings}))
+
+    @classmethod
+    def _from_host(cls, host: PluginHost, **settings: Any) -> LLM:
+        """An engine on a host the caller configured (the CLI's plugin selection)."""
+        llm = cls.__new__(cls)
+        llm._start(load_model(host, settings))
+        return llm
+
+    def _start(self, loaded: LoadedModel) -> None:
+        self._loaded = loaded
+        self.engine = EngineCore(loaded)
+        self._inputs = InputProcessor(loaded)
+        self._ids = itertools.count()
+
+    # -- what was built ------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The constructed model."""
+        return self._loaded.model
+
+    @property
+    def config(self):  # -> EngineConfig
+        """The final ``EngineConfig`` (``config.provenance`` says who set each field)."""
+        return self._loaded.config
+
+    @property
+    def hf_config(self) -> Any:
+        return self._loaded.hf_config
+
+    @property
+    def architecture(self) -> str:
+        return self._loaded.architecture
+
+    @property
+    def registration(self):  # -> Registration
+        return self._loaded.registration
+
+    @property
+    def plugins(self):  # -> list[PluginRecord]
+        return self._loaded.plugins
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded.tokenizer
+
+    @property
+    def device(self):  # -> torch.device
+        return self._loaded.device
+
+    @property
+    def dtype(self):  # -> torch.dtype
+        return self._loaded.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded.vocab_size
+
+    def get_tokenizer(self) -> Any:
+        """The model directory's tokenizer (a transformers tokenizer), or ``None`` without one."""
+        return self._loaded.tokenizer
+
+    # -- generating ----------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; one ``RequestOutput`` per prompt, in prompt order.
+
+        A prompt is text, a list of token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``. A bad prompt or parameter raises
+        ``ValueError`` before anything runs, and the engine stays usable. A
+        model failure raises ``ModelRunError`` naming the model.
+        """
+        prompt_list = as_prompt_list(prompts)
+        params_list = _params_for(prompt_list, sampling_params)
+        requests = [
+            self._inputs.make_request(f"llm-{next(self._ids)}", prompt, params, index=i)
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
+        self.engine.submit(requests)
+        try:
+            self.engine.run_until(lambda: all(r.finished for r in requests))
+        except BaseException:
+            self.engine.abort(r.request_id for r in requests)  # Ctrl-C or an engine bug: end ours, keep the rest
+            raise
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [r.output() for r in requests]
+
+    def __repr__(self) -> str:
+        return (
+            f"LLM(model={self.config.model!r}, architecture={self.architecture!r}, "
+            f"device={self.device}, dtype={self.dtype})"
+        )
+
+
+def _params_for(
+    prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in prompts]
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    if isinstance(params, str | bytes) or not isinstance(params, Sequence):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    params = list(params)
+    if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(
+            f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), got {len(params)} items"
+        )
+    return params

@@ -1,0 +1,228 @@
+"""Building an engine's model through the plugin pipeline (see ``pluginhost.build`` for the order).
+
+``load_model`` runs the whole build once, in the order a user wants errors
+(cheap checks first, weights last), and returns everything the engine needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pluginhost.build import plan_build
+from pluginhost.checkpoint import find_checkpoint
+from pluginhost.config import EngineConfig, describe_validation_error
+from pluginhost.device import dtype_name, resolve_device, resolve_dtype
+from pluginhost.errors import CheckpointError, ConfigError, ModelClassError
+from pluginhost.host import PluginHost, PluginRecord
+from pluginhost.registry import Registration
+from pluginhost.tokenizer import load_tokenizer
+
+__all__ = ["LoadedModel", "load_model"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A built model and what the engine needs to know about it."""
+
+    model: nn.Module
+    config: EngineConfig
+    hf_config: Any
+    registration: Registration
+    host: PluginHost
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    #: The source files of the model's code, to tell its failures from the engine's.
+    code_files: frozenset[str]
+
+    @property
+    def architecture(self) -> str:
+        return self.registration.architecture
+
+    @property
+    def plugins(self) -> list[PluginRecord]:
+        return self.host.records
+
+    def describe(self) -> str:
+        """The model's implementation and who registered it, for messages."""
+        entry = self.registration
+        return (
+            f"{entry.implementation} (architecture {entry.architecture!r}, registered by "
+            f"{entry.registered_by.describe()})"
+        )
+
+
+def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
+    """Build the model ``settings`` describe, with the plugins of ``host``."""
+    try:
+        config = EngineConfig(**settings)
+    except ValueError as exc:
+        raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+    plan = plan_build(config, host)
+    tokenizer = load_tokenizer(plan.model_dir)
+    checkpoint = find_checkpoint(plan.model_dir)
+    model_class = plan.registry.resolve(plan.architecture)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, plan.hf_config, device)
+    config.settle(device=str(device), dtype=dtype_name(dtype), max_model_len=_max_model_len(config, plan.hf_config))
+    host.call("pre_load", config=config, model_class=model_class)
+
+    model = _construct(model_class, plan.registration, plan.hf_config, dtype)
+    loaded = model.load_weights(checkpoint.tensors(dtype=dtype, device=device))
+    _check_loaded(model, loaded, plan.model_dir)
+    model.eval().requires_grad_(False)
+    host.call("post_load", config=config, model=model)
+    logger.info(
+        "built %s (%s) on %s as %s from %s",
+        plan.architecture,
+        plan.registration.implementation,
+        device,
+        dtype,
+        plan.model_dir,
+    )
+    return LoadedModel(
+        model=model,
+        config=config,
+        hf_config=plan.hf_config,
+        registration=plan.registration,
+        host=host,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        max_model_len=config.max_model_len,  # type: ignore[arg-type]  # settled above
+        vocab_size=int(plan.hf_config.vocab_size),
+        eos_ids=_eos_ids(plan.hf_config, tokenizer),
+        code_files=_code_files(model),
+    )
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
+            "(max_position_embeddings); lower it."
+        )
+    return config.max_model_len
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip ``torch.nn.init`` while constructing: every parameter is about to come from the checkpoint.
+
+    Besides the wasted work, initialising meta tensors imports torch's Python
+    decompositions, which costs seconds of start-up.
+    """
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def _construct(model_class: type, registration: Registration, hf_config: Any, dtype: torch.dtype) -> nn.Module:
+    """Build the model on the meta device: no memory until its weights arrive."""
+    try:
+        with torch.device("meta"), _default_dtype(dtype), _no_weight_init():
+            return model_class(hf_config)
+    except Exception as exc:
+        raise ModelClassError(
+            f"Constructing {registration.implementation}(config) for architecture {registration.architecture!r} "
+            f"(registered by {registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
+    if not isinstance(loaded, set | frozenset):
+        raise ModelClassError(
+            f"{type(model).__name__}.load_weights returned {type(loaded).__name__}; it must return the set of "
+            "parameter names it loaded (see builtin_models.weights.assign_weights)."
+        )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(name for name, p in params.items() if p.is_meta or name not in loaded)
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:20])}"
+            + (" ..." if len(missing) > 20 else "")
+            + ". Is it the right checkpoint for this architecture?"
+        )
+    unset = sorted(name for name, b in model.named_buffers() if b.is_meta)
+    if unset:
+        raise ModelClassError(
+            f"{type(model).__name__} left buffer(s) {', '.join(unset)} on the meta device: models are built on "
+            "meta, so compute buffers in load_weights (or setup_caches), not in __init__."
+        )
+
+
+def _code_files(model: nn.Module) -> frozenset[str]:
+    """The source files of the model's classes (and their bases), torch's own excluded."""
+    torch_dir = os.path.dirname(torch.__file__)
+    files = set()
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            try:
+                path = inspect.getsourcefile(cls)
+            except TypeError:  # builtins
+                continue
+            if path and not path.startswith(torch_dir):
+                files.add(path)
+    return frozenset(files)
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)

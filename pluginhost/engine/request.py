@@ -1,0 +1,142 @@
+"""A request inside the engine: its samples (sequences), their tokens, text and state.
+
+A request of ``SamplingParams.n`` samples is ``n`` sequences, each scheduled
+on its own (one row of the running batch, one row of the KV cache). They are
+built by the caller's thread, then handed to the engine loop, which alone
+changes them until they finish.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pluginhost.engine.sampler import SamplingState, top_logprobs
+from pluginhost.outputs import CompletionOutput, FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pluginhost.engine.detokenizer import IncrementalDetokenizer
+    from pluginhost.sampling import SamplingParams
+
+__all__ = ["EngineRequest", "OutputCallback", "Sequence"]
+
+#: Called by the engine loop with a request's cumulative output after each step that changed it,
+#: or with the error that ended it.
+OutputCallback = Callable[["RequestOutput | None", "BaseException | None"], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated: its tokens, text, where it runs, and why it ended."""
+
+    request: EngineRequest
+    index: int
+    sampling: SamplingState
+    #: Most tokens to generate (``max_tokens``, or what ``max_model_len`` leaves).
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    #: Tokens whose keys and values are in the KV cache (0 until its prompt is prefilled).
+    num_computed: int = 0
+    #: Its row in the running batch and in the KV cache, while it runs.
+    row: int | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_length(self) -> int:
+        """Prompt plus the most tokens it may generate: the KV cache slots it may need."""
+        return len(self.request.prompt_token_ids) + self.max_tokens
+
+    def append(self, token: int, logprobs: Tensor | None) -> None:
+        """Take the next token (and the step's log-probabilities (V,), when asked for); decide whether to stop."""
+        self.token_ids.append(token)
+        self.sampling.record(token)
+        if logprobs is not None:
+            assert self.params.logprobs is not None
+            if self.logprobs is None:
+                self.logprobs, self.cumulative_logprob = [], 0.0
+            step = top_logprobs(logprobs, token, self.params.logprobs)
+            self.logprobs.append(step)
+            self.cumulative_logprob += step[token]
+        may_stop = len(self.token_ids) >= self.params.min_tokens
+        stop_string = None
+        if self.detokenizer is not None:
+            stop_string = self.detokenizer.push(token, check_stop=may_stop)
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+        elif may_stop and token in self.sampling.stop_ids:
+            self.finish_reason = "stop"
+            self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
+        elif len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+        if self.finished and self.detokenizer is not None and stop_string is None:
+            self.detokenizer.flush()
+
+    def output(self, *, streaming: bool = False) -> CompletionOutput:
+        """A snapshot; while streaming and unfinished, text that may yet turn out to start a stop string is held back."""
+        text = None
+        if self.detokenizer is not None:
+            text = self.detokenizer.text
+            held = self.detokenizer.stop_buffer if streaming and not self.finished else 0
+            text = text[: len(text) - held] if held else text
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt and its ``n`` sequences, from submission to the end."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Sequence] = field(default_factory=list)
+    #: Where outputs go (``None``: the caller collects them when the request is finished).
+    on_output: OutputCallback | None = None
+    #: Whether ``on_output`` gets text that may still be cut by a stop string (streaming) or not.
+    streaming: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    #: Why it ended early: a model failure, a plugin's error, an abort.
+    error: BaseException | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.aborted or all(s.finished for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        """A cumulative snapshot of every sample."""
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.output(streaming=self.streaming) for s in self.sequences],
+        )

@@ -1,0 +1,148 @@
+"""Running one engine step on the model: the forward passes, the KV cache, the logits.
+
+A step's batch holds sequences that decode one token (rows whose prompt is in
+the cache) and sequences that join this step (their prompts are prefilled).
+The decoding rows are rows ``0 .. B-1`` of the cache, so their forward pass
+reads one contiguous block; the joining rows are prefilled in a second,
+right-padded pass (a joining row also rides along in the first pass as a
+one-token dummy, whose cache write the prefill then overwrites). Either way
+the logits come out as one (B, V) tensor in row order.
+
+A model without ``setup_caches`` (a minimal plugin model) is run over every
+sequence's whole text each step instead: slower, same result.
+
+The KV cache grows on demand, never more than ``max_num_seqs`` rows and
+``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
+sequences get longer, keeping what it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from builtin_models.kv_cache import KVCache
+from pluginhost.engine.scheduler import ScheduledStep
+from pluginhost.errors import ModelClassError
+
+__all__ = ["ModelRunner"]
+
+#: Cache slots are added in steps of this many, rows in steps of ``_ROW_STEP``.
+_SLOT_STEP = 256
+_ROW_STEP = 8
+
+
+class ModelRunner:
+    """Turns a scheduled step into logits."""
+
+    def __init__(self, model: nn.Module, device: torch.device, *, max_num_seqs: int, max_model_len: int) -> None:
+        self.model = model
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.cached = callable(getattr(model, "setup_caches", None))
+        self._caches: list[KVCache] = []
+        self._rows = self._slots = 0
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(rows, slots) of the KV cache now."""
+        return self._rows, self._slots
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> Tensor:
+        """The step's logits, (B, V) float32, row by row."""
+        if not self.cached:
+            return self._recompute(step)
+        B = len(step.rows)
+        prefill = step.prefill_rows
+        joining = set(prefill)
+        self._ensure_capacity(B, max(_needed_slots(s, r in joining) for r, s in enumerate(step.rows)))
+        for src, dst in step.moves:
+            for cache in self._caches:
+                cache.move(src, dst, step.rows[dst].num_computed)
+        hidden = None
+        if len(prefill) < B:
+            hidden = self._decode(step)  # (B, W)
+        if prefill:
+            joined = self._prefill(step)  # (k, W)
+            if hidden is None:
+                hidden = joined  # every row joined this step: prefill rows are 0 .. B-1
+            else:
+                hidden = hidden.index_copy(0, torch.tensor(prefill, device=self.device), joined)
+        return self.model.compute_logits(hidden).float()  # (B, V)
+
+    def _decode(self, step: ScheduledStep) -> Tensor:
+        """One token for every row (a dummy for the rows that join this step)."""
+        joining = set(step.prefill_rows)
+        ids, positions = [], []
+        for row, sequence in enumerate(step.rows):
+            if row in joining:
+                ids.append(0)
+                positions.append(0)
+            else:
+                ids.append(sequence.token_ids[-1])
+                positions.append(sequence.num_computed)
+        ids_t = torch.tensor(ids, device=self.device)[:, None]  # (B, 1)
+        pos_t = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
+        slots = max(positions) + 1
+        mask = torch.arange(slots, device=self.device)[None, :] <= pos_t  # (B, S)
+        hidden = self.model(ids_t, pos_t, slice(0, len(step.rows)), mask[:, None, None, :])  # (B, 1, W)
+        return hidden[:, -1]
+
+    def _prefill(self, step: ScheduledStep) -> Tensor:
+        """The prompts of the joining rows, right-padded; the hidden state of each one's last token."""
+        prompts = [step.rows[row].prompt_token_ids for row in step.prefill_rows]
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        T = int(lengths.max())
+        ids = torch.zeros(len(prompts), T, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt)
+        ids = ids.to(self.device)  # (k, T)
+        positions = torch.arange(T, device=self.device).expand(len(prompts), T)  # padding continues the count
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]  # (1, 1, T, T) causal
+        rows = torch.tensor(step.prefill_rows, device=self.device)
+        hidden = self.model(ids, positions, rows, mask.expand(len(prompts), 1, T, T))  # (k, T, W)
+        return hidden[torch.arange(len(prompts), device=self.device), lengths - 1]  # (k, W)
+
+    def _recompute(self, step: ScheduledStep) -> Tensor:
+        """Every sequence's whole text, right-padded, for a model without a cache."""
+        texts = [s.prompt_token_ids + s.token_ids for s in step.rows]
+        lengths = torch.tensor([len(t) for t in texts], device=self.device)
+        T = int(lengths.max())
+        ids = torch.zeros(len(texts), T, dtype=torch.long)
+        for i, text in enumerate(texts):
+            ids[i, : len(text)] = torch.tensor(text)
+        positions = torch.arange(T, device=self.device).expand(len(texts), T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(len(texts), 1, T, T)
+        hidden = self.model(ids.to(self.device), positions, None, mask)  # (B, T, W)
+        last = hidden[torch.arange(len(texts), device=self.device), lengths - 1]  # (B, W)
+        return self.model.compute_logits(last).float()
+
+    def _ensure_capacity(self, rows: int, slots: int) -> None:
+        if rows <= self._rows and slots <= self._slots:
+            return
+        new_rows = max(self._rows, min(self.max_num_seqs, _round_up(rows, _ROW_STEP)))
+        new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
+        if not self._caches:
+            self.model.setup_caches(new_rows, new_slots)
+            self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]
+            if not self._caches:
+                raise ModelClassError(
+                    f"{type(self.model).__name__}.setup_caches() created no builtin_models.kv_cache.KVCache: the "
+                    "engine grows and reorders the cache through KVCache, so a model's caches must be KVCache "
+                    "modules (or the model must not define setup_caches)."
+                )
+        else:
+            for cache in self._caches:
+                cache.resize(new_rows, new_slots)
+        self._rows, self._slots = new_rows, new_slots
+
+
+def _needed_slots(sequence, prefilling: bool) -> int:  # noqa: ANN001 - a Sequence
+    """Slots this step writes for ``sequence``: its prompt, or one more token."""
+    return len(sequence.prompt_token_ids) if prefilling else sequence.num_computed + 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,151 @@
+"""The scheduler: a bounded waiting queue and the persistent batch of running sequences.
+
+Continuous batching, as in vLLM v1: between two steps, finished sequences
+leave the batch, waiting ones join it (first into the rows just freed, then at
+the end), and the batch is compacted by moving the last rows into any rows
+still free, so the running sequences always hold rows ``0 .. B-1`` and a
+decoding step reads one contiguous block of the KV cache. Each change is
+recorded in a ``BatchUpdate`` for the logits processors.
+
+New sequences join while their prompts fit a token budget
+(``max_num_batched_tokens`` prompt tokens a step, counting padding; the first
+one always joins), so one long prompt does not stall everyone else's
+decoding for long.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pluginhost.engine.request import Sequence
+from pluginhost.errors import EngineOverloadedError
+from pluginhost.logits_processors import AddedRequest, BatchUpdate, MoveDirectionality
+
+__all__ = ["ScheduledStep", "Scheduler"]
+
+
+@dataclass
+class ScheduledStep:
+    """What one engine step runs."""
+
+    #: The running batch, row by row.
+    rows: list[Sequence]
+    #: Rows whose prompts are prefilled this step (the others decode one token).
+    prefill_rows: list[int]
+    #: How the batch changed since the last step (``None``: it did not).
+    batch_update: BatchUpdate | None
+    #: (from, to) cache rows to move before the step runs.
+    moves: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Which sequences run, in which rows, and which wait."""
+
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self._rows: list[Sequence | None] = []
+        self._free: list[int] = []  # rows freed since the last step, sorted
+        self._added: list[AddedRequest] = []
+        self._removed: list[int] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._rows) - len(self._free)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.num_running > 0
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self._rows if s is not None]
+
+    def add(self, sequences: Iterable[Sequence]) -> None:
+        """Queue sequences; refuse them all when the queue cannot take them."""
+        sequences = list(sequences)
+        if len(self.waiting) + len(sequences) > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the engine's queue is full ({len(self.waiting)} sequences waiting, at most {self.max_waiting}); "
+                "try again later, or raise max_waiting_seqs"
+            )
+        self.waiting.extend(sequences)
+
+    def free(self, sequence: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of its row, or out of the queue."""
+        if sequence.row is None:
+            try:
+                self.waiting.remove(sequence)
+            except ValueError:
+                pass
+            return
+        row, sequence.row = sequence.row, None
+        self._rows[row] = None
+        bisect.insort(self._free, row)
+
+    def schedule(self) -> ScheduledStep | None:
+        """Admit, place and compact; ``None`` when nothing runs."""
+        prefill_rows = self._admit()
+        moves = self._compact()
+        if not self._rows:
+            self._free.clear()
+            return None
+        rows: list[Sequence] = list(self._rows)  # type: ignore[arg-type]  # compact: no free row is left
+        update = None
+        if self._added or self._removed or moves:
+            moved = [(a, b, MoveDirectionality.UNIDIRECTIONAL) for a, b in moves]
+            update = BatchUpdate(len(rows), self._added, self._removed, moved)
+        self._added, self._removed = [], []
+        moved_to = dict(moves)
+        prefill = sorted(moved_to.get(r, r) for r in prefill_rows)
+        return ScheduledStep(rows, prefill, update, moves)
+
+    # -- placement -------------------------------------------------------------------
+
+    def _admit(self) -> list[int]:
+        """Move waiting sequences into free rows (lowest first), then onto the end."""
+        self._removed = list(self._free)
+        admitted: list[int] = []
+        longest = 0
+        while self.waiting and self.num_running < self.max_num_seqs:
+            sequence = self.waiting[0]
+            length = len(sequence.prompt_token_ids)
+            padded = (len(admitted) + 1) * max(longest, length)
+            if admitted and padded > self.max_num_batched_tokens:
+                break
+            self.waiting.popleft()
+            longest = max(longest, length)
+            if self._free:
+                row = self._free.pop(0)
+                self._removed.remove(row)
+                self._rows[row] = sequence
+            else:
+                row = len(self._rows)
+                self._rows.append(sequence)
+            sequence.row = row
+            admitted.append(row)
+            self._added.append((row, sequence.params, sequence.prompt_token_ids, sequence.token_ids))
+        return admitted
+
+    def _compact(self) -> list[tuple[int, int]]:
+        """Move the last rows into free ones until rows 0 .. B-1 are all taken; drop empty trailing rows."""
+        moves = []
+        while self._free:
+            while self._rows and self._rows[-1] is None:
+                self._rows.pop()
+                self._free.remove(len(self._rows))
+            if not self._free:
+                break
+            hole, last = self._free.pop(0), len(self._rows) - 1
+            sequence = self._rows.pop()
+            assert sequence is not None
+            self._rows[hole], sequence.row = sequence, hole
+            moves.append((last, hole))
+        return moves
