@@ -43,7 +43,10 @@ class KVCache(nn.Module):
         return self.k.shape[0], self.k.shape[2]
 
     def update(self, rows: CacheRows, positions: Tensor, k: Tensor, v: Tensor, n_slots: int) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H, T, D) at ``positions`` (B, T) of ``rows``; return their first ``n_slots`` slots (B, H, S, D)."""
+        """Write k, v (B, H, T, D) at ``positions`` (B, T) of ``rows``; return their first ``n_slots`` slots.
+
+        The result is (B, H, S, D): a view for a slice of rows, a gathered copy for a tensor of rows.
+        """
         B = k.shape[0]
         if isinstance(rows, slice):
             k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
