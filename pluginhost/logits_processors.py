@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["AddedRequest", "BatchUpdate", "MoveDirectionality"]
 
 
-class MoveDirectionality(str, Enum):
+class MoveDirectionality(StrEnum):
     """How a row moved: ``"move"`` (a -> b, a is left empty) or ``"swap"`` (a <-> b)."""
 
     UNIDIRECTIONAL = "move"

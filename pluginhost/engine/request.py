@@ -92,7 +92,11 @@ class Sequence:
             self.detokenizer.flush()
 
     def output(self, *, streaming: bool = False) -> CompletionOutput:
-        """A snapshot; while streaming and unfinished, text that may yet turn out to start a stop string is held back."""
+        """A snapshot of the sample so far.
+
+        While streaming an unfinished sample, trailing text that may still turn out to start a stop
+        string is held back.
+        """
         text = None
         if self.detokenizer is not None:
             text = self.detokenizer.text
