@@ -16,6 +16,8 @@ from pluginhost.registry import ModelRegistry
 
 if TYPE_CHECKING:
     from pluginhost.config import EngineConfig
+    from pluginhost.engine.async_llm import AsyncLLM
+    from pluginhost.outputs import CompletionOutput
     from pluginhost.engine import LLM
     from pluginhost.outputs import RequestOutput
     from pluginhost.sampling import SamplingParams
@@ -24,6 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
     "EngineConfig",
     "ModelRegistry",
     "PluginhostError",
@@ -35,6 +39,8 @@ __all__ = [
 
 # Names whose modules import torch or pydantic: resolved on first access (PEP 562).
 _LAZY = {
+    "AsyncLLM": "pluginhost.engine.async_llm",
+    "CompletionOutput": "pluginhost.outputs",
     "EngineConfig": "pluginhost.config",
     "LLM": "pluginhost.engine",
     "SamplingParams": "pluginhost.sampling",

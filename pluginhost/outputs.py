@@ -7,7 +7,9 @@ from typing import Literal
 
 __all__ = ["CompletionOutput", "FinishReason", "RequestOutput"]
 
-FinishReason = Literal["length", "stop"]
+#: "length" (max_tokens or max_model_len reached), "stop" (end-of-sequence, a stop token or a stop
+#: string), or "abort" (``AsyncLLM.abort``, a client that went away, a shutdown).
+FinishReason = Literal["length", "stop", "abort"]
 
 
 @dataclass
@@ -24,8 +26,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     #: Sum of the chosen tokens' log-probabilities, when ``logprobs`` was asked for.
     cumulative_logprob: float | None = None
-    #: ``"length"`` (max_tokens or max_model_len reached), ``"stop"`` (end-of-sequence, a stop token
-    #: or a stop string), or ``None`` while the request is still running.
+    #: Why it ended (``FinishReason``), or ``None`` while it is still running.
     finish_reason: FinishReason | None = None
     #: What stopped it: the stop string, the stop token id, or ``None`` (end-of-sequence, length).
     stop_reason: str | int | None = None

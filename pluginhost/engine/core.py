@@ -101,6 +101,20 @@ class EngineCore:
             self._aborts.update(request_ids)
             self._work.notify_all()
 
+    def abort_all(self) -> None:
+        """End every request at the next step."""
+        with self._inbox_lock:
+            self._aborts.update(self._requests)
+            self._aborts.update(r.request_id for r in self._inbox)
+            self._work.notify_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request now with ``error`` (after a failure of the loop itself)."""
+        with self._step_lock:
+            self._take_inbox()
+            for request in list(self._requests.values()):
+                self._end(request, error)
+
     def has_work(self) -> bool:
         with self._inbox_lock:
             return bool(self._inbox or self._aborts) or self.scheduler.has_work()

@@ -12,15 +12,12 @@ would get alone.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
-
-from pluginhost.engine.core import EngineCore
-from pluginhost.engine.inputs import InputProcessor, Prompt, as_prompt_list
-from pluginhost.engine.loader import LoadedModel, load_model
+from pluginhost.engine.frontend import EngineFrontend
+from pluginhost.engine.inputs import Prompt, as_prompt_list
+from pluginhost.engine.loader import load_model
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams
@@ -28,7 +25,7 @@ from pluginhost.sampling import SamplingParams
 __all__ = ["LLM"]
 
 
-class LLM:
+class LLM(EngineFrontend):
     """An engine: one model, built once, generating for any number of requests.
 
     Takes every ``EngineConfig`` field as a keyword argument, plus ``plugins``
@@ -54,64 +51,6 @@ class LLM:
         llm._start(load_model(host, settings))
         return llm
 
-    def _start(self, loaded: LoadedModel) -> None:
-        self._loaded = loaded
-        self.engine = EngineCore(loaded)
-        self._inputs = InputProcessor(loaded)
-        self._ids = itertools.count()
-
-    # -- what was built ------------------------------------------------------------
-
-    @property
-    def model(self) -> nn.Module:
-        """The constructed model."""
-        return self._loaded.model
-
-    @property
-    def config(self):  # -> EngineConfig
-        """The final ``EngineConfig`` (``config.provenance`` says who set each field)."""
-        return self._loaded.config
-
-    @property
-    def hf_config(self) -> Any:
-        return self._loaded.hf_config
-
-    @property
-    def architecture(self) -> str:
-        return self._loaded.architecture
-
-    @property
-    def registration(self):  # -> Registration
-        return self._loaded.registration
-
-    @property
-    def plugins(self):  # -> list[PluginRecord]
-        return self._loaded.plugins
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._loaded.tokenizer
-
-    @property
-    def device(self):  # -> torch.device
-        return self._loaded.device
-
-    @property
-    def dtype(self):  # -> torch.dtype
-        return self._loaded.dtype
-
-    @property
-    def max_model_len(self) -> int:
-        return self._loaded.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._loaded.vocab_size
-
-    def get_tokenizer(self) -> Any:
-        """The model directory's tokenizer (a transformers tokenizer), or ``None`` without one."""
-        return self._loaded.tokenizer
-
     # -- generating ----------------------------------------------------------------
 
     def generate(
@@ -129,7 +68,7 @@ class LLM:
         prompt_list = as_prompt_list(prompts)
         params_list = _params_for(prompt_list, sampling_params)
         requests = [
-            self._inputs.make_request(f"llm-{next(self._ids)}", prompt, params, index=i)
+            self._inputs.make_request(self._new_request_id(), prompt, params, index=i)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
         self.engine.submit(requests)
@@ -143,11 +82,6 @@ class LLM:
                 raise request.error
         return [r.output() for r in requests]
 
-    def __repr__(self) -> str:
-        return (
-            f"LLM(model={self.config.model!r}, architecture={self.architecture!r}, "
-            f"device={self.device}, dtype={self.dtype})"
-        )
 
 
 def _params_for(

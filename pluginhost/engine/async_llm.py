@@ -1,0 +1,130 @@
+"""``AsyncLLM``: streaming generation for asyncio programs (the server runs on it).
+
+The engine loop runs in a thread of its own, so model work never blocks the
+event loop: ``generate`` only queues the request and awaits its outputs, which
+the loop thread hands over with ``call_soon_threadsafe``. Outputs are
+cumulative; when a consumer falls behind, it gets the latest one (nothing is
+lost: each holds everything so far). Leaving the ``async for`` early (a
+client that went away, a cancelled task) aborts the request, which frees its
+row at the next step.
+
+>>> engine = AsyncLLM(model="path/to/opt")                                      # doctest: +SKIP
+>>> async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "r1"):  # doctest: +SKIP
+...     print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pluginhost.engine.frontend import EngineFrontend
+from pluginhost.engine.inputs import Prompt
+from pluginhost.engine.loader import load_model
+from pluginhost.host import PluginHost
+from pluginhost.outputs import RequestOutput
+from pluginhost.sampling import SamplingParams
+
+__all__ = ["AsyncLLM"]
+
+logger = logging.getLogger(__name__)
+
+#: How often the idle loop thread looks whether it should stop.
+_IDLE_WAIT_S = 0.1
+
+
+class AsyncLLM(EngineFrontend):
+    """An engine for asyncio: same keywords as ``LLM``; the model runs in a thread of its own."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        plugins: Sequence[object] = (),
+        load_installed_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
+        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
+        self._start_loop(load_model(host, {"model": model, **settings}))
+
+    @classmethod
+    def _from_host(cls, host: PluginHost, **settings: Any) -> AsyncLLM:
+        """An engine on a host the caller configured (the CLI's plugin selection)."""
+        engine = cls.__new__(cls)
+        engine._start_loop(load_model(host, settings))
+        return engine
+
+    def _start_loop(self, loaded) -> None:  # noqa: ANN001 - a LoadedModel
+        self._start(loaded)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run_loop, name="pluginhost-engine", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.wait_for_work(_IDLE_WAIT_S):
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug in one step
+                logger.exception("the engine loop failed a step; its requests end with the error")
+                self.engine.fail_all(exc)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as tokens arrive; the last one is finished.
+
+        A bad prompt or parameter raises ``ValueError`` before anything runs;
+        a full queue raises ``EngineOverloadedError``; a model failure raises
+        ``ModelRunError`` from the ``async for``. After ``abort``, the last
+        output has ``finish_reason`` ``"abort"``.
+        """
+        if self._stopping.is_set():
+            raise RuntimeError("this AsyncLLM was shut down")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[tuple[RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        def deliver(output: RequestOutput | None, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, (output, error))
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        request_id = request_id or self._new_request_id()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        request = self._inputs.make_request(request_id, prompt, params, on_output=deliver, streaming=True)
+        self.engine.submit([request])
+        try:
+            while True:
+                output, error = await outputs.get()
+                while not outputs.empty() and error is None:  # behind: only the latest output matters
+                    output, error = outputs.get_nowait()
+                if error is not None:
+                    raise error
+                assert output is not None
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not request.finished:
+                self.engine.abort([request_id])
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``."""
+        self.engine.abort([request_id])
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread (requests still running end as aborted); idempotent."""
+        if self._stopping.is_set():
+            return
+        self.engine.abort_all()
+        self.engine.step()  # hand the aborts out
+        self._stopping.set()
+        self._thread.join(timeout)

@@ -1,0 +1,220 @@
+"""AsyncLLM and continuous batching: streaming, joining mid-flight, aborts, a free event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, AsyncLLM, SamplingParams
+from pluginhost.errors import ModelRunError
+from pluginhost.testing import RegistersModel
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
+TIMEOUT = 60
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_opt) -> LLM:
+    return LLM(str(tiny_opt), load_installed_plugins=False)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT))
+
+
+async def collect(engine: AsyncLLM, prompt, params, request_id: str) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_streamed_outputs_are_cumulative_and_end_as_offline(engine, offline):
+    outs = run(collect(engine, PROMPTS[0], greedy(12), "stream"))
+    assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 12
+    for earlier, later in zip(outs, outs[1:], strict=False):
+        assert later.outputs[0].token_ids[: len(earlier.outputs[0].token_ids)] == earlier.outputs[0].token_ids
+        assert later.outputs[0].text.startswith(earlier.outputs[0].text)
+    alone = offline.generate([PROMPTS[0]], greedy(12))[0]
+    assert outs[-1].outputs[0].token_ids == alone.token_ids and outs[-1].outputs[0].text == alone.text
+
+
+def test_a_request_joining_mid_flight_gets_what_it_would_get_alone(engine, offline):
+    """Greedy output does not depend on the batch: joining while others run changes nothing."""
+
+    async def scenario():
+        decoding = asyncio.Event()
+
+        async def long():
+            outs = []
+            async for out in engine.generate(PROMPTS[0], greedy(100), "long"):
+                outs.append(out)
+                if len(out.outputs[0].token_ids) >= 5:
+                    decoding.set()
+            return outs
+
+        first = asyncio.create_task(long())
+        await decoding.wait()  # the long one is decoding: the others join a running batch
+        others = [collect(engine, p, greedy(10 + 3 * i), f"join-{i}") for i, p in enumerate(PROMPTS[1:])]
+        results = await asyncio.gather(*others)
+        assert not first.done()  # they ran beside it, start to end
+        return [await first, *results]
+
+    results = run(scenario())
+    params = [greedy(100)] + [greedy(10 + 3 * i) for i in range(3)]
+    for prompt, p, outs in zip(PROMPTS, params, results, strict=True):
+        alone = offline.generate([prompt], p)[0]
+        assert outs[-1].outputs[0].token_ids == alone.token_ids
+        for a, b in zip(outs[-1].outputs[0].logprobs, alone.logprobs, strict=True):
+            assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+def test_a_short_request_sent_while_a_long_one_runs_finishes_first(engine):
+    async def scenario():
+        finished = []
+
+        async def timed(name, prompt, n):
+            await collect(engine, prompt, greedy(n), name)
+            finished.append(name)
+
+        long = asyncio.create_task(timed("long", PROMPTS[0], 100))
+        while engine.engine.scheduler.num_running == 0:
+            await asyncio.sleep(0.001)
+        await timed("short", PROMPTS[1], 3)
+        await long
+        return finished
+
+    assert run(scenario()) == ["short", "long"]
+
+
+def test_abort_ends_the_stream_and_frees_the_row(engine):
+    async def scenario():
+        seen = []
+        async for out in engine.generate(PROMPTS[2], greedy(100), "to-abort"):
+            seen.append(out)
+            if len(out.outputs[0].token_ids) >= 3 and not out.finished:
+                engine.abort("to-abort")
+        return seen
+
+    seen = run(scenario())
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert len(seen[-1].outputs[0].token_ids) < 100
+    assert wait_until(lambda: engine.engine.scheduler.num_running == 0)
+
+
+def test_leaving_the_stream_early_aborts_the_request(engine):
+    async def scenario():
+        async for out in engine.generate(PROMPTS[3], greedy(100), "left"):
+            if len(out.outputs[0].token_ids) >= 2:
+                break  # a client that went away
+
+    run(scenario())
+    assert wait_until(lambda: engine.engine.scheduler.num_running == 0 and not engine.engine.has_work())
+
+
+class Slow(OPTForCausalLM):
+    """Every forward pass takes 20 ms more, as a big model's would."""
+
+    def forward(self, *args, **kwargs):
+        time.sleep(0.02)
+        return super().forward(*args, **kwargs)
+
+
+def test_model_work_never_blocks_the_event_loop(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Slow)])
+
+    async def scenario():
+        gaps, last = [], time.perf_counter()
+        stream = asyncio.create_task(collect(engine, PROMPTS[0], greedy(25), "busy"))
+        while not stream.done():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        await stream
+        return gaps
+
+    try:
+        gaps = run(scenario())
+    finally:
+        engine.shutdown()
+    # 25 forward passes of 20 ms or more: had they run on the event loop, no tick would be shorter.
+    assert len(gaps) > 50 and sorted(gaps)[len(gaps) // 2] < 0.015
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        run(collect(engine, [2, 10**6], greedy(2), "bad"))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        run(collect(engine, PROMPTS[0], SamplingParams(top_p=2.0), "bad-2"))
+    assert run(collect(engine, PROMPTS[1], greedy(2), "after"))[-1].finished
+
+
+def test_a_model_failure_reaches_the_stream_and_later_requests_are_served(tiny_opt):
+    class Flaky(OPTForCausalLM):
+        failures = 1
+
+        def compute_logits(self, hidden_states):
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise RuntimeError("kernel fault")
+            return super().compute_logits(hidden_states)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+    try:
+        with pytest.raises(ModelRunError, match="Flaky .* failed while generating: RuntimeError: kernel fault"):
+            run(collect(engine, PROMPTS[0], greedy(4), "fails"))
+        assert len(run(collect(engine, PROMPTS[0], greedy(4), "works"))[-1].outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+
+
+def test_streamed_text_never_shows_half_a_character(tiny_opt):
+    """A byte-level model emitting the bytes of multi-byte characters: every streamed text is whole."""
+    text = "héllo 🎉 wörld"
+
+    class Spells(OPTForCausalLM):
+        script: list[int] = []
+
+        def forward(self, input_ids, positions, *args, **kwargs):
+            hidden = super().forward(input_ids, positions, *args, **kwargs)
+            return positions[..., None].to(hidden.dtype).expand(hidden.shape).contiguous()
+
+        def compute_logits(self, hidden_states):
+            following = (hidden_states[..., 0].long() + 1) % len(self.script)
+            logits = torch.full((*hidden_states.shape[:-1], self.config.vocab_size), -1e9)
+            return logits.scatter_(-1, torch.tensor(self.script)[following][..., None], 0.0)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Spells)])
+    try:
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        Spells.script = [2, *ids]
+        outs = run(collect(engine, [2], SamplingParams(max_tokens=len(ids), temperature=0, ignore_eos=True), "t"))
+        assert all("\ufffd" not in o.outputs[0].text for o in outs)
+        assert outs[-1].outputs[0].text == text
+        assert len({o.outputs[0].text for o in outs}) < len(outs)  # some steps waited for a character's rest
+    finally:
+        engine.shutdown()
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
