@@ -16,10 +16,9 @@ from pluginhost.registry import ModelRegistry
 
 if TYPE_CHECKING:
     from pluginhost.config import EngineConfig
-    from pluginhost.engine.async_llm import AsyncLLM
-    from pluginhost.outputs import CompletionOutput
     from pluginhost.engine import LLM
-    from pluginhost.outputs import RequestOutput
+    from pluginhost.engine.async_llm import AsyncLLM
+    from pluginhost.outputs import CompletionOutput, RequestOutput
     from pluginhost.sampling import SamplingParams
 
 __version__ = "0.1.0"

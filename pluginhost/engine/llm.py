@@ -83,7 +83,6 @@ class LLM(EngineFrontend):
         return [r.output() for r in requests]
 
 
-
 def _params_for(
     prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
 ) -> list[SamplingParams]:
