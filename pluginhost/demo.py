@@ -1,97 +1,72 @@
 """The demo model ``pluginhost generate`` uses when no ``--model`` is given.
 
-A small OPT (4 layers, hidden size 128, about 0.9M parameters) with a byte-level
-tokenizer, created on first use in ``$PLUGINHOST_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/pluginhost``, else ``~/.cache/pluginhost``). It needs no
-network. Its weights are random, drawn from a fixed seed, so its output is the
-same on every machine and means nothing: it exercises the whole pipeline
-(plugins, registry, loading, generation) and nothing more.
+A small OPT trained by ``scripts/train_demo_model.py`` on pluginhost's own documentation
+(README, docs, docstrings; the snapshot is ``demo_model/corpus.txt``) and shipped inside the
+package, with its tokenizer and a chat template: it works offline and writes words from
+those docs. It knows nothing else. ``demo_model/TRAINING.md`` says how it was made.
 
-The directory is written to a temporary sibling and renamed into place, so an
-interrupted first run never leaves a half-written demo model behind.
+Nothing is created or downloaded at run time. ``ensure_demo_model`` checks the shipped files
+against their recorded SHA-256 sums (``demo_model/SHA256SUMS``, written by the training
+script) on every call, since a damaged install would otherwise generate quiet nonsense.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
+import hashlib
 from pathlib import Path
 
-__all__ = ["DEMO_CONFIG", "demo_model_path", "ensure_demo_model"]
+from pluginhost.errors import ConfigError
 
-#: Bump when the demo's contents change, so old caches are not reused.
-DEMO_VERSION = 1
-DEMO_SEED = 1234
-DEMO_CONFIG = {
-    "architectures": ["OPTForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "ffn_dim": 512,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 512,
-    "word_embed_proj_dim": 128,
-    "do_layer_norm_before": True,
-    "pad_token_id": 1,
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-    "dtype": "float32",
-}
+__all__ = ["MANIFEST_NAME", "demo_model_path", "ensure_demo_model", "verify_demo_model"]
+
+#: The manifest in the demo model directory: ``<sha256 hex>  <file name>`` per line (``sha256sum`` format).
+MANIFEST_NAME = "SHA256SUMS"
 
 
 def demo_model_path() -> Path:
-    root = (
-        os.environ.get("PLUGINHOST_CACHE_DIR")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pluginhost"
-    )
-    return Path(root) / f"demo-opt-v{DEMO_VERSION}"
+    """Where the demo model is installed: the ``demo_model`` directory of this package."""
+    return Path(__file__).resolve().with_name("demo_model")
+
+
+def verify_demo_model(path: Path | str) -> None:
+    """Check every file ``path``'s manifest lists against its recorded SHA-256.
+
+    Raises ``ConfigError`` naming the first missing or changed file (or a missing or
+    malformed manifest), and saying to reinstall pluginhost. Files the manifest does not
+    list are not looked at.
+    """
+    path = Path(path)
+    manifest = path / MANIFEST_NAME
+    try:
+        lines = manifest.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise _corrupt(path, f"its manifest {MANIFEST_NAME} cannot be read ({exc.strerror or exc})") from None
+    expected: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name or "/" in name or "\\" in name:
+            raise _corrupt(path, f"line {number} of {MANIFEST_NAME} is not '<sha256>  <file name>': {line!r}")
+        expected[name] = digest.lower()
+    if not expected:
+        raise _corrupt(path, f"{MANIFEST_NAME} lists no files")
+    for name, digest in expected.items():
+        try:
+            actual = hashlib.sha256((path / name).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise _corrupt(path, f"{name} cannot be read ({exc.strerror or exc})") from None
+        if actual != digest:
+            raise _corrupt(path, f"{name} has SHA-256 {actual[:16]}..., expected {digest[:16]}...")
 
 
 def ensure_demo_model() -> Path:
-    """The demo model directory, created first if it does not exist yet."""
+    """The installed demo model directory, after checking its files (``ConfigError`` if they are damaged)."""
     path = demo_model_path()
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=path.parent))
-    try:
-        _write_demo(staging)
-        try:
-            staging.rename(path)
-        except OSError:  # another process finished first
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    verify_demo_model(path)
     return path
 
 
-def _write_demo(path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import OPTConfig
-
-    from builtin_models.opt import OPTForCausalLM
-    from pluginhost.testing.models import make_byte_tokenizer
-
-    make_byte_tokenizer(path, vocab_size=DEMO_CONFIG["vocab_size"])
-    # The byte-level BPE learns fewer merges than asked from its small text:
-    # size the vocabulary to the tokenizer, so every id the model emits decodes.
-    vocab = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
-    config = OPTConfig(**{**DEMO_CONFIG, "vocab_size": len(vocab)})
-    config.save_pretrained(path)
-    with torch.device("meta"):
-        names = [(name, p.shape) for name, p in OPTForCausalLM(config).named_parameters()]
-    generator = torch.Generator().manual_seed(DEMO_SEED)
-    tensors = {}
-    for name, shape in names:
-        if name == "lm_head.weight":
-            continue  # tied to the embeddings
-        if "layer_norm" in name:
-            base = 1.0 if name.endswith("weight") else 0.0
-            tensors[f"model.{name}"] = base + 0.1 * torch.randn(shape, generator=generator)
-        else:
-            tensors[f"model.{name}"] = 0.08 * torch.randn(shape, generator=generator)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+def _corrupt(path: Path, detail: str) -> ConfigError:
+    return ConfigError(
+        f"The installed demo model is corrupt: {detail} (in {path}). Reinstall pluginhost "
+        "(pip install --force-reinstall pluginhost) to restore it, or pass --model DIR to use another model."
+    )

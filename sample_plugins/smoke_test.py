@@ -92,7 +92,6 @@ def main() -> int:
 
     bin_dir = make_env(workdir, args.full_install)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLUGINHOST_") and k != "PYTHONPATH"}
-    env["PLUGINHOST_CACHE_DIR"] = str(workdir / "cache")
     failures = 0
 
     def check(name: str, ok: bool, detail: str = "") -> None:
@@ -144,6 +143,12 @@ def main() -> int:
         [r.get("token_ids") for r in rows] == [[7, 7, 7, 7]] * 2,
         json.dumps(rows),
     )
+    demo = pluginhost(
+        bin_dir, env, "generate", "--no-plugins", "--prompt", "A plugin is", "--max-tokens", "8", "--json"
+    )
+    check("generate on the shipped demo model exits 0", demo.returncode == 0, demo.stderr)
+    text = (json.loads(demo.stdout or "[{}]")[0].get("text") or "").strip()
+    check("the installed package carries the trained demo model: it writes words", len(text.split()) >= 3, text)
     disabled = pluginhost(bin_dir, env, "models", "--json", "--disable-plugin", "pluginhost-mock-opt")
     check(
         "--disable-plugin by distribution name removes it",

@@ -301,13 +301,14 @@ def test_cli_generate_with_an_installed_mock_plugin(install_plugin, capsys, tiny
 
 
 def test_cli_generate_on_the_demo_model(tmp_path, monkeypatch, capsys):
+    # The old demo was written into this cache on first use; the shipped one is read where it is installed.
     monkeypatch.setenv("PLUGINHOST_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == first  # deterministic, and reused from the cache
+    assert json.loads(capsys.readouterr().out) == first  # deterministic
     assert len(first[0]["token_ids"]) <= 4 and first[0]["text"] is not None
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["demo-opt-v1"]
+    assert not (tmp_path / "cache").exists()
 
 
 # -- the hooks, in order --------------------------------------------------------------

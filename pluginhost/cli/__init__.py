@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         parents=[_engine_options(model_required=False), selection],
         help="generate text (on the demo model unless --model is given)",
-        description="Generate text. Without --model, runs on a small random demo model created on first use.",
+        description=(
+            "Generate text. Without --model, runs on the small demo model shipped with pluginhost, "
+            "which knows only pluginhost's own docs."
+        ),
     )
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=16, metavar="N")
