@@ -54,6 +54,7 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, metavar="N")
+    group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
     group.add_argument(
@@ -88,6 +89,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
 
+    serve = commands.add_parser(
+        "serve",
+        parents=[_engine_options(model_required=False), selection],
+        help="serve the OpenAI-compatible HTTP API (on the demo model unless --model is given)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+        "Stops cleanly on Ctrl-C or SIGTERM.",
+    )
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    net.add_argument(
+        "--served-model-name", metavar="NAME", help="the model's name in the API (default: the model directory's name)"
+    )
+    net.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route (default: $PLUGINHOST_API_KEY, else none)",
+    )
+    net.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on Ctrl-C or SIGTERM, seconds requests in flight get to end before they are aborted (default 10)",
+    )
+
     plugins = commands.add_parser("plugins", parents=[selection], help="list plugins and their status")
     plugins.add_argument("--json", action="store_true")
     models = commands.add_parser("models", parents=[selection], help="list architectures and who registered them")
@@ -115,7 +142,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (only those, for provenance)."""
     settings: dict[str, Any] = {}
-    for field in ("model", "dtype", "device", "max_model_len", "seed", "model_architecture_override"):
+    for field in ("model", "dtype", "device", "max_model_len", "max_num_seqs", "seed", "model_architecture_override"):
         value = getattr(args, field, None)
         if value is not None:
             settings[field] = value
@@ -156,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": commands.list_models,
         "config": commands.show_config,
         "generate": commands.generate,
+        "serve": commands.serve,
     }[args.command]
     try:
         return handler(args)

@@ -1,4 +1,4 @@
-"""The subcommands: ``plugins``, ``models``, ``config`` and ``generate``.
+"""The subcommands: ``plugins``, ``models``, ``config``, ``generate`` and ``serve``.
 
 Each takes the parsed arguments and returns an exit status; errors are raised
 and turned into exit statuses by ``pluginhost.cli.main``.
@@ -11,10 +11,10 @@ import json
 import sys
 from typing import Any
 
-from pluginhost.cli import EXIT_OK, engine_settings, make_host
+from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
 from pluginhost.cli.tables import format_table
 
-__all__ = ["generate", "list_models", "list_plugins", "show_config"]
+__all__ = ["generate", "list_models", "list_plugins", "serve", "show_config"]
 
 
 def _print_json(data: Any) -> None:
@@ -142,4 +142,41 @@ def generate(args: argparse.Namespace) -> int:
         print(f"prompt: {prompt!r}")
         print(f"output: {out.text!r}")
         print(f"tokens: {out.token_ids} ({out.finish_reason})\n")
+    return EXIT_OK
+
+
+def serve(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"pluginhost serve needs FastAPI, uvicorn and prometheus_client ({exc.name} is missing): "
+            "pip install 'pluginhost[serve]'"
+        ) from None
+    from pluginhost.server.run import bind, run_server
+
+    settings = engine_settings(args)
+    demo = "model" not in settings
+    if demo:
+        from pluginhost.demo import ensure_demo_model
+
+        settings["model"] = str(ensure_demo_model())
+    served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
+    api_key = args.api_key or os.environ.get("PLUGINHOST_API_KEY") or None
+    sock = bind(args.host, args.port)  # a busy port fails before the model loads
+    try:
+        from pluginhost.engine.async_llm import AsyncLLM
+        from pluginhost.server.app import build_app
+
+        engine = AsyncLLM._from_host(make_host(args), **settings)
+        app = build_app(engine, served_model_name=served, api_key=api_key)
+    except BaseException:
+        sock.close()
+        raise
+    run_server(app, engine, sock, served_model_name=served, shutdown_timeout=args.shutdown_timeout)
     return EXIT_OK

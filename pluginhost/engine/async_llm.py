@@ -21,14 +21,16 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pluginhost.engine.core import EngineCore
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt
 from pluginhost.engine.loader import load_model
+from pluginhost.engine.request import EngineRequest
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["AsyncLLM"]
+__all__ = ["AsyncLLM", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,37 +86,35 @@ class AsyncLLM(EngineFrontend):
         A bad prompt or parameter raises ``ValueError`` before anything runs;
         a full queue raises ``EngineOverloadedError``; a model failure raises
         ``ModelRunError`` from the ``async for``. After ``abort``, the last
-        output has ``finish_reason`` ``"abort"``.
+        output has ``finish_reason`` ``"abort"``. Leaving the loop early
+        aborts the request.
+        """
+        stream = self.add_request(prompt, sampling_params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Check and queue a request now (``ValueError``, ``EngineOverloadedError``); iterate the stream for outputs.
+
+        Must be called from the event loop that will consume the stream.
         """
         if self._stopping.is_set():
             raise RuntimeError("this AsyncLLM was shut down")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[tuple[RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-        def deliver(output: RequestOutput | None, error: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, (output, error))
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
-
-        request_id = request_id or self._new_request_id()
+        stream = RequestStream(self.engine, asyncio.get_running_loop())
         params = sampling_params if sampling_params is not None else SamplingParams()
-        request = self._inputs.make_request(request_id, prompt, params, on_output=deliver, streaming=True)
-        self.engine.submit([request])
-        try:
-            while True:
-                output, error = await outputs.get()
-                while not outputs.empty() and error is None:  # behind: only the latest output matters
-                    output, error = outputs.get_nowait()
-                if error is not None:
-                    raise error
-                assert output is not None
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not request.finished:
-                self.engine.abort([request_id])
+        stream.request = self._inputs.make_request(
+            request_id or self._new_request_id(), prompt, params, on_output=stream.deliver, streaming=True
+        )
+        self.engine.submit([stream.request])
+        return stream
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``."""
@@ -128,3 +128,52 @@ class AsyncLLM(EngineFrontend):
         self.engine.step()  # hand the aborts out
         self._stopping.set()
         self._thread.join(timeout)
+
+
+class RequestStream:
+    """The outputs of one submitted request, as they arrive: ``async for output in stream``.
+
+    Cumulative outputs; a consumer that falls behind gets the latest. The
+    iteration ends after the finished output, and raises the error that ended
+    the request, if one did. ``abort()`` ends it early (idempotent).
+    """
+
+    request: EngineRequest
+
+    def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._outputs: asyncio.Queue[tuple[RequestOutput | None, BaseException | None]] = asyncio.Queue()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def deliver(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        """Called by the engine loop's thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._outputs.put_nowait, (output, error))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output, error = await self._outputs.get()
+        while not self._outputs.empty() and error is None:  # behind: only the latest output matters
+            output, error = self._outputs.get_nowait()
+        if error is not None:
+            self._done = True
+            raise error
+        assert output is not None
+        self._done = output.finished
+        return output
+
+    def abort(self) -> None:
+        """End the request at the next step, unless it has finished."""
+        if not self.request.finished:
+            self._engine.abort([self.request.request_id])

@@ -1,0 +1,520 @@
+"""The OpenAI-compatible HTTP API over an ``AsyncLLM``, on FastAPI.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (messages through the tokenizer's chat
+template), ``GET /metrics`` (Prometheus). ``stream: true`` answers
+Server-Sent Events: ``data: {json}\\n\\n`` chunks, then ``data: [DONE]\\n\\n``.
+
+Every error is OpenAI's error object ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a bad request (pydantic's validation included, never
+FastAPI's 422), 401 for a missing or wrong key when an API key is set (checked
+on every route, plugins' too), 404 for an unknown model or route, 503 when the
+engine's queue is full, 500 when the model fails. A client that goes away
+aborts its requests, which frees their rows at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pluginhost.engine.async_llm import AsyncLLM, RequestStream
+from pluginhost.errors import EngineOverloadedError, ModelRunError
+from pluginhost.outputs import CompletionOutput, RequestOutput
+from pluginhost.sampling import SamplingParams
+from pluginhost.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from pluginhost.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+
+__all__ = ["APIError", "BUILTIN_ROUTES", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+#: The paths the server itself answers; a plugin's route may not take them.
+BUILTIN_ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type, code, param
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorBody(message=str(self), type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param)
+
+
+def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The API for ``engine``, serving it as ``served_model_name``."""
+    from pluginhost import __version__
+
+    app = FastAPI(title="pluginhost", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(served_model_name)
+    engine.engine.stats_listeners.append(metrics.record_step)
+    app.state.engine, app.state.metrics, app.state.served_model_name = engine, metrics, served_model_name
+    _install_errors(app)
+    _install_auth_and_counting(app, api_key, metrics)
+    api = _API(engine, served_model_name, metrics)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": api.created,
+                    "owned_by": "pluginhost",
+                    "root": engine.config.model,
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, api.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, api.chat(body))
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# -- errors, keys, counting -----------------------------------------------------------------
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return bad_request(_describe_validation(exc.errors()), param=_first_param(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, message, type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error answering %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+
+def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.middleware("http")
+    async def check_key_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if expected is not None:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                response: Response = APIError(
+                    401,
+                    "Missing or wrong API key: send the key given to --api-key as 'Authorization: Bearer KEY'.",
+                    type="invalid_request_error",
+                    code="invalid_api_key",
+                ).response()
+                metrics.record_http(request.url.path, 401)
+                return response
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
+        return response
+
+
+def _describe_validation(errors: Sequence[Any]) -> str:
+    parts = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        message = error.get("msg", "invalid").removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field"
+        parts.append(f"{where}: {message}")
+    return "Invalid request: " + "; ".join(parts)
+
+
+def _first_param(errors: Sequence[Any]) -> str | None:
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if loc:
+            return loc[0]
+    return None
+
+
+async def _until_disconnect(request: Request, answer: Awaitable[Response]) -> Response:
+    """Answer, unless the client goes away first: then cancel the answer (which aborts its requests)."""
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    return Response(status_code=499)  # nobody will read it
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- the two generation endpoints -------------------------------------------------------------
+
+
+class _API:
+    """Completions and chat completions over one engine."""
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.name = served_model_name
+        self.metrics = metrics
+        self.created = now()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist: this server serves `{self.name}` (GET /v1/models).",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+
+    def _start(self, prompts: Sequence[Any], params: SamplingParams, request_id: str) -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}"))
+        except (ValueError, EngineOverloadedError) as exc:
+            for stream in streams:
+                stream.abort()
+            if isinstance(exc, EngineOverloadedError):
+                raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
+            raise bad_request(str(exc)) from None
+        return streams
+
+    def _params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    # -- completions --------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Response:
+        self._check_model(body.model)
+        try:
+            prompts = body.prompts()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="prompt") from None
+        if body.logprobs is not None and self.engine.tokenizer is None:
+            raise bad_request("logprobs need a tokenizer to name the tokens; this model has none", param="logprobs")
+        params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs))
+        request_id = random_id("cmpl")
+        streams = self._start(prompts, params, request_id)
+        shape = _Completions(self, request_id, body.n)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(shape.stream(streams, include_usage))
+        return JSONResponse(await shape.whole(streams))
+
+    # -- chat -----------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest) -> Response:
+        self._check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise bad_request(
+                "this model has no chat template (its tokenizer_config.json sets none); use /v1/completions"
+            )
+        try:
+            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
+            raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+        prompt = {"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top))
+        request_id = random_id("chatcmpl")
+        streams = self._start([prompt], params, request_id)
+        shape = _Chat(self, request_id, body.n, top)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(shape.stream(streams, include_usage))
+        return JSONResponse(await shape.whole(streams))
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def frames() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come; leaving early aborts them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+class _Shape:
+    """What both endpoints do with outputs: merge, count, time, and turn errors into answers."""
+
+    object_whole = ""
+    object_chunk = ""
+
+    def __init__(self, api: _API, request_id: str, n: int) -> None:
+        self.api, self.request_id, self.n = api, request_id, n
+        self.created = now()
+        self.tokenizer = api.engine.tokenizer
+
+    def header(self, object_type: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_type, "created": self.created, "model": self.api.name}
+
+    async def finals(self, streams: Sequence[RequestStream]) -> dict[int, RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in _merged(streams):
+                last[index] = output
+        except ModelRunError as exc:
+            raise APIError(500, str(exc), type="server_error", code="model_error") from None
+        finally:
+            self.record(streams)
+        return last
+
+    def record(self, streams: Sequence[RequestStream]) -> None:
+        """Count each request and its latencies; one that has not finished was given up (client gone)."""
+        for stream in streams:
+            self._record(stream)
+
+    def _record(self, stream: RequestStream) -> None:
+        request = stream.request
+        if request.error is not None:
+            reason = "error"
+        elif not request.finished or request.aborted:
+            reason = "abort"
+        else:
+            reason = request.sequences[0].finish_reason or "abort"
+        self.api.metrics.record_request(
+            finish_reason=reason,
+            arrival=request.arrival_time,
+            first_token=request.first_token_time,
+            end=time.monotonic(),
+            tokens=max((len(s.token_ids) for s in request.sequences), default=0),
+        )
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        ).model_dump()
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    async def chunks(
+        self, streams: Sequence[RequestStream], include_usage: bool, choice: Callable[..., dict[str, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streamed chunks: for each choice, what its text (and tokens) grew by; errors as an error chunk."""
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in _merged(streams):
+                last[index] = output
+                for completion in output.outputs:
+                    number = index * self.n + completion.index
+                    if number in finished:
+                        continue
+                    text = completion.text or ""
+                    start_text, start_tokens = sent_text.get(number, 0), sent_tokens.get(number, 0)
+                    first = number not in sent_text
+                    delta, new_tokens = text[start_text:], completion.token_ids[start_tokens:]
+                    if not (delta or new_tokens or completion.finished or first):
+                        continue
+                    sent_text[number], sent_tokens[number] = len(text), len(completion.token_ids)
+                    if completion.finished:
+                        finished.add(number)
+                    yield choice(number, completion, delta, start_tokens, first)
+        except ModelRunError as exc:
+            yield {"error": ErrorBody(message=str(exc), type="server_error", code="model_error").model_dump()}
+            return
+        finally:
+            self.record(streams)
+        if include_usage:
+            yield {**self.header(self.object_chunk), "choices": [], "usage": self.usage(last)}
+
+
+class _Completions(_Shape):
+    object_whole = "text_completion"
+    object_chunk = "text_completion"
+
+    async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
+        finals = await self.finals(streams)
+        choices = [
+            {
+                "index": index * self.n + c.index,
+                "text": c.text if c.text is not None else "",
+                "logprobs": self.logprobs(c, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for index in sorted(finals)
+            for c in finals[index].outputs
+        ]
+        return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
+
+    def stream(self, streams: Sequence[RequestStream], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
+            entry = {
+                "index": number,
+                "text": delta,
+                "logprobs": self.logprobs(c, start),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            return {**self.header(self.object_chunk), "choices": [entry]}
+
+        return self.chunks(streams, include_usage, choice)
+
+    def logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        """OpenAI's completions logprobs for the tokens from ``start`` on."""
+        if c.logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for i, (token, step) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            text = self.token_text(token)
+            if i >= start:
+                tokens.append(text)
+                token_logprobs.append(step[token])
+                top.append({self.token_text(t): v for t, v in step.items()})
+                offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+class _Chat(_Shape):
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, api: _API, request_id: str, n: int, top_logprobs: int | None) -> None:
+        super().__init__(api, request_id, n)
+        self.top_logprobs = top_logprobs or 0
+
+    async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
+        finals = await self.finals(streams)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text or ""},
+                "logprobs": self.logprobs(c, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in finals[0].outputs
+        ]
+        return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
+
+    def stream(self, streams: Sequence[RequestStream], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
+            message = {"role": "assistant", "content": delta} if first else {"content": delta}
+            entry = {
+                "index": number,
+                "delta": message if (delta or first) else {},
+                "logprobs": self.logprobs(c, start),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            return {**self.header(self.object_chunk), "choices": [entry]}
+
+        return self.chunks(streams, include_usage, choice)
+
+    def logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs (``content``: token, logprob, bytes, top_logprobs) from ``start`` on."""
+        if c.logprobs is None:
+            return None
+        k = self.top_logprobs
+        content = []
+        for token, step in list(zip(c.token_ids, c.logprobs, strict=True))[start:]:
+            text = self.token_text(token)
+            ranked = sorted(step.items(), key=lambda item: -item[1])[:k]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": step[token],
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": self.token_text(t), "logprob": v, "bytes": list(self.token_text(t).encode())}
+                        for t, v in ranked
+                    ],
+                }
+            )
+        return {"content": content}

@@ -1,0 +1,111 @@
+"""Running the server: a socket bound up front, uvicorn on it, and a clean exit on SIGINT or SIGTERM.
+
+Binding the socket here, before uvicorn starts, turns "address in use" into
+one clear error. On SIGINT or SIGTERM the server stops accepting
+connections, gives requests in flight ``shutdown_timeout`` seconds to end,
+aborts whatever is left, stops the engine loop and returns, so the command
+exits 0 (uvicorn alone would re-raise the signal at the end).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from pluginhost.engine.async_llm import AsyncLLM
+from pluginhost.errors import ConfigError
+
+__all__ = ["bind", "run_server"]
+
+logger = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (``ConfigError`` saying why when it cannot be had)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"Cannot listen on {host}:{port}: {host!r} is not a known host name ({exc.strerror})."
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = " Pass another --port, or stop what uses it." if exc.errno in (98, 48) else ""
+        raise ConfigError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}.{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, url: str, describe: str) -> None:
+        super().__init__(config)
+        self._url, self._describe = url, describe
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"pluginhost: serving {self._describe} at {self._url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's graceful handling of SIGINT/SIGTERM, without re-raising the signal when done."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def run_server(
+    app: FastAPI,
+    engine: AsyncLLM,
+    sock: socket.socket,
+    *,
+    served_model_name: str,
+    shutdown_timeout: float = 10.0,
+) -> None:
+    """Serve ``app`` on ``sock`` until SIGINT or SIGTERM; then end cleanly and stop ``engine``."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    if not _is_loopback(host):
+        logger.warning("listening on %s: reachable from other machines", host)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=shutdown_timeout,
+        lifespan="off",
+    )
+    server = _Server(config, f"http://{shown}:{port}", f"{served_model_name!r}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

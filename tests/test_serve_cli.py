@@ -1,0 +1,138 @@
+"""``pluginhost serve`` as an operator runs it: a real process on 127.0.0.1, stopped by a signal.
+
+Each test starts the command with ``--port 0`` (the kernel picks a free port;
+the URL printed on stderr says which), bounds every wait, and kills the
+process if it outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+TIMEOUT = 60
+
+
+@contextmanager
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``pluginhost serve --port 0 ARGS`` until its URL is printed; always ended afterwards."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--no-plugins", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    lines: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            found = re.search(r"at (http://\S+)", line)
+            if found:
+                url.append(found.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(TIMEOUT) and url, "".join(lines)
+        yield process, url[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(TIMEOUT)
+        process.stderr_lines = lines  # type: ignore[attr-defined]
+
+
+def test_serves_the_demo_model_and_exits_0_on_sigterm():
+    with serving() as (process, url):
+        assert url.startswith("http://127.0.0.1:")
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        models = httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()
+        assert [m["id"] for m in models["data"]] == ["demo"]
+        chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "What is a plugin?"}], "max_tokens": 30},
+            timeout=TIMEOUT,
+        ).json()
+        assert len(chat["choices"][0]["message"]["content"].split()) > 3  # words, from a model that knows its docs
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(TIMEOUT) == 0
+
+
+def test_sigint_ends_a_request_in_flight_and_exits_0():
+    with serving("--shutdown-timeout", "2") as (process, url):
+        body = {"model": "demo", "prompt": "A plugin is", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        received = []
+        started = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            for line in response.iter_lines():
+                received.append(line)
+                if len(received) == 2:
+                    process.send_signal(signal.SIGINT)
+        assert process.wait(TIMEOUT) == 0
+        assert time.monotonic() - started < 30
+        assert received[0].startswith("data: ")
+    stderr = "".join(process.stderr_lines)  # type: ignore[attr-defined]
+    assert "Traceback" not in stderr
+
+
+def test_a_busy_port_is_one_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "pluginhost", "serve", "--port", str(port), "--no-plugins"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    assert result.returncode == 2
+    assert f"Cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_served_name_and_api_key(tiny_opt):
+    with serving("--model", str(tiny_opt), env={"PLUGINHOST_API_KEY": "k1"}) as (process, url):
+        assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=TIMEOUT).json()
+        assert [m["id"] for m in models["data"]] == [tiny_opt.name]  # the directory's name
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(TIMEOUT) == 0
+    with serving("--model", str(tiny_opt), "--served-model-name", "tiny", "--api-key", "k2") as (process, url):
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3},
+            headers={"Authorization": "Bearer k2"},
+            timeout=TIMEOUT,
+        )
+        assert answer.status_code == 200 and json.loads(answer.text)["usage"]["completion_tokens"] >= 1
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(TIMEOUT) == 0
+
+
+@pytest.mark.parametrize("args", [["--model", "/nonexistent/model"], ["--dtype", "float8"]])
+def test_bad_settings_exit_2_before_serving(args):
+    result = subprocess.run(
+        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--no-plugins", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -1,0 +1,398 @@
+"""The OpenAI-compatible server, tested as a user would: the official openai client, on 127.0.0.1.
+
+Every server here runs in a thread on a free loopback port and is stopped by
+its fixture; every request is bounded in time. Answers are compared with the
+offline engine on the same (demo) model, greedy, so they must be equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from pluginhost import LLM, AsyncLLM, SamplingParams
+from pluginhost.demo import ensure_demo_model
+from pluginhost.server.app import build_app
+from pluginhost.testing.server import running_server
+
+TIMEOUT = 60
+PROMPTS = [
+    "A plugin is",
+    "The builtin architectures",
+    "Hello, my name is",
+    "pluginhost models",
+    "When a plugin is broken",
+    "An exception inside a hook",
+    "Selection is read",
+    "The demo model",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(str(ensure_demo_model()), load_installed_plugins=False)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with running_server(build_app(engine, served_model_name="demo")) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kwargs)
+
+
+def chat_ids(offline: LLM, messages: list[dict]) -> list[int]:
+    tokenizer = offline.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# -- the four routes, with the official client ------------------------------------------------
+
+
+def test_health_and_models(url, client):
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+
+
+def test_completion_equals_the_offline_engine_with_real_usage(client, offline):
+    answer = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    expected = offline.generate([PROMPTS[0]], greedy(20))[0]
+    assert answer.choices[0].text == expected.text and answer.choices[0].finish_reason == expected.finish_reason
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert answer.usage.completion_tokens == len(expected.token_ids) == 20
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 20
+
+
+def test_streamed_completion_adds_up_to_the_whole(client, offline):
+    stream = client.completions.create(
+        model="demo",
+        prompt=PROMPTS[1],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    expected = offline.generate([PROMPTS[1]], greedy(24))[0]
+    assert text == expected.text and len([c for c in chunks if c.choices]) > 2
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_through_the_template(client, offline):
+    messages = [{"role": "user", "content": "What is a plugin?"}]
+    answer = client.chat.completions.create(model="demo", messages=messages, max_tokens=40, temperature=0)
+    expected = offline.generate([chat_ids(offline, messages)], greedy(40))[0]
+    message = answer.choices[0].message
+    assert message.role == "assistant" and message.content == expected.text
+    assert "plugin" in message.content.lower() or "hookimpl" in message.content  # the demo model knows its docs
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=40, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_stop_strings_n_seed_and_logprobs(client, offline):
+    free = offline.generate([PROMPTS[0]], greedy(20))[0].text
+    stop = free[8:12]
+    answer = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop])
+    assert answer.choices[0].text == free[: free.index(stop)] and answer.choices[0].finish_reason == "stop"
+
+    samples = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=8, n=3, seed=5, temperature=1.0)
+    again = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=8, n=3, seed=5, temperature=1.0)
+    assert [c.index for c in samples.choices] == [0, 1, 2]
+    assert [c.text for c in samples.choices] == [c.text for c in again.choices]
+
+    scored = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    expected = offline.generate([PROMPTS[0]], greedy(4, logprobs=2))[0]
+    assert logprobs.token_logprobs == pytest.approx(
+        [s[t] for s, t in zip(expected.logprobs, expected.token_ids, strict=True)], abs=1e-4
+    )
+    assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
+
+
+def test_vllm_extras_through_extra_body(client, offline):
+    answer = client.completions.create(
+        model="demo",
+        prompt=PROMPTS[2],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.5, "min_tokens": 4, "extra_args": {"note": "for plugins"}},
+    )
+    expected = offline.generate([PROMPTS[2]], greedy(16, repetition_penalty=1.5, min_tokens=4))[0]
+    assert answer.choices[0].text == expected.text
+
+
+# -- continuous batching, as clients see it --------------------------------------------------------
+
+
+def test_32_concurrent_clients_each_get_what_the_offline_engine_gives(url, offline):
+    requests = [(PROMPTS[i % len(PROMPTS)], 8 + (i * 7) % 40) for i in range(32)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, stream: bool) -> str:
+        if not stream:
+            answer = await client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
+            return answer.choices[0].text
+        chunks = await client.completions.create(
+            model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in chunks])
+
+    async def everyone() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(client, p, n, i % 2 == 0) for i, (p, n) in enumerate(requests)))
+        finally:
+            await client.close()
+
+    got = asyncio.run(asyncio.wait_for(everyone(), TIMEOUT))
+    expected = [offline.generate([p], greedy(n))[0].text for p, n in requests]
+    assert got == expected
+
+
+def test_a_short_request_sent_while_a_long_one_streams_finishes_first(url, client, offline):
+    order = []
+
+    async def scenario():
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+        try:
+            long = await aclient.completions.create(
+                model="demo",
+                prompt=PROMPTS[3],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = 0
+            short = None
+            async for _ in long:
+                chunks += 1
+                if chunks == 3:  # the long one is streaming: now the short one
+                    short = asyncio.ensure_future(
+                        aclient.completions.create(model="demo", prompt=PROMPTS[4], max_tokens=3, temperature=0)
+                    )
+                    short.add_done_callback(lambda _: order.append("short"))
+            order.append("long")
+            await short
+        finally:
+            await aclient.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+    assert order == ["short", "long"]
+
+
+def aborted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    line = next(
+        (x for x in text.splitlines() if x.startswith('pluginhost_request_success_total{finish_reason="abort"')), ""
+    )
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_a_client_killed_mid_stream_changes_nothing_for_the_others(url, engine, offline):
+    before = aborted(url)
+    body = {
+        "model": "demo",
+        "prompt": PROMPTS[5],
+        "max_tokens": 240,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=TIMEOUT) as raw:
+        with raw.stream("POST", f"{url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        # the connection is closed here, mid-stream
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    others = [client.completions.create(model="demo", prompt=p, max_tokens=12, temperature=0) for p in PROMPTS[:3]]
+    assert [o.choices[0].text for o in others] == [offline.generate([p], greedy(12))[0].text for p in PROMPTS[:3]]
+    assert wait_until(lambda: aborted(url) == before + 1)  # given up, not run to its 240 tokens
+    assert wait_until(lambda: engine.engine.scheduler.num_running == 0 and not engine.engine.has_work())
+
+
+def test_a_client_gone_before_a_whole_answer_aborts_it(url, engine):
+    import socket
+
+    before = aborted(url)
+    body = json.dumps({"model": "demo", "prompt": PROMPTS[6], "max_tokens": 240, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_until(lambda: engine.engine.scheduler.num_running > 0)
+    assert wait_until(lambda: aborted(url) == before + 1)
+    assert wait_until(lambda: engine.engine.scheduler.num_running == 0 and not engine.engine.has_work())
+
+
+def test_sse_framing_is_exact(url):
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "stream": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+
+
+# -- bad requests ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokenz": 5}, 400, "max_tokenz: unknown field"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        (
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "max_tokens": 0},
+            400,
+            "max_tokens must be an integer >= 1",
+        ),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1]"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**6}, 400, "more than max_model_len=256"),
+        ("/v1/completions", {"model": "demo", "prompt": [10**7]}, 400, "outside the vocabulary"),
+        ("/v1/completions", {"model": "demo", "prompt": []}, 400, "prompt is empty"),
+        ("/v1/completions", {"model": "demo"}, 400, "prompt: Field required"),
+        (
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "logit_bias": {"5": 1}},
+            400,
+            "logit_bias is not supported",
+        ),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "The model `gpt-9` does not exist"),
+        ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            400,
+            "tools are not supported",
+        ),
+        ("/v1/nothing-here", {}, 404, "Not Found"),
+    ],
+)
+def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url, client, path, body, status, fragment):
+    response = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
+    assert client.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices[0].text is not None
+
+
+def test_a_body_that_is_not_json_is_a_400(url):
+    response = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_the_client_sees_openai_exceptions(client):
+    with pytest.raises(openai.BadRequestError, match="top_p must be in"):
+        client.completions.create(model="demo", prompt="x", top_p=3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-served", prompt="x")
+
+
+# -- metrics, keys, a full queue ---------------------------------------------------------------------------
+
+
+def test_metrics_count_what_was_served(url, client):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=7, temperature=0)
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('pluginhost_generation_tokens_total{model_name="demo"}') >= 7
+    assert delta('pluginhost_prompt_tokens_total{model_name="demo"}') >= 4
+    assert delta('pluginhost_time_to_first_token_seconds_count{model_name="demo"}') == 1
+    assert delta('pluginhost_time_per_output_token_seconds_count{model_name="demo"}') == 1
+    assert delta('pluginhost_request_success_total{finish_reason="length",model_name="demo"}') == 1
+    assert 'pluginhost_num_requests_running{model_name="demo"}' in after
+
+
+def test_the_api_key_is_checked_on_every_route(engine):
+    with running_server(build_app(engine, served_model_name="demo", api_key="s3cret")) as base:
+        for method, path in [
+            ("GET", "/health"),
+            ("GET", "/metrics"),
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+        ]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                response = httpx.request(method, f"{base}{path}", headers=headers, json={}, timeout=TIMEOUT)
+                assert response.status_code == 401, (path, headers)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        assert (
+            httpx.get(f"{base}/health", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).status_code == 200
+        )
+        keyed = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", timeout=TIMEOUT, max_retries=0)
+        assert keyed.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path):
+    engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False, max_num_seqs=1, max_waiting_seqs=1)
+    body = {"model": "busy", "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    try:
+        with running_server(build_app(engine, served_model_name="busy")) as base:
+
+            async def flood() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                    return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=body) for _ in range(6)))
+
+            statuses = sorted(r.status_code for r in asyncio.run(asyncio.wait_for(flood(), TIMEOUT)))
+            assert statuses[0] == 200 and statuses[-1] == 503
+            busy = next(r for r in asyncio.run(asyncio.wait_for(flood(), TIMEOUT)) if r.status_code == 503)
+            assert "queue is full" in busy.json()["error"]["message"]
+            ok = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 2}, timeout=TIMEOUT)
+            assert ok.status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
