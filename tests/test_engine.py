@@ -521,3 +521,30 @@ def test_an_engine_failure_is_not_blamed_on_the_model(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="a bug in the sampler") as info:
         llm.generate([[2, 5]], SamplingParams(max_tokens=2))
     assert not isinstance(info.value, ModelRunError)
+
+
+def test_prompts_of_very_different_lengths_join_together_and_match_alone(llm):
+    """Joining prompts are prefilled in passes of similar length (less padding); results do not change."""
+    prompts = [[2, *range(10, 10 + n)] for n in (4, 90, 30, 100, 8)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)
+    together = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = llm.generate([prompt], params)[0]
+        assert alone.token_ids == out.token_ids
+        assert all(abs(a[k] - b[k]) < 1e-4 for a, b in zip(alone.logprobs, out.logprobs, strict=True) for k in a)
+
+
+def test_joining_prompts_are_grouped_by_length():
+    from types import SimpleNamespace
+
+    from pluginhost.engine.runner import _similar_lengths
+
+    lengths = [5, 250, 30, 240, 8, 120, 40]
+    step = SimpleNamespace(rows=[SimpleNamespace(prompt_token_ids=[0] * n) for n in lengths])
+    groups = _similar_lengths(step, list(range(len(lengths))))
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))  # every row, once
+    for group in groups:
+        sizes = [lengths[r] for r in group]
+        padded = len(sizes) * max(sizes)
+        assert padded <= 64 or padded <= 1.25 * sum(sizes)
+    assert [3, 1] in groups and [0, 4] in groups  # 240 and 250 share a pass, so do 5 and 8; 5 and 250 do not

@@ -65,11 +65,11 @@ class ModelRunner:
         if len(prefill) < B:
             hidden = self._decode(step)  # (B, W)
         if prefill:
-            joined = self._prefill(step)  # (k, W)
-            if hidden is None:
-                hidden = joined  # every row joined this step: prefill rows are 0 .. B-1
-            else:
-                hidden = hidden.index_copy(0, torch.tensor(prefill, device=self.device), joined)
+            for group in _similar_lengths(step, prefill):
+                joined = self._prefill(step, group)  # (k, W), in the group's order
+                if hidden is None:
+                    hidden = joined.new_empty((B, joined.shape[-1]))
+                hidden = hidden.index_copy(0, torch.tensor(group, device=self.device), joined)
         return self.model.compute_logits(hidden).float()  # (B, V)
 
     def _decode(self, step: ScheduledStep) -> Tensor:
@@ -90,9 +90,9 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, slice(0, len(step.rows)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
-    def _prefill(self, step: ScheduledStep) -> Tensor:
-        """The prompts of the joining rows, right-padded; the hidden state of each one's last token."""
-        prompts = [step.rows[row].prompt_token_ids for row in step.prefill_rows]
+    def _prefill(self, step: ScheduledStep, rows_joining: list[int]) -> Tensor:
+        """The prompts of these joining rows, right-padded; the hidden state of each one's last token."""
+        prompts = [step.rows[row].prompt_token_ids for row in rows_joining]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         T = int(lengths.max())
         ids = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -101,7 +101,7 @@ class ModelRunner:
         ids = ids.to(self.device)  # (k, T)
         positions = torch.arange(T, device=self.device).expand(len(prompts), T)  # padding continues the count
         mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]  # (1, 1, T, T) causal
-        rows = torch.tensor(step.prefill_rows, device=self.device)
+        rows = torch.tensor(rows_joining, device=self.device)
         hidden = self.model(ids, positions, rows, mask.expand(len(prompts), 1, T, T))  # (k, T, W)
         return hidden[torch.arange(len(prompts), device=self.device), lengths - 1]  # (k, W)
 
@@ -137,6 +137,38 @@ class ModelRunner:
             for cache in self._caches:
                 cache.resize(new_rows, new_slots)
         self._rows, self._slots = new_rows, new_slots
+
+
+#: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.
+_MAX_PADDING = 0.25
+
+
+def _similar_lengths(step: ScheduledStep, rows: list[int]) -> list[list[int]]:
+    """The joining rows in groups of similar prompt length, each one prefill pass.
+
+    A prefill pass is mostly large matrix products, whose cost grows with the
+    padded tokens: one pass over prompts of 16 and 256 tokens pays for 512.
+    Short prompts still go together (their products are not compute-bound).
+    """
+    ordered = sorted(rows, key=lambda r: len(step.rows[r].prompt_token_ids))
+    groups: list[list[int]] = []
+    total = 0
+    for row in ordered:
+        length = len(step.rows[row].prompt_token_ids)
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * length  # sorted: this one is the longest so far
+            if padded <= (1 + _MAX_PADDING) * (total + length) or padded <= _SHORT_PASS:
+                group.append(row)
+                total += length
+                continue
+        groups.append([row])
+        total = length
+    return groups
+
+
+#: A pass of at most this many padded tokens is cheap whatever its padding.
+_SHORT_PASS = 64
 
 
 def _needed_slots(sequence, prefilling: bool) -> int:  # noqa: ANN001 - a Sequence

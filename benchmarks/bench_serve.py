@@ -1,0 +1,305 @@
+"""The server under load: pluginhost's continuous batching against static batching and ``transformers serve``.
+
+OPT-125m shape, random weights, fp32, CPU. Every system is an OpenAI-compatible
+HTTP server on 127.0.0.1 answering ``/v1/completions``; N clients (1, 8, 32)
+each stream one request after another for ``--duration`` seconds, with mixed
+prompt lengths (16-256 tokens) and output lengths (16-128 tokens) drawn from
+one seed, so every system gets the same work. Reported: output tokens per
+second over the run, time to first token (TTFT) and inter-token latency (ITL,
+a request's decode time over its tokens after the first), p50 and p99.
+
+Systems:
+
+* ``pluginhost``: ``pluginhost serve`` (continuous batching);
+* ``static``: the same engine and server with a scheduler that admits a new
+  batch only once the running one has finished, as pluginhost's engine did
+  before continuous batching (a batch runs until its longest request ends;
+  requests arriving meanwhile wait);
+* ``transformers``: ``transformers serve`` on the same directory (needs
+  ``accelerate``), and ``transformers-cb``: the same with
+  ``--continuous-batching``. Either one is reported as failed, with why,
+  when it does not run here.
+
+    python benchmarks/bench_serve.py [--clients 1 8 32] [--duration 60] [--systems pluginhost,static,transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from common import OPT_125M, checkpoint_dir, machine
+
+HERE = Path(__file__).resolve().parent
+MAX_MODEL_LEN = 512
+START_TIMEOUT = 300
+
+
+def bench_model() -> Path:
+    """The benchmark checkpoint, with a word-level tokenizer over its whole vocabulary ("t0" .. "t50271").
+
+    Prompts are then exactly as many tokens as words, and any generated id decodes.
+    """
+    path = checkpoint_dir()
+    if not (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {f"t{i}": i for i in range(OPT_125M["vocab_size"])}
+        tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t2", pad_token="t1").save_pretrained(path)
+    return path
+
+
+# -- the systems --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    model_name: str
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    url: str = ""
+    log: list[str] = field(default_factory=list)
+
+    def start(self) -> str | None:
+        """Start it and wait for /health; ``None``, or why it did not come up."""
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        command = [part.replace("{port}", str(port)) for part in self.command]
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        threading.Thread(target=lambda: self.log.extend(self.process.stdout), daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return f"exited with {self.process.returncode}: {''.join(self.log)[-600:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return "did not answer /health in time"
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(30)
+
+
+def systems(path: Path, max_num_seqs: int) -> dict[str, Server]:
+    ours = [
+        sys.executable, "-m", "pluginhost", "serve", "--model", str(path), "--port", "{port}", "--no-plugins",
+        "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "bench",
+    ]  # fmt: skip
+    static = [sys.executable, str(Path(__file__).resolve()), "--serve-static", str(path), "--port", "{port}"]
+    theirs = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(path), "--port", "{port}"]
+    theirs += ["--device", "cpu", "--dtype", "float32"]
+    return {
+        "pluginhost": Server("pluginhost", ours, "bench"),
+        "static": Server("static", static + ["--max-num-seqs", str(max_num_seqs)], "bench"),
+        "transformers": Server("transformers", theirs, str(path)),
+        "transformers-cb": Server("transformers-cb", theirs + ["--continuous-batching"], str(path)),
+    }
+
+
+def serve_static(path: str, port: int, max_num_seqs: int) -> None:
+    """The ``static`` system: pluginhost's engine and server, admitting whole batches only."""
+    from pluginhost import AsyncLLM
+    from pluginhost.engine.scheduler import Scheduler
+    from pluginhost.server.app import build_app
+    from pluginhost.server.run import bind, run_server
+
+    class StaticScheduler(Scheduler):
+        def _admit(self) -> list[int]:
+            return super()._admit() if self.num_running == 0 else []
+
+    engine = AsyncLLM(path, load_installed_plugins=False, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
+    old = engine.engine.scheduler
+    engine.engine.scheduler = StaticScheduler(
+        max_num_seqs=old.max_num_seqs, max_num_batched_tokens=10**9, max_waiting=old.max_waiting
+    )
+    run_server(build_app(engine, served_model_name="bench"), engine, bind("127.0.0.1", port), served_model_name="bench")
+
+
+# -- the load ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    tokens: int
+    ttft: float
+    itl: float | None
+
+
+def workload(seed: int, n: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    return [
+        (" ".join(f"t{rng.randrange(3, 50000)}" for _ in range(rng.randint(16, 256))), rng.randint(16, 128))
+        for _ in range(n)
+    ]
+
+
+async def one_request(http: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> Result:
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    first = last = None
+    chunks = 0
+    async with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{server.name}: {chunk['error']}")
+            if chunk.get("choices"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+    if first is None:
+        raise RuntimeError(f"{server.name}: no token came back")
+    # The model is random: it writes max_tokens tokens (checked once per system in warm_up).
+    itl = (last - first) / (max_tokens - 1) if max_tokens > 1 else None
+    return Result(max_tokens, first - start, itl)
+
+
+async def load(server: Server, clients: int, duration: float, seed: int) -> tuple[list[Result], float]:
+    work = workload(seed, 10_000)
+    cursor = iter(range(len(work)))
+    results: list[Result] = []
+    start = time.perf_counter()
+    deadline = start + duration
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            prompt, max_tokens = work[next(cursor)]
+            results.append(await one_request(http, server, prompt, max_tokens))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return results, time.perf_counter() - start
+
+
+def warm_up(server: Server) -> None:
+    """One short request (first-call costs stay out of the figures), checking it writes every token asked for."""
+    body = {"model": server.model_name, "prompt": "t5 t6 t7 t8", "max_tokens": 12, "temperature": 0}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).json()
+    words = answer["choices"][0]["text"].split()
+    if answer["choices"][0]["finish_reason"] != "length" or len(words) != 12:
+        raise RuntimeError(f"{server.name} did not write 12 tokens: {answer}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per system and client count")
+    parser.add_argument("--systems", default="pluginhost,static,transformers,transformers-cb")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-static", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_static:
+        serve_static(args.serve_static, args.port, args.max_num_seqs)
+        return
+
+    path = bench_model()
+    print(f"machine: {machine()}")
+    print(f"model: OPT-125m shape, random weights, fp32, max_model_len {MAX_MODEL_LEN}; {args.duration:.0f} s per run")
+    table: dict[tuple[str, int], dict[str, float]] = {}
+    for name in args.systems.split(","):
+        server = systems(path, args.max_num_seqs)[name]
+        problem = server.start()
+        try:
+            if problem is None:
+                try:
+                    warm_up(server)
+                except Exception as exc:  # noqa: BLE001 - reported as the system's failure
+                    problem = f"{type(exc).__name__}: {exc}"
+            if problem is not None:
+                print(f"{name}: did not run here: {problem}")
+                continue
+            for clients in args.clients:
+                try:
+                    results, seconds = asyncio.run(load(server, clients, args.duration, args.seed))
+                except Exception as exc:  # noqa: BLE001 - reported as the system's failure
+                    print(f"{name} {clients:>2} clients: failed: {type(exc).__name__}: {exc}")
+                    continue
+                row = {
+                    "tok/s": sum(r.tokens for r in results) / seconds,
+                    "requests": len(results),
+                    "ttft p50": percentile([r.ttft for r in results], 0.5),
+                    "ttft p99": percentile([r.ttft for r in results], 0.99),
+                    "itl p50": percentile([r.itl for r in results if r.itl], 0.5),
+                    "itl p99": percentile([r.itl for r in results if r.itl], 0.99),
+                }
+                table[(name, clients)] = row
+                print(
+                    f"{name:<16} {clients:>2} clients: {row['tok/s']:7.1f} tok/s over {row['requests']:>3} requests; "
+                    f"TTFT p50 {row['ttft p50'] * 1000:7.0f} ms p99 {row['ttft p99'] * 1000:7.0f} ms; "
+                    f"ITL p50 {row['itl p50'] * 1000:6.1f} ms p99 {row['itl p99'] * 1000:6.1f} ms",
+                    flush=True,
+                )
+        finally:
+            server.stop()
+
+    print()
+    top = max(args.clients)
+    ours = table.get(("pluginhost", top))
+    if ours:
+        for other, target in (("static", ">= 2x"), ("transformers", "> 1x"), ("transformers-cb", "> 1x")):
+            if (other, top) in table:
+                ratio = ours["tok/s"] / table[(other, top)]["tok/s"]
+                print(f"throughput at {top} clients, pluginhost / {other}: {ratio:.2f}x (target {target})")
+    if ("pluginhost", 1) in table and ("pluginhost", 8) in table:
+        ratio = table[("pluginhost", 8)]["ttft p50"] / table[("pluginhost", 1)]["ttft p50"]
+        print(f"TTFT p50, 8 clients / 1 client: {ratio:.2f}x (target <= 2x)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
