@@ -30,9 +30,7 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
