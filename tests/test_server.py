@@ -396,3 +396,33 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
+
+
+def test_a_model_failure_is_a_500_or_an_error_event_and_later_requests_are_served(tiny_opt):
+    from builtin_models.opt import OPTForCausalLM
+    from pluginhost.testing import RegistersModel
+
+    class Flaky(OPTForCausalLM):
+        failures = 2
+
+        def compute_logits(self, hidden_states):
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise RuntimeError("kernel fault")
+            return super().compute_logits(hidden_states)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+    body = {"model": "flaky", "prompt": [2, 5, 9], "max_tokens": 4}
+    try:
+        with running_server(build_app(engine, served_model_name="flaky")) as base:
+            whole = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert whole.status_code == 500
+            assert "Flaky" in whole.json()["error"]["message"] and "kernel fault" in whole.json()["error"]["message"]
+            streamed = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT)
+            events = streamed.text.split("\n\n")
+            assert json.loads(events[0].removeprefix("data: "))["error"]["code"] == "model_error"
+            assert events[-2] == "data: [DONE]"
+            after = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        engine.shutdown()

@@ -154,9 +154,9 @@ class EngineCore:
             stats = EngineStats(
                 num_running=len(plan.rows),
                 num_waiting=self.scheduler.num_waiting,
-                num_generated_tokens=len(plan.rows),
+                num_generated_tokens=len(tokens),
                 num_prompt_tokens=sum(len(plan.rows[r].prompt_token_ids) for r in plan.prefill_rows),
-                num_finished=sum(1 for s in plan.rows if s.finished),
+                num_finished=sum(1 for r in plan.active_rows if plan.rows[r].finished),
                 step_time_s=time.perf_counter() - start,
                 cache_shape=self.runner.cache_shape,
             )
@@ -168,24 +168,25 @@ class EngineCore:
         return True
 
     def _run(self, plan: ScheduledStep) -> tuple[list[int], torch.Tensor | None]:
-        logits = self.runner.execute(plan)  # (B, V)
-        states = [s.sampling for s in plan.rows]
+        logits = self.runner.execute(plan)  # (A, V): the active rows
+        states = [plan.rows[r].sampling for r in plan.active_rows]
         # Log-probabilities of the model's own distribution: before the sampler changes the logits.
         logprobs = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in states) else None
         return sample(logits, states).tolist(), logprobs
 
     def _advance(self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None) -> list:
-        """Give every sequence its token; free the finished; collect the outputs to hand out."""
-        joining = set(plan.prefill_rows)
+        """Give every active sequence its token; free the finished; collect the outputs to hand out."""
+        prefilled = bool(plan.prefill_rows)
         now = time.monotonic()
         changed: dict[int, EngineRequest] = {}
-        for row, sequence in enumerate(plan.rows):
-            if row in joining:
+        for i, row in enumerate(plan.active_rows):
+            sequence = plan.rows[row]
+            if prefilled:
                 sequence.num_computed = len(sequence.prompt_token_ids)
             else:
                 sequence.num_computed += 1
             wants = logprobs is not None and sequence.params.logprobs is not None
-            sequence.append(tokens[row], logprobs[row] if wants else None)
+            sequence.append(tokens[i], logprobs[i] if wants else None)
             request = sequence.request
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -222,8 +223,8 @@ class EngineCore:
                     request.on_output(request.output(), None)
 
     def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
-        """End every request the failed step touched, with ``error``; the others go on."""
-        failed = {id(s.request): s.request for s in plan.rows}
+        """End every request the failed step touched (its active rows), with ``error``; the others go on."""
+        failed = {id(plan.rows[r].request): plan.rows[r].request for r in plan.active_rows}
         for request in failed.values():
             self._end(request, error)
 

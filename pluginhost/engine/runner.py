@@ -1,12 +1,9 @@
 """Running one engine step on the model: the forward passes, the KV cache, the logits.
 
-A step's batch holds sequences that decode one token (rows whose prompt is in
-the cache) and sequences that join this step (their prompts are prefilled).
-The decoding rows are rows ``0 .. B-1`` of the cache, so their forward pass
-reads one contiguous block; the joining rows are prefilled in a second,
-right-padded pass (a joining row also rides along in the first pass as a
-one-token dummy, whose cache write the prefill then overwrites). Either way
-the logits come out as one (B, V) tensor in row order.
+A step either decodes one token for every running sequence, rows ``0 .. B-1``
+of the cache (one contiguous block), or prefills the prompts of the sequences
+joining the batch, right-padded, in passes of similar length. Either way the
+logits of the step's active rows come out as one tensor, in row order.
 
 A model without ``setup_caches`` (a minimal plugin model) is run over every
 sequence's whole text each step instead: slower, same result.
@@ -51,43 +48,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> Tensor:
-        """The step's logits, (B, V) float32, row by row."""
+        """The logits of the step's active rows, (len(active_rows), V) float32, in row order."""
         if not self.cached:
             return self._recompute(step)
-        B = len(step.rows)
         prefill = step.prefill_rows
-        joining = set(prefill)
-        self._ensure_capacity(B, max(_needed_slots(s, r in joining) for r, s in enumerate(step.rows)))
+        if prefill:
+            needed = max(len(step.rows[r].prompt_token_ids) for r in prefill)
+        else:
+            needed = max(s.num_computed for s in step.rows) + 1
+        self._ensure_capacity(len(step.rows), needed)
         for src, dst in step.moves:
             for cache in self._caches:
                 cache.move(src, dst, step.rows[dst].num_computed)
+        if not prefill:
+            return self.model.compute_logits(self._decode(step)).float()  # (B, V)
         hidden = None
-        if len(prefill) < B:
-            hidden = self._decode(step)  # (B, W)
-        if prefill:
-            for group in _similar_lengths(step, prefill):
-                joined = self._prefill(step, group)  # (k, W), in the group's order
-                if hidden is None:
-                    hidden = joined.new_empty((B, joined.shape[-1]))
-                hidden = hidden.index_copy(0, torch.tensor(group, device=self.device), joined)
-        return self.model.compute_logits(hidden).float()  # (B, V)
+        index = {row: i for i, row in enumerate(prefill)}
+        for group in _similar_lengths(step, prefill):
+            joined = self._prefill(step, group)  # (k, W), in the group's order
+            if hidden is None:
+                hidden = joined.new_empty((len(prefill), joined.shape[-1]))
+            hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
+        return self.model.compute_logits(hidden).float()  # (P, V)
 
     def _decode(self, step: ScheduledStep) -> Tensor:
-        """One token for every row (a dummy for the rows that join this step)."""
-        joining = set(step.prefill_rows)
-        ids, positions = [], []
-        for row, sequence in enumerate(step.rows):
-            if row in joining:
-                ids.append(0)
-                positions.append(0)
-            else:
-                ids.append(sequence.token_ids[-1])
-                positions.append(sequence.num_computed)
-        ids_t = torch.tensor(ids, device=self.device)[:, None]  # (B, 1)
-        pos_t = torch.tensor(positions, device=self.device)[:, None]  # (B, 1)
-        slots = max(positions) + 1
-        mask = torch.arange(slots, device=self.device)[None, :] <= pos_t  # (B, S)
-        hidden = self.model(ids_t, pos_t, slice(0, len(step.rows)), mask[:, None, None, :])  # (B, 1, W)
+        """One token for every row: (B, W)."""
+        ids = torch.tensor([s.token_ids[-1] for s in step.rows], device=self.device)[:, None]  # (B, 1)
+        positions = torch.tensor([s.num_computed for s in step.rows], device=self.device)[:, None]  # (B, 1)
+        slots = int(positions.max()) + 1
+        mask = torch.arange(slots, device=self.device)[None, :] <= positions  # (B, S)
+        hidden = self.model(ids, positions, slice(0, len(step.rows)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
     def _prefill(self, step: ScheduledStep, rows_joining: list[int]) -> Tensor:
@@ -106,8 +96,8 @@ class ModelRunner:
         return hidden[torch.arange(len(prompts), device=self.device), lengths - 1]  # (k, W)
 
     def _recompute(self, step: ScheduledStep) -> Tensor:
-        """Every sequence's whole text, right-padded, for a model without a cache."""
-        texts = [s.prompt_token_ids + s.token_ids for s in step.rows]
+        """The active sequences' whole texts, right-padded, for a model without a cache."""
+        texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
         lengths = torch.tensor([len(t) for t in texts], device=self.device)
         T = int(lengths.max())
         ids = torch.zeros(len(texts), T, dtype=torch.long)
@@ -169,11 +159,6 @@ def _similar_lengths(step: ScheduledStep, rows: list[int]) -> list[list[int]]:
 
 #: A pass of at most this many padded tokens is cheap whatever its padding.
 _SHORT_PASS = 64
-
-
-def _needed_slots(sequence, prefilling: bool) -> int:  # noqa: ANN001 - a Sequence
-    """Slots this step writes for ``sequence``: its prompt, or one more token."""
-    return len(sequence.prompt_token_ids) if prefilling else sequence.num_computed + 1
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -7,10 +7,13 @@ still free, so the running sequences always hold rows ``0 .. B-1`` and a
 decoding step reads one contiguous block of the KV cache. Each change is
 recorded in a ``BatchUpdate`` for the logits processors.
 
-New sequences join while their prompts fit a token budget
-(``max_num_batched_tokens`` prompt tokens a step, counting padding; the first
-one always joins), so one long prompt does not stall everyone else's
-decoding for long.
+A step either prefills the prompts of the sequences joining it, or decodes
+one token for every running sequence: prefilling first gets a newcomer its
+first token soonest, and admitting at most every other step while others run
+keeps their decoding going however fast requests arrive. New sequences join
+while their prompts fit a token budget (``max_num_batched_tokens`` prompt
+tokens a step, counting padding; the first one always joins), so one long
+prompt does not stall everyone else for long.
 """
 
 from __future__ import annotations
@@ -33,12 +36,17 @@ class ScheduledStep:
 
     #: The running batch, row by row.
     rows: list[Sequence]
-    #: Rows whose prompts are prefilled this step (the others decode one token).
+    #: Rows whose prompts are prefilled this step; when there are any, the other rows wait.
     prefill_rows: list[int]
     #: How the batch changed since the last step (``None``: it did not).
     batch_update: BatchUpdate | None
     #: (from, to) cache rows to move before the step runs.
     moves: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def active_rows(self) -> list[int]:
+        """The rows that get a token this step: the joining ones, or else every row."""
+        return self.prefill_rows if self.prefill_rows else list(range(len(self.rows)))
 
 
 class Scheduler:
@@ -53,6 +61,7 @@ class Scheduler:
         self._free: list[int] = []  # rows freed since the last step, sorted
         self._added: list[AddedRequest] = []
         self._removed: list[int] = []
+        self._last_prefilled = False
 
     @property
     def num_running(self) -> int:
@@ -92,7 +101,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """Admit, place and compact; ``None`` when nothing runs."""
-        prefill_rows = self._admit()
+        # While sequences run, a prefill step is followed by a decoding one.
+        may_admit = not (self._last_prefilled and self.num_running > 0)
+        prefill_rows = self._admit() if may_admit else []
+        self._last_prefilled = bool(prefill_rows)
         moves = self._compact()
         if not self._rows:
             self._free.clear()
