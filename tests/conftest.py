@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -17,6 +18,19 @@ PLUGINHOST_ENV = (
     "PLUGINHOST_DISABLED_PLUGINS",
     "PLUGINHOST_SKIP_BROKEN_PLUGINS",
 )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """What the engine learns (kernel choices) goes to a temporary cache, not the user's, in every process."""
+    previous = os.environ.get("PLUGINHOST_CACHE_DIR")
+    path = tmp_path_factory.mktemp("pluginhost-cache")
+    os.environ["PLUGINHOST_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        del os.environ["PLUGINHOST_CACHE_DIR"]
+    else:
+        os.environ["PLUGINHOST_CACHE_DIR"] = previous
 
 
 @pytest.fixture(autouse=True)

@@ -13,19 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import builtin_models.linear as linear_module
-from builtin_models.linear import ONEDNN_MAX_ROWS, SWAPPED_MAX_ROWS, Linear, linear
+from builtin_models.kernel_choice import KERNELS
+from builtin_models.linear import Linear, linear, make_kernel_table, use_kernel_table
 
 
-@pytest.fixture(autouse=True, scope="module")
-def onednn_for_small_matrices():
-    """These tests' matrices are small: let them take oneDNN's paths all the same."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear_module, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)
-        yield
+@pytest.fixture(autouse=True, params=KERNELS)
+def kernel(request):
+    """Every test, through every kernel (a calibration may choose any of them)."""
+    use_kernel_table(make_kernel_table(mode=request.param))
+    yield request.param
+    use_kernel_table(None)
 
 
-# Every regime: one row, the swapped product, its edge, plain oneDNN, its edge, F.linear.
-ROWS = [1, 2, SWAPPED_MAX_ROWS, SWAPPED_MAX_ROWS + 1, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300]
+ROWS = [1, 2, 24, 25, 128, 129, 300]
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -43,7 +43,7 @@ def assert_close_to_reference(y: torch.Tensor, x, weight, bias) -> None:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_matches_float64_in_every_regime(rows, with_bias):
+def test_matches_float64(rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=generator)
     weight = torch.randn(200, 96, generator=generator)
@@ -86,13 +86,6 @@ def test_other_dtypes_go_to_f_linear(dtype):
         assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
 
 
-def test_small_weights_go_to_f_linear(monkeypatch):
-    monkeypatch.setattr(linear_module, "ONEDNN_MIN_WEIGHT_ELEMENTS", 64 * 64 + 1)
-    x, weight, bias = torch.randn(1, 64), torch.randn(64, 64), torch.randn(64)
-    with torch.inference_mode():
-        assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
-
-
 def test_mismatched_shapes_raise_what_f_linear_raises():
     x, weight = torch.randn(2, 15), torch.randn(8, 16)
     with pytest.raises(RuntimeError) as ours, torch.inference_mode():
@@ -126,7 +119,7 @@ def test_linear_module_keeps_nn_linear_parameters():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     rows=st.integers(1, 160),
     in_features=st.integers(1, 70),
@@ -160,7 +153,7 @@ def test_first_import_under_a_meta_device_and_half_default_dtype_still_finds_one
         "with torch.device('meta'):\n"
         "    import builtin_models.linear as m\n"
         "torch.set_default_dtype(torch.float32)\n"
-        "m.ONEDNN_MIN_WEIGHT_ELEMENTS = 0\n"
+        "m.use_kernel_table(m.make_kernel_table(mode='onednn_swapped'))\n"
         "x, w = torch.randn(3, 64), torch.randn(96, 64)\n"
         "with torch.inference_mode():\n"
         "    ok = torch.allclose(m.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5)\n"

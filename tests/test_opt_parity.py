@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import OPTForCausalLM as HFOPTForCausalLM
 
 import builtin_models.linear
+from builtin_models.kernel_choice import KERNELS
 from pluginhost import LLM, SamplingParams
 from pluginhost.testing import make_tiny_opt
 
@@ -88,11 +89,17 @@ def test_greedy_tokens_equal_transformers_generate(variant_dir):
     assert ours == theirs
 
 
+@pytest.fixture(params=KERNELS)
+def forced_kernel(request):
+    """Every product through one kernel: whatever a calibration chooses, parity holds."""
+    builtin_models.linear.use_kernel_table(builtin_models.linear.make_kernel_table(mode=request.param))
+    yield request.param
+    builtin_models.linear.use_kernel_table(None)
+
+
 @pytest.mark.parametrize("batch, length", [(1, 1), (3, 7), (2, 40), (1, 200)])
 @torch.no_grad()
-def test_every_cpu_kernel_regime_matches_transformers(tmp_path, monkeypatch, batch, length):
-    """Row counts that take each of builtin_models.linear's kernels (swapped oneDNN, oneDNN, MKL)."""
-    monkeypatch.setattr(builtin_models.linear, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)  # tiny matrices too
+def test_every_cpu_kernel_matches_transformers(tmp_path, forced_kernel, batch, length):
     model_dir = make_tiny_opt(tmp_path, tokenizer=False, seed=3, max_position_embeddings=256)
     llm = LLM(str(model_dir), load_installed_plugins=False, dtype="float32", device="cpu")
     reference = hf_model(model_dir)
@@ -103,9 +110,7 @@ def test_every_cpu_kernel_regime_matches_transformers(tmp_path, monkeypatch, bat
     assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-def test_cached_decoding_through_onednn_matches_transformers(tmp_path, monkeypatch):
-    """Decoding steps are a few rows each: with the size threshold off, they take oneDNN's products."""
-    monkeypatch.setattr(builtin_models.linear, "ONEDNN_MIN_WEIGHT_ELEMENTS", 0)
+def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel):
     test_cached_decoding_matches_transformers_at_every_step(make_tiny_opt(tmp_path, tokenizer=False, seed=4))
 
 

@@ -1,0 +1,326 @@
+"""Which CPU kernel computes each linear layer: measured on this machine, once, and remembered.
+
+PyTorch ships two fp32 matrix-product libraries on CPU, MKL (behind
+``F.linear``) and oneDNN, and oneDNN can be asked for ``weight @ x.T`` instead
+of ``x @ weight.T`` (the weight then streams as the large operand, which
+suits decoding's few rows). Which is fastest depends on the CPU (AVX2 or
+AVX-512, cores, caches), the weight's shape and the number of rows: on one
+AMD EPYC with AVX2, oneDNN's swapped product won decoding and MKL prefill; on
+an AVX-512 EPYC, oneDNN is twice as fast as MKL at every row count. So the
+engine measures instead of guessing.
+
+For each (weight shape, bias or not, row count rounded to a power of two) a
+layer meets, the first call times every kernel that computes the right result
+on the real weight (a few milliseconds), keeps the fastest, and never looks
+again. Choices are saved per machine (CPU model, threads, torch version) in
+the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
+atomically so concurrent processes never leave a broken file; a file that
+cannot be read is ignored and replaced. Switches:
+
+* ``PLUGINHOST_PLAIN_LINEAR=1``: ``F.linear`` for every product;
+* ``PLUGINHOST_LINEAR_KERNEL=f_linear|onednn|onednn_swapped``: that kernel for every product it can do;
+* ``PLUGINHOST_KERNEL_CALIBRATION=0``: no measuring; fixed row-count thresholds (the fallback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pluginhost.envflags import env_flag
+
+__all__ = [
+    "CALIBRATION_ENV",
+    "F_LINEAR",
+    "KERNELS",
+    "KERNEL_ENV",
+    "ONEDNN",
+    "ONEDNN_SWAPPED",
+    "PLAIN_LINEAR_ENV",
+    "KernelTable",
+    "machine_key",
+    "onednn_op",
+]
+
+logger = logging.getLogger(__name__)
+
+F_LINEAR, ONEDNN, ONEDNN_SWAPPED = "f_linear", "onednn", "onednn_swapped"
+KERNELS = (F_LINEAR, ONEDNN, ONEDNN_SWAPPED)
+
+PLAIN_LINEAR_ENV = "PLUGINHOST_PLAIN_LINEAR"
+KERNEL_ENV = "PLUGINHOST_LINEAR_KERNEL"
+CALIBRATION_ENV = "PLUGINHOST_KERNEL_CALIBRATION"
+
+#: The fallback when nothing is measured: thresholds measured on one AVX2 EPYC.
+FALLBACK_SWAPPED_MAX_ROWS = 24
+FALLBACK_ONEDNN_MAX_ROWS = 128
+FALLBACK_ONEDNN_MIN_WEIGHT_ELEMENTS = 2**17
+
+#: Row counts above this are timed at this many rows (the ranking no longer changes; the timing would).
+_MAX_TIMED_ROWS = 2048
+#: The swapped product is only tried up to this many rows: beyond, transposing its output costs too much.
+_SWAPPED_MAX_ROWS = 64
+#: A kernel must beat F.linear by this much to be chosen: timing noise never picks a slower one.
+_MARGIN = 0.97
+_CACHE_VERSION = 1
+
+Key = tuple[int, int, bool, int]  # out features, in features, bias, row bucket
+
+
+def onednn_op() -> Callable[..., Tensor] | None:
+    """oneDNN's fp32 linear kernel, if this PyTorch has it and it computes correctly here."""
+    if not torch.backends.mkldnn.is_available():
+        logger.debug("this PyTorch has no oneDNN: F.linear for every product")
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise.default
+        # Explicit device and dtype: the first import may run under a meta device or a half default dtype.
+        x, w, b = (torch.ones(shape, dtype=torch.float32, device="cpu") for shape in ((2, 3), (4, 3), (4,)))
+        if torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)):
+            return op
+        logger.warning("oneDNN's linear kernel gave a wrong result on a self-check; using F.linear throughout")
+    except (AttributeError, RuntimeError) as exc:
+        logger.debug("oneDNN's linear kernel is missing (%s): F.linear for every product", exc)
+    return None
+
+
+def machine_key() -> str:
+    """What a measurement depends on: CPU model, threads, torch version, architecture."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__} | {platform.machine()}"
+
+
+def bucket(rows: int) -> int:
+    """Row counts that share a kernel choice: 1, 2-3, 4-7, 8-15, ..."""
+    return min(rows, _MAX_TIMED_ROWS).bit_length()
+
+
+Runner = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+class KernelTable:
+    """The kernel for each (weight shape, bias, row bucket): forced, measured, or the fixed fallback.
+
+    ``runners`` maps kernel names to ``(x2d, weight, bias) -> y2d``; ``timer``
+    times a zero-argument function (seconds), and ``cache_file`` (or ``None``)
+    keeps the measurements.
+    """
+
+    def __init__(
+        self,
+        runners: dict[str, Runner],
+        *,
+        mode: str = "measure",
+        cache_file: Path | None = None,
+        timer: Callable[[Callable[[], object]], float] | None = None,
+    ) -> None:
+        if mode not in ("measure", "fallback", *KERNELS):
+            raise ValueError(f"unknown kernel mode {mode!r}")
+        self.runners = runners
+        self.mode = mode
+        self.cache_file = cache_file
+        self._timer = timer or _time
+        self._choices: dict[Key, str] = {}
+        self._lock = threading.Lock()
+        self._cache_loaded = False
+        self._cache_warned = False
+
+    @classmethod
+    def from_environment(cls, runners: dict[str, Runner]) -> KernelTable:
+        """The table the engine uses: the switches above, the cache file of this machine."""
+        if env_flag(PLAIN_LINEAR_ENV):
+            return cls(runners, mode=F_LINEAR)
+        forced = os.environ.get(KERNEL_ENV, "").strip()
+        if forced:
+            if forced not in KERNELS:
+                logger.warning("%s=%r is not one of %s; measuring instead", KERNEL_ENV, forced, ", ".join(KERNELS))
+            else:
+                return cls(runners, mode=forced)
+        if os.environ.get(CALIBRATION_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+            return cls(runners, mode="fallback")
+        from pluginhost.paths import user_cache_dir
+
+        digest = hashlib.sha256(machine_key().encode()).hexdigest()[:16]
+        return cls(runners, cache_file=user_cache_dir() / f"linear-kernels-{digest}.json")
+
+    def kernel(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
+        """The kernel for ``rows`` rows through ``weight``: looked up, or decided now (once)."""
+        key = (weight.shape[0], weight.shape[1], bias is not None, bucket(rows))
+        choice = self._choices.get(key)
+        if choice is None:
+            with self._lock:
+                choice = self._choices.get(key) or self._decide(key, weight, bias, rows)
+                self._choices[key] = choice
+        return choice
+
+    def choices(self) -> dict[str, str]:
+        """Every choice made so far, as ``"2304x768+bias rows 8-15": "onednn"``."""
+        return {_describe(key): kernel for key, kernel in sorted(self._choices.items())}
+
+    # -- deciding -----------------------------------------------------------------------
+
+    def _decide(self, key: Key, weight: Tensor, bias: Tensor | None, rows: int) -> str:
+        if self.mode in KERNELS:
+            return self.mode if self.mode in self.runners else F_LINEAR
+        if self.mode == "fallback":
+            return _fallback(weight, bias, rows) if ONEDNN in self.runners else F_LINEAR
+        if not self._cache_loaded:
+            self._load_cache()
+            if key in self._choices:
+                return self._choices[key]
+        choice = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS))
+        self._choices[key] = choice
+        self._save_cache()
+        return choice
+
+    def _measure(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
+        """Time every kernel that gets the right answer on ``weight``; the fastest (F.linear on a near tie)."""
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, weight.shape[1], generator=generator)
+        with torch.inference_mode():
+            expected = F.linear(x, weight, bias)
+            tolerance = 1e-5 * (F.linear(x.abs(), weight.abs()).max().item() + 1)
+            times: dict[str, float] = {}
+            for name, run in self.runners.items():
+                if name == ONEDNN_SWAPPED and rows > _SWAPPED_MAX_ROWS:
+                    continue
+                try:
+                    y = run(x, weight, bias)
+                    if y.shape != expected.shape or (y - expected).abs().max().item() > tolerance:
+                        logger.warning("kernel %s gave a wrong result for a %s weight; not used", name, _shape(weight))
+                        continue
+                except RuntimeError as exc:
+                    logger.debug("kernel %s cannot run a %s weight: %s", name, _shape(weight), exc)
+                    continue
+                times[name] = self._timer(lambda run=run: run(x, weight, bias))
+        if not times:
+            return F_LINEAR
+        best = min(times, key=times.__getitem__)
+        if F_LINEAR in times and times[best] > _MARGIN * times[F_LINEAR]:
+            best = F_LINEAR
+        logger.debug(
+            "linear %s, %d rows: %s (%s)",
+            _shape(weight),
+            rows,
+            best,
+            ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in times.items()),
+        )
+        return best
+
+    # -- the cache ------------------------------------------------------------------------
+
+    def _load_cache(self) -> None:
+        self._cache_loaded = True
+        if self.cache_file is None:
+            return
+        try:
+            data = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            if data.get("version") != _CACHE_VERSION:
+                return
+            for text, kernel in data["choices"].items():
+                key = _parse(text)
+                if key is not None and kernel in self.runners:
+                    self._choices.setdefault(key, kernel)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.info(
+                "ignoring the kernel cache %s, which cannot be read (%s); measuring again", self.cache_file, exc
+            )
+
+    def _save_cache(self) -> None:
+        """Merge this table's choices into the file, atomically (a rename), so readers never see half a file."""
+        if self.cache_file is None:
+            return
+        choices = {_encode(key): kernel for key, kernel in self._choices.items()}
+        try:
+            existing = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            if existing.get("version") == _CACHE_VERSION and isinstance(existing.get("choices"), dict):
+                choices = {**existing["choices"], **choices}
+        except (OSError, ValueError, AttributeError):
+            pass
+        data = {"version": _CACHE_VERSION, "machine": machine_key(), "choices": choices}
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, temporary = tempfile.mkstemp(prefix=".linear-kernels-", dir=self.cache_file.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(temporary, self.cache_file)
+        except OSError as exc:
+            if not self._cache_warned:
+                self._cache_warned = True
+                logger.info(
+                    "cannot save kernel choices to %s (%s); they are kept for this process", self.cache_file, exc
+                )
+
+
+def _fallback(weight: Tensor, bias: Tensor | None, rows: int) -> str:
+    """The fixed thresholds (measured on one AVX2 EPYC), for when nothing is measured."""
+    if weight.numel() < FALLBACK_ONEDNN_MIN_WEIGHT_ELEMENTS or rows > FALLBACK_ONEDNN_MAX_ROWS:
+        return F_LINEAR
+    if rows <= FALLBACK_SWAPPED_MAX_ROWS and not (rows == 1 and bias is not None):
+        return ONEDNN_SWAPPED
+    return ONEDNN
+
+
+def _time(fn: Callable[[], object]) -> float:
+    """The best of a few runs after a warm-up: at least 3 runs and about 2 ms."""
+    fn()
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 3 or (spent < 0.002 and runs < 50):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+    return best
+
+
+def _shape(weight: Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}"
+
+
+def _encode(key: Key) -> str:
+    out, inp, has_bias, b = key
+    return f"{out}x{inp}{'+bias' if has_bias else ''}/{b}"
+
+
+def _parse(text: str) -> Key | None:
+    try:
+        shape, b = text.split("/")
+        has_bias = shape.endswith("+bias")
+        out, inp = shape.removesuffix("+bias").split("x")
+        return int(out), int(inp), has_bias, int(b)
+    except ValueError:
+        return None
+
+
+def _describe(key: Key) -> str:
+    out, inp, has_bias, b = key
+    low, high = 1 << (b - 1), (1 << b) - 1
+    rows = (
+        f"rows {low}"
+        if low == high
+        else f"rows {low}-{high}"
+        if b <= _MAX_TIMED_ROWS.bit_length() - 1
+        else f"rows {low}+"
+    )
+    return f"{out}x{inp}{'+bias' if has_bias else ''} {rows}"

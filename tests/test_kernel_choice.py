@@ -1,0 +1,207 @@
+"""Kernel choice by measurement: the fastest correct kernel, remembered per machine, safely."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import builtin_models.linear as linear_module
+from builtin_models.kernel_choice import (
+    CALIBRATION_ENV,
+    F_LINEAR,
+    KERNEL_ENV,
+    KERNELS,
+    ONEDNN,
+    ONEDNN_SWAPPED,
+    PLAIN_LINEAR_ENV,
+    KernelTable,
+    machine_key,
+)
+from builtin_models.linear import linear, make_kernel_table, use_kernel_table
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def restore_table():
+    yield
+    use_kernel_table(None)
+
+
+class FakeTimer:
+    """Times a kernel by its name, from a table, and counts the calls."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, fn) -> float:
+        name = next(n for n, run in TABLE_RUNNERS.items() if fn.__defaults__[0] is run)
+        self.calls.append(name)
+        return self.seconds[name]
+
+
+TABLE_RUNNERS = make_kernel_table().runners
+
+
+def choose(table: KernelTable, rows: int, out: int = 64, inp: int = 32, bias: bool = True) -> str:
+    weight = torch.randn(out, inp)
+    return table.kernel(weight, torch.randn(out) if bias else None, rows)
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        ({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}, ONEDNN),
+        ({F_LINEAR: 3.0, ONEDNN: 2.0, ONEDNN_SWAPPED: 1.0}, ONEDNN_SWAPPED),
+        ({F_LINEAR: 1.0, ONEDNN: 2.0, ONEDNN_SWAPPED: 3.0}, F_LINEAR),
+        ({F_LINEAR: 1.0, ONEDNN: 0.99, ONEDNN_SWAPPED: 3.0}, F_LINEAR),  # within noise: never slower than F.linear
+    ],
+)
+def test_the_measured_fastest_kernel_is_chosen_once(tmp_path, seconds, expected):
+    timer = FakeTimer(seconds)
+    table = make_kernel_table(cache_file=tmp_path / "k.json", timer=timer)
+    assert choose(table, 4) == expected
+    assert sorted(timer.calls) == sorted(KERNELS)
+    assert choose(table, 5) == expected and len(timer.calls) == 3  # same rows bucket (4-7): not timed again
+    assert choose(table, 8) == expected and len(timer.calls) == 6  # the next bucket is measured on its own
+
+
+@needs_onednn
+def test_a_kernel_giving_a_wrong_result_is_never_chosen(tmp_path):
+    runners = dict(TABLE_RUNNERS)
+    runners[ONEDNN] = lambda x, w, b: F.linear(x, w, b) + 1.0  # fast and wrong
+    table = KernelTable(
+        runners, cache_file=tmp_path / "k.json", timer=lambda fn: 0.0 if fn.__defaults__[0] is runners[ONEDNN] else 1.0
+    )
+    assert choose(table, 3) in (F_LINEAR, ONEDNN_SWAPPED)
+
+
+@needs_onednn
+def test_choices_are_remembered_per_machine_and_reused(tmp_path):
+    cache = tmp_path / "kernels.json"
+    first = make_kernel_table(cache_file=cache, timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}))
+    assert choose(first, 16) == ONEDNN
+    data = json.loads(cache.read_text())
+    assert data["machine"] == machine_key() and data["choices"] == {"64x32+bias/5": ONEDNN}
+    timer = FakeTimer({F_LINEAR: 1.0, ONEDNN: 9.0, ONEDNN_SWAPPED: 9.0})
+    second = make_kernel_table(cache_file=cache, timer=timer)
+    assert choose(second, 20) == ONEDNN and timer.calls == []  # read back, not measured again
+    assert second.choices() == {"64x32+bias rows 16-31": ONEDNN}
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "content", ["{not json", '{"version": 1, "choices": [1, 2]}', '{"version": 1, "choices": {"junk": "nope"}}', ""]
+)
+def test_a_corrupt_cache_is_ignored_and_replaced(tmp_path, content):
+    cache = tmp_path / "kernels.json"
+    cache.write_text(content)
+    table = make_kernel_table(cache_file=cache, timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}))
+    assert choose(table, 2) == ONEDNN
+    assert json.loads(cache.read_text())["choices"]["64x32+bias/2"] == ONEDNN
+
+
+@needs_onednn
+def test_an_unwritable_cache_only_costs_the_remembering(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    table = make_kernel_table(
+        cache_file=blocker / "sub" / "k.json", timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0})
+    )
+    assert choose(table, 2) == ONEDNN  # no exception: the choice is kept in memory
+
+
+def _write_choices(args) -> None:
+    path, n = args
+    table = make_kernel_table(cache_file=path, timer=lambda fn: 1.0)
+    for rows in range(1, 40):
+        table.kernel(torch.randn(8 + n, 8), None, rows)
+
+
+@needs_onednn
+def test_concurrent_writers_never_leave_a_broken_file(tmp_path):
+    path = tmp_path / "kernels.json"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        pool.map(_write_choices, [(path, n) for n in range(8)], chunksize=1)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and all(k in KERNELS for k in data["choices"].values())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".linear-kernels-")]  # no temporary left
+
+
+def test_the_machine_key_names_what_a_measurement_depends_on():
+    threads = torch.get_num_threads()
+    key = machine_key()
+    assert f"torch {torch.__version__}" in key and f"{threads} threads" in key
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert machine_key() != key
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("env", "mode"),
+    [
+        ({PLAIN_LINEAR_ENV: "1"}, F_LINEAR),
+        ({KERNEL_ENV: ONEDNN_SWAPPED}, ONEDNN_SWAPPED),
+        ({CALIBRATION_ENV: "0"}, "fallback"),
+        ({}, "measure"),
+    ],
+)
+def test_the_switches(env, mode):
+    code = "import builtin_models.linear as m; print(m.kernel_table().mode)"
+    clean = {k: v for k, v in os.environ.items() if k not in (PLAIN_LINEAR_ENV, KERNEL_ENV, CALIBRATION_ENV)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**clean, **env}
+    )
+    assert result.stdout.strip() == mode
+
+
+@needs_onednn
+def test_the_fallback_is_the_fixed_thresholds():
+    table = make_kernel_table(mode="fallback")
+    big = torch.randn(512, 512)
+    assert table.kernel(big, None, 1) == ONEDNN_SWAPPED
+    assert table.kernel(big, torch.randn(512), 1) == ONEDNN  # one row with a bias: the bias is fused
+    assert table.kernel(big, None, 100) == ONEDNN
+    assert table.kernel(big, None, 300) == F_LINEAR
+    assert table.kernel(torch.randn(64, 64), None, 1) == F_LINEAR  # small weights: oneDNN's fixed cost
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 24, 100, 300])
+def test_every_kernel_forced_matches_float64(kernel, rows):
+    use_kernel_table(make_kernel_table(mode=kernel))
+    generator = torch.Generator().manual_seed(rows)
+    x, weight, bias = (
+        torch.randn(rows, 96, generator=generator),
+        torch.randn(200, 96, generator=generator),
+        torch.randn(200, generator=generator),
+    )
+    for b in (bias, None):
+        with torch.inference_mode():
+            y = linear(x, weight, b)
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        scale = F.linear(x.double().abs(), weight.double().abs()).max().item() + 1
+        assert y.is_contiguous() and (y.double() - expected).abs().max().item() <= 1e-6 * scale
+
+
+def test_engine_kernels_run_through_the_real_measurement(tmp_path):
+    """No fake timer: the real kernels are timed and one of them is chosen for each bucket met."""
+    use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json"))
+    weight, bias = torch.randn(256, 512), torch.randn(256)
+    with torch.inference_mode():
+        for rows in (1, 6, 40):
+            x = torch.randn(rows, 512)
+            torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    chosen = linear_module.kernel_choices()
+    assert set(chosen) == {"256x512+bias rows 1", "256x512+bias rows 4-7", "256x512+bias rows 32-63"}
+    assert set(chosen.values()) <= set(KERNELS)
