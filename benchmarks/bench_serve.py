@@ -225,7 +225,10 @@ async def load(server: Server, clients: int, duration: float, seed: int) -> tupl
 def warm_up(server: Server) -> None:
     """One short request (first-call costs stay out of the figures), checking it writes every token asked for."""
     body = {"model": server.model_name, "prompt": "<5> <6> <7> <8>", "max_tokens": 12, "temperature": 0}
-    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).json()
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600)
+    answer = response.json()
+    if response.status_code != 200 or "choices" not in answer:
+        raise RuntimeError(f"HTTP {response.status_code}: {str(answer)[:400]}")
     words = answer["choices"][0]["text"].split()
     if answer["choices"][0]["finish_reason"] != "length" or len(words) != 12:
         raise RuntimeError(f"{server.name} did not write 12 tokens: {answer}")
