@@ -6,12 +6,25 @@ what it must not do. Argument names are part of the contract: an implementation
 may accept any subset of a spec's arguments, by the same names, and none of
 them may have a default value (pluggy would silently never pass it).
 
-The hooks run once per engine build, in this order::
+Build hooks run once per engine build, in this order::
 
     register_models(registry)            # collect architectures
+    register_logits_processors(registry) # collect logits processors (with the registrations)
     modify_config(config)                # adjust the EngineConfig
     pre_load(config, model_class)        # inspect or refuse the resolved class
     post_load(config, model)             # wrap, patch or check the loaded model
+
+Runtime hooks run while the engine serves::
+
+    on_request(request)                  # each request, before it is scheduled
+    on_output(request, output)           # each request, when it finishes
+    record_stats(stats)                  # each engine step
+    register_routes(app, engine)         # once, when `pluginhost serve` starts
+
+Build hooks run in the thread that builds the engine; ``on_request`` in the
+thread that submits the request (the server's event loop, or the caller of
+``LLM.generate``), so it must be quick; ``on_output`` and ``record_stats`` in
+the thread that steps the engine; logits processors inside the engine step.
 
 Within one hook, implementations run builtin first, then installed plugins in
 alphabetical order of entry-point name, then in-process plugins in the order
@@ -31,19 +44,31 @@ import pluggy
 
 if TYPE_CHECKING:
     import torch
+    from fastapi import FastAPI
 
     from pluginhost.config import EngineConfig
+    from pluginhost.engine.async_llm import AsyncLLM
+    from pluginhost.engine.core import EngineStats
+    from pluginhost.engine.request import EngineRequest
+    from pluginhost.logits_processors import LogitsProcessorRegistry
+    from pluginhost.outputs import RequestOutput
     from pluginhost.registry import ArchitectureRegistry
 
 __all__ = [
+    "BUILD_HOOKS",
     "ENTRY_POINT_GROUP",
     "PROJECT_NAME",
     "hookimpl",
     "hookspec",
     "modify_config",
+    "on_output",
+    "on_request",
     "post_load",
     "pre_load",
+    "record_stats",
+    "register_logits_processors",
     "register_models",
+    "register_routes",
 ]
 
 #: The pluggy project name: markers of other projects are ignored.
@@ -51,6 +76,9 @@ PROJECT_NAME = "pluginhost"
 
 #: Installed plugins are found through this entry-point group.
 ENTRY_POINT_GROUP = "pluginhost.plugins"
+
+#: The build hooks, in the order an engine build calls them (each once).
+BUILD_HOOKS = ("register_models", "register_logits_processors", "modify_config", "pre_load", "post_load")
 
 #: Marks a hook specification (used by this module only).
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -148,4 +176,144 @@ def post_load(config: EngineConfig, model: torch.nn.Module) -> None:
         def post_load(config, model):
             n = sum(p.numel() for p in model.parameters())
             print(f"{type(model).__name__}: {n / 1e6:.1f}M parameters")
+    """
+
+
+# -- runtime hooks ----------------------------------------------------------------------------
+
+
+@hookspec
+def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
+    """Add batch-level logits processors (vLLM v1's interface).
+
+    Called once per engine build, right after ``register_models``. Each
+    class added is instantiated once per engine, ``cls(config, device)`` (a
+    third ``is_pin_memory`` parameter, as vLLM's take, gets ``False``), after
+    the model is loaded. Every engine step it then sees how the batch changed
+    (``update_state``) and may change the step's (batch, vocab) logits
+    (``apply``), before penalties and sampling; processors whose
+    ``is_argmax_invariant()`` is true are skipped when every request in the
+    batch decodes greedily. ``validate_params(params)`` is called for each new
+    request and may refuse it with ``ValueError``. Per-request options come in
+    ``SamplingParams.extra_args`` (the server's ``extra_args`` field).
+
+    May: call ``registry.add(cls)`` with subclasses of
+    ``pluginhost.logits_processors.LogitsProcessor``.
+
+    Must not: import torch here when it can be avoided (prefer importing the
+    class inside the hook), or keep per-request state outside the processor.
+    A processor that raises ends the requests it was processing (all those of
+    the step, for ``apply``), with an error naming the plugin; it is then
+    rebuilt for the requests still running.
+
+    Example::
+
+        @hookimpl
+        def register_logits_processors(registry):
+            from my_plugin.processors import BannedWords
+
+            registry.add(BannedWords)
+    """
+
+
+@hookspec
+def on_request(request: EngineRequest) -> None:
+    """See, change or refuse a request before it is scheduled.
+
+    Called for each request (each prompt of ``LLM.generate``, each prompt of
+    an HTTP request), in the thread that submits it, after its prompt is
+    tokenized and before its parameters are checked and it is queued.
+    ``request`` has ``request_id``, ``prompt`` (text, or ``None`` for token
+    ids), ``prompt_token_ids`` and ``params`` (its own ``SamplingParams``).
+
+    May: change ``request.params`` or ``request.prompt_token_ids`` in place;
+    raise ``ValueError`` to refuse the request (the caller gets a
+    ``ValueError``, the server a 400, naming this plugin).
+
+    Must not: block (it runs on the server's event loop), or keep the
+    request. Any other exception also refuses the request, as this plugin's
+    failure.
+
+    Example::
+
+        @hookimpl
+        def on_request(request):
+            if len(request.prompt_token_ids) > 2000:
+                raise ValueError("prompts are limited to 2000 tokens on this site")
+    """
+
+
+@hookspec
+def on_output(request: EngineRequest, output: RequestOutput) -> None:
+    """Change a request's final output before it is returned.
+
+    Called for each request when all its samples have finished (not for
+    aborted or failed ones), in the thread that steps the engine, before the
+    output reaches the caller (``LLM.generate``'s result, the last streamed
+    output, the server's answer).
+
+    May: change ``output`` in place (``output.outputs[i].text``, for example).
+
+    Must not: block for long (the engine waits), or replace the object. When
+    the request was streamed, the text already sent cannot be taken back: a
+    change shows only in the final output. An exception ends this request
+    with an error naming the plugin; other requests are not affected.
+
+    Example::
+
+        @hookimpl
+        def on_output(request, output):
+            for sample in output.outputs:
+                if sample.text is not None:
+                    sample.text = sample.text.replace("secret", "******")
+    """
+
+
+@hookspec
+def record_stats(stats: EngineStats) -> None:
+    """Read the figures of one engine step.
+
+    Called once per engine step, in the thread that steps the engine, with
+    ``num_running``, ``num_waiting``, ``num_generated_tokens``,
+    ``num_prompt_tokens``, ``num_finished``, ``step_time_s`` and
+    ``cache_shape``.
+
+    May: read ``stats`` and record it (a log line, a metric).
+
+    Must not: block (every step waits for it) or change anything. An
+    exception is logged once, naming the plugin, and this plugin's
+    ``record_stats`` is not called again by that engine.
+
+    Example::
+
+        @hookimpl
+        def record_stats(stats):
+            if stats.num_waiting > 100:
+                print(f"queue building up: {stats.num_waiting} waiting")
+    """
+
+
+@hookspec
+def register_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """Add HTTP routes to the server.
+
+    Called once, when ``pluginhost serve`` starts, after the builtin routes
+    exist and before the server listens. ``app`` is the FastAPI application;
+    ``engine`` the ``AsyncLLM`` it serves (``engine.generate``,
+    ``engine.get_tokenizer()``, ``engine.config``). Routes added here are
+    behind the same API key as the builtin ones.
+
+    May: add routes (``@app.get(...)``, ``app.add_api_route``, routers).
+
+    Must not: take a builtin path (``/health``, ``/v1/models``,
+    ``/v1/completions``, ``/v1/chat/completions``, ``/metrics``) or another
+    plugin's: ``serve`` then stops at start with an error naming the plugin.
+
+    Example::
+
+        @hookimpl
+        def register_routes(app, engine):
+            @app.get("/v1/plugin/hello")
+            async def hello():
+                return {"model": engine.config.model}
     """

@@ -1,7 +1,8 @@
 """Building an engine's model: one straight line, each step once, cheapest errors first.
 
 1. plugins load (``PluginHost.load``);
-2. ``register_models`` collects this engine's architecture registry;
+2. ``register_models`` collects this engine's architecture registry, and
+   ``register_logits_processors`` its logits processors;
 3. ``modify_config`` adjusts the ``EngineConfig`` (the user's settings are in);
 4. the model directory is checked and its ``config.json`` read, then
    ``hf_overrides`` and the architecture override applied;
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pluginhost.config import EngineConfig
 from pluginhost.host import PluginHost
+from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
 from pluginhost.registry import ArchitectureRegistry, Registration
 
@@ -46,6 +48,7 @@ class BuildPlan:
     hf_config: PretrainedConfig
     registry: ArchitectureRegistry
     registration: Registration
+    logits_processors: list[RegisteredProcessor]
 
     @property
     def architecture(self) -> str:
@@ -64,11 +67,13 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     """Steps 1 to 5 of the build."""
     host.load()
     registry = host.collect_models()
+    processors = host.collect_logits_processors().entries()
     host.call("modify_config", config=config)
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
-    return BuildPlan(config, model_dir, hf_config, registry, _pick_architecture(registry, hf_config.architectures))
+    registration = _pick_architecture(registry, hf_config.architectures)
+    return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
 
 
 def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str]) -> Registration:

@@ -21,6 +21,7 @@ __all__ = [
     "PluginSelectionError",
     "PluginhostError",
     "RegistryError",
+    "RequestRefusedError",
     "UnknownArchitectureError",
 ]
 
@@ -48,6 +49,10 @@ class PluginHookError(PluginError):
         super().__init__(message)
         self.plugin = plugin
         self.hook = hook
+
+
+class RequestRefusedError(PluginHookError, ValueError):
+    """A plugin's ``on_request`` refused a request (a ``ValueError``: the server answers 400)."""
 
 
 class RegistryError(PluginhostError, ValueError):

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
 
@@ -48,9 +48,18 @@ import hookspecs
 from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatch, start_dispatch
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.envflags import env_flag
-from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
+from pluginhost.errors import (
+    PluginError,
+    PluginHookError,
+    PluginLoadError,
+    PluginSelectionError,
+    RequestRefusedError,
+)
 from pluginhost.registry import BUILTIN_PLUGIN, ArchitectureRegistry, ModelRegistry, builtin_ref, collecting_into
 from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection
+
+if TYPE_CHECKING:
+    from pluginhost.logits_processors import LogitsProcessorRegistry
 
 __all__ = ["BUILTIN_PLUGIN", "REGISTER_FUNCTION_HOOK", "PluginHost", "PluginRecord"]
 
@@ -141,6 +150,9 @@ class PluginHost:
         self._owners = HookOwners()
         # What in-process register() functions registered: this host's alone.
         self._in_process_registrations = ArchitectureRegistry()
+        # record_stats: the caller without the plugins whose implementation raised.
+        self._stats_caller: Any = None
+        self._stats_dropped: list[object] = []
 
     # -- loading ---------------------------------------------------------------
 
@@ -372,32 +384,102 @@ class PluginHost:
 
     # -- calling hooks ---------------------------------------------------------
 
-    def call(self, hook: str, **kwargs: Any) -> None:
+    def call(self, hook: str, *, consequence: str = "The engine was not built.", **kwargs: Any) -> Any:
         """Call every implementation of ``hook`` (loading plugins first if needed).
 
-        An exception from an implementation becomes a ``PluginHookError`` naming
-        the plugin and the hook.
+        An exception from an implementation (any ``BaseException`` but Ctrl-C:
+        a plugin's ``sys.exit()`` too) becomes a ``PluginHookError`` naming the
+        plugin and the hook, followed by ``consequence``. An ``on_request``
+        implementation raising ``ValueError`` refuses the request: a
+        ``RequestRefusedError``, which is a ``ValueError``.
         """
-        caller = getattr(self.plugin_manager.hook, hook)
+        return self._dispatch(getattr(self.plugin_manager.hook, hook), hook, consequence, kwargs)
+
+    def _dispatch(self, caller: Any, hook: str, consequence: str, kwargs: dict[str, Any]) -> Any:
         token = start_dispatch(self._owners)
         try:
-            caller(**kwargs)
+            return caller(**kwargs)
         except PluginHookError:
             raise
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything, exit included
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             plugin = self._owners.in_traceback(exc.__traceback__)
             if plugin is None:
                 raise
-            record = next((r for r in self._records if r.name == plugin.name), None)
-            remedy = _remedy(record) if record is not None else ""
-            raise PluginHookError(
-                f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}. "
-                f"The engine was not built. {remedy}".rstrip(),
-                plugin=plugin.name,
-                hook=hook,
-            ) from exc
+            raise self._hook_error(plugin, hook, exc, consequence) from exc
         finally:
             end_dispatch(token)
+
+    def _hook_error(self, plugin: PluginRef, hook: str, exc: BaseException, consequence: str) -> PluginHookError:
+        record = next((r for r in self._records if r.name == plugin.name), None)
+        remedy = _remedy(record) if record is not None else ""
+        if hook == "on_request" and isinstance(exc, ValueError):
+            return RequestRefusedError(f"{plugin.describe()} refused the request: {exc}", plugin=plugin.name, hook=hook)
+        message = f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}."
+        return PluginHookError(
+            f"{message} {consequence} {remedy}".replace("  ", " ").strip(), plugin=plugin.name, hook=hook
+        )
+
+    # -- runtime hooks ---------------------------------------------------------------
+
+    def has_implementations(self, hook: str) -> bool:
+        """Whether any loaded plugin implements ``hook`` (so the engine can skip calling it)."""
+        return bool(getattr(self.plugin_manager.hook, hook).get_hookimpls())
+
+    def record_stats(self, stats: Any) -> None:
+        """Call ``record_stats``; an implementation that raises is logged once, naming its plugin, and dropped."""
+        pm = self.plugin_manager
+        if self._stats_caller is None:
+            self._stats_caller = pm.hook.record_stats
+        try:
+            self._dispatch(self._stats_caller, "record_stats", "", {"stats": stats})
+        except PluginHookError as exc:
+            logger.error("%s; its record_stats is not called again by this engine", exc)
+            self._stats_dropped.append(pm.get_plugin(exc.plugin))
+            self._stats_caller = pm.subset_hook_caller("record_stats", remove_plugins=self._stats_dropped)
+
+    def collect_logits_processors(self) -> LogitsProcessorRegistry:
+        """This engine's logits processors: the ``register_logits_processors`` hook."""
+        from pluginhost.logits_processors import LogitsProcessorRegistry
+
+        registry = LogitsProcessorRegistry()
+        self.call("register_logits_processors", registry=registry)
+        return registry
+
+    def register_routes(self, app: Any, engine: Any, builtin_paths: Sequence[str]) -> None:
+        """Call each ``register_routes`` implementation in turn; a path already taken stops with an error.
+
+        A route may not take a builtin path, nor a path and method another
+        plugin's route took: the error names the plugin (and the other one).
+        """
+        caller = self.plugin_manager.hook.register_routes
+        builtin = set(builtin_paths)
+        taken: dict[tuple[str, str], str] = {}  # (path, method) -> the plugin whose route it is
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's call order
+            if impl.hookwrapper or getattr(impl, "wrapper", False):
+                logger.warning("%s: wrapper implementations of register_routes are not called", impl.plugin_name)
+                continue
+            before = {id(route) for route in app.routes}
+            arguments = {name: {"app": app, "engine": engine}[name] for name in impl.argnames}
+            self._dispatch(impl.function, "register_routes", "The server was not started.", arguments)
+            plugin = next((r.ref for r in self._records if r.name == impl.plugin_name), PluginRef(impl.plugin_name))
+            for route in [r for r in app.routes if id(r) not in before]:
+                path, route_methods = getattr(route, "path", ""), getattr(route, "methods", None) or {"*"}
+                if path in builtin:
+                    holder = "the server itself"
+                else:
+                    mine = plugin.name
+                    others = {taken[(path, m)] for m in route_methods if taken.get((path, m), mine) != mine}
+                    holder = f"plugin {sorted(others)[0]!r}" if others else None
+                if holder is not None:
+                    raise PluginHookError(
+                        f"{plugin.describe()} failed in its register_routes hook: route {path} is already taken by "
+                        f"{holder}. The server was not started. {plugin.remedy()}",
+                        plugin=plugin.name,
+                        hook="register_routes",
+                    )
+                taken.update({(path, m): plugin.name for m in route_methods})
 
     def collect_models(self, *, strict: bool = True) -> ArchitectureRegistry:
         """A fresh registry: the ``register_models`` hook, then direct ``ModelRegistry`` registrations.

@@ -34,8 +34,18 @@ def test_every_hook_is_documented_in_the_readme_with_its_signature():
     assert documented_signatures() == spec_signatures()
 
 
-def test_the_four_contract_hooks_exist():
-    assert set(spec_signatures()) == {"register_models", "modify_config", "pre_load", "post_load"}
+def test_the_contract_hooks_exist():
+    assert set(spec_signatures()) == {
+        "register_models",
+        "modify_config",
+        "pre_load",
+        "post_load",
+        "register_logits_processors",
+        "on_request",
+        "on_output",
+        "record_stats",
+        "register_routes",
+    }
 
 
 def test_every_spec_docstring_states_when_what_may_and_must_not_with_an_example():

@@ -347,7 +347,7 @@ def test_the_four_hooks_run_in_order_with_what_they_promise(tiny_opt):
             assert not any(p.is_meta for p in model.parameters())
 
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Observer()])
-    assert events == ["register_models", "modify_config", "pre_load", "post_load"]
+    assert events == ["register_models", "modify_config", "pre_load", "post_load"]  # the four it implements
     assert llm.max_model_len == 40 and llm.config.provenance["max_model_len"] == "plugin:Observer"
 
 

@@ -31,7 +31,8 @@ from pluginhost.engine.request import EngineRequest
 from pluginhost.engine.runner import ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
-from pluginhost.errors import EngineOverloadedError, ModelRunError
+from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginHookError
+from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -78,6 +79,9 @@ class EngineCore:
         self.last_stats: EngineStats | None = None
         #: Called after every step with its stats (by the thread that stepped).
         self.stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._host = loaded.host
+        self._hooked = {hook: loaded.host.has_implementations(hook) for hook in ("on_output", "record_stats")}
+        self.processors = [_LiveProcessor.create(entry, loaded) for entry in loaded.logits_processors]
 
     # -- callers ----------------------------------------------------------------------
 
@@ -145,8 +149,13 @@ class EngineCore:
             if plan is None:
                 return False
             start = time.perf_counter()
+            if not self._update_processors(plan):
+                return True
             try:
                 tokens, logprobs = self._run(plan)
+            except _ProcessorFailure as failure:
+                self._processor_failed(failure, plan, plan.active_rows)  # apply saw every row of the step
+                return True
             except Exception as exc:
                 self._fail(plan, self._blame(exc))
                 return True
@@ -161,18 +170,80 @@ class EngineCore:
                 cache_shape=self.runner.cache_shape,
             )
             self.last_stats = stats
-        for callback, output in deliveries:
-            callback(output, None)
+        for callback, output, error in deliveries:
+            callback(output, error)
         for listener in self.stats_listeners:
             listener(stats)
+        if self._hooked["record_stats"]:
+            self._host.record_stats(stats)
         return True
 
     def _run(self, plan: ScheduledStep) -> tuple[list[int], torch.Tensor | None]:
+        """Logits, log-probabilities (of the model's own distribution) and tokens of the active rows."""
         logits = self.runner.execute(plan)  # (A, V): the active rows
-        states = [plan.rows[r].sampling for r in plan.active_rows]
-        # Log-probabilities of the model's own distribution: before the sampler changes the logits.
-        logprobs = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in states) else None
-        return sample(logits, states).tolist(), logprobs
+        active = plan.active_rows
+        wanted = any(plan.rows[r].params.logprobs is not None for r in active)
+        logprobs = logits.log_softmax(dim=-1) if wanted else None  # before the sampler changes the logits
+        if not self.processors:
+            tokens = sample(logits, [plan.rows[r].sampling for r in active])
+            return tokens, logprobs  # type: ignore[return-value]  # every state given: every token set
+        # Processors see the whole batch, row i being the sequence in row i (idle rows hold no values).
+        B = len(plan.rows)
+        full = logits
+        if len(active) < B:
+            full = logits.new_empty((B, logits.shape[-1])).index_copy_(
+                0, torch.tensor(active, device=logits.device), logits
+            )
+        states = [None] * B
+        for r in active:
+            states[r] = plan.rows[r].sampling  # type: ignore[call-overload]
+        chosen = sample(full, states, self.processors)
+        return [chosen[r] for r in active], logprobs  # type: ignore[misc]
+
+    # -- logits processors --------------------------------------------------------------
+
+    def _update_processors(self, plan: ScheduledStep) -> bool:
+        """Tell every processor how the batch changed; on a failure, end what it was processing. Whether to go on."""
+        failures = []
+        for processor in self.processors:
+            try:
+                processor.instance.update_state(plan.batch_update)
+            except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
+                failures.append(_ProcessorFailure(processor, "update_state", exc))
+        for failure in failures:
+            added = [a[0] for a in plan.batch_update.added] if plan.batch_update is not None else []
+            self._processor_failed(failure, plan, added or plan.active_rows)
+        return not failures
+
+    def _processor_failed(self, failure: _ProcessorFailure, plan: ScheduledStep, rows: list[int]) -> None:
+        """End the requests of ``rows`` with an error naming the plugin; rebuild the processor for the rest."""
+        processor, entry = failure.processor, failure.processor.entry
+        error = PluginHookError(
+            f"{entry.describe()} failed in {failure.method}: {type(failure.cause).__name__}: {failure.cause}. "
+            f"The requests it was processing were ended; the others go on. {entry.registered_by.remedy()}",
+            plugin=entry.registered_by.name,
+            hook="register_logits_processors",
+        )
+        error.__cause__ = failure.cause
+        logger.error("%s", error)
+        ended = {id(plan.rows[r].request): plan.rows[r].request for r in rows}
+        for request in ended.values():
+            self._end(request, error)
+        remaining = [
+            (row, seq.params, seq.prompt_token_ids, seq.token_ids)
+            for row, seq in enumerate(plan.rows)
+            if id(seq.request) not in ended and not seq.request.finished
+        ]
+        try:
+            processor.rebuild(self.loaded, BatchUpdate(len(plan.rows), remaining, [], []) if remaining else None)
+        except Exception as exc:  # noqa: BLE001 - broken for everyone: end everyone it was processing
+            logger.error(
+                "%s could not be rebuilt (%s: %s): ending its requests", entry.describe(), type(exc).__name__, exc
+            )
+            for row, *_ in remaining:
+                if not plan.rows[row].request.finished:
+                    self._end(plan.rows[row].request, error)
+            processor.rebuild(self.loaded, None)
 
     def _advance(self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None) -> list:
         """Give every active sequence its token; free the finished; collect the outputs to hand out."""
@@ -195,11 +266,27 @@ class EngineCore:
             changed[id(request)] = request
         deliveries = []
         for request in changed.values():
+            error = None
             if request.finished:
                 self._requests.pop(request.request_id, None)
+                error = self._finish(request)
             if request.on_output is not None:
-                deliveries.append((request.on_output, request.output()))
+                deliveries.append((request.on_output, None if error else request.output(), error))
         return deliveries
+
+    def _finish(self, request: EngineRequest) -> BaseException | None:
+        """Fix the request's final output, through the ``on_output`` hook; the error that ended it instead, if any."""
+        output = request.output()
+        if self._hooked["on_output"]:
+            try:
+                self._host.call(
+                    "on_output", request=request, output=output, consequence="The request ended with this error."
+                )
+            except PluginHookError as exc:
+                request.error = exc
+                return exc
+        request.final_output = output
+        return None
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:
@@ -229,6 +316,8 @@ class EngineCore:
             self._end(request, error)
 
     def _end(self, request: EngineRequest, error: BaseException) -> None:
+        if request.error is not None:
+            return
         request.error = error
         for sequence in request.sequences:
             self.scheduler.free(sequence)
@@ -254,3 +343,51 @@ def _raised_in(tb: TracebackType | None, files: frozenset[str]) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+class _LiveProcessor:
+    """One engine's instance of a registered logits processor, with failures traced to it."""
+
+    def __init__(self, entry: RegisteredProcessor, instance: LogitsProcessor) -> None:
+        self.entry, self.instance = entry, instance
+
+    @classmethod
+    def create(cls, entry: RegisteredProcessor, loaded: LoadedModel) -> _LiveProcessor:
+        try:
+            return cls(entry, entry.instantiate(loaded.config, loaded.device))
+        except Exception as exc:
+            raise PluginHookError(
+                f"{entry.describe()} could not be created: {type(exc).__name__}: {exc}. The engine was not built. "
+                f"{entry.registered_by.remedy()}",
+                plugin=entry.registered_by.name,
+                hook="register_logits_processors",
+            ) from exc
+
+    def rebuild(self, loaded: LoadedModel, replay: BatchUpdate | None) -> None:
+        """A fresh instance, told about the rows still running."""
+        self.instance = self.entry.instantiate(loaded.config, loaded.device)
+        if replay is not None:
+            self.instance.update_state(replay)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        try:
+            result = self.instance.apply(logits)
+        except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
+            raise _ProcessorFailure(self, "apply", exc) from exc
+        if not isinstance(result, torch.Tensor) or result.shape != logits.shape:
+            raise _ProcessorFailure(
+                self, "apply", TypeError(f"apply must return the (batch, vocab) logits, got {result!r:.60}")
+            )
+        return result
+
+    def is_argmax_invariant(self) -> bool:
+        try:
+            return bool(self.instance.is_argmax_invariant())
+        except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
+            raise _ProcessorFailure(self, "is_argmax_invariant", exc) from exc
+
+
+class _ProcessorFailure(Exception):
+    def __init__(self, processor: _LiveProcessor, method: str, cause: BaseException) -> None:
+        super().__init__(f"{processor.entry.describe()} failed in {method}")
+        self.processor, self.method, self.cause = processor, method, cause

@@ -16,6 +16,7 @@ from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
+from pluginhost.errors import RequestRefusedError
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -30,6 +31,7 @@ class InputProcessor:
     def __init__(self, loaded: LoadedModel) -> None:
         self._loaded = loaded
         self._generator = torch.Generator(loaded.device).manual_seed(loaded.config.seed)
+        self._on_request = loaded.host.has_implementations("on_request")
 
     def make_request(
         self,
@@ -48,7 +50,25 @@ class InputProcessor:
             )
         loaded = self._loaded
         text, token_ids = self._encode(index, prompt)
+        # The request's own parameters: plugins may change them, and one SamplingParams may serve many prompts.
+        request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
+        if self._on_request:
+            loaded.host.call("on_request", request=request, consequence="The request was not run.")
+            request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
+        params = request.params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        for processor in loaded.logits_processors:
+            try:
+                processor.cls.validate_params(params)
+            except ValueError as exc:
+                raise RequestRefusedError(
+                    f"{processor.describe()} refused the request: {exc}",
+                    plugin=processor.registered_by.name,
+                    hook="register_logits_processors",
+                ) from None
+        token_ids = request.prompt_token_ids
         max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
         total = len(token_ids) + max_tokens
         if total > loaded.max_model_len or max_tokens < 1:
@@ -62,7 +82,6 @@ class InputProcessor:
                 "the text; use stop_token_ids instead"
             )
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
-        request = EngineRequest(request_id, text, token_ids, params, on_output=on_output, streaming=streaming)
         for sample in range(params.n):
             if params.seed is not None:  # sample i draws from seed + i, as in vLLM
                 generator = torch.Generator(loaded.device).manual_seed(params.seed + sample)
@@ -92,17 +111,19 @@ class InputProcessor:
             raise ValueError(
                 f"prompt {index} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
             )
-        token_ids = list(prompt)
+        return None, self._check_ids(index, prompt)
+
+    def _check_ids(self, index: int, ids: Sequence[int]) -> list[int]:
+        token_ids = list(ids)
         if not token_ids:
             raise ValueError(f"prompt {index} is an empty list of token ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise ValueError(f"prompt {index} must hold only int token ids")
-        bad = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
+        vocab_size = self._loaded.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {loaded.vocab_size})"
-            )
-        return None, token_ids
+            raise ValueError(f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        return token_ids
 
 
 def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:

@@ -24,6 +24,7 @@ from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
 from pluginhost.errors import CheckpointError, ConfigError, ModelClassError
 from pluginhost.host import PluginHost, PluginRecord
+from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.registry import Registration
 from pluginhost.tokenizer import load_tokenizer
 
@@ -49,6 +50,8 @@ class LoadedModel:
     eos_ids: frozenset[int]
     #: The source files of the model's code, to tell its failures from the engine's.
     code_files: frozenset[str]
+    #: The logits processors plugins added (instantiated by the engine).
+    logits_processors: list[RegisteredProcessor]
 
     @property
     def architecture(self) -> str:
@@ -108,6 +111,7 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
         vocab_size=int(plan.hf_config.vocab_size),
         eos_ids=_eos_ids(plan.hf_config, tokenizer),
         code_files=_code_files(model),
+        logits_processors=plan.logits_processors,
     )
 
 

@@ -131,13 +131,17 @@ class EngineRequest:
     #: Why it ended early: a model failure, a plugin's error, an abort.
     error: BaseException | None = None
     aborted: bool = False
+    #: The output once finished, as ``on_output`` hooks left it.
+    final_output: RequestOutput | None = None
 
     @property
     def finished(self) -> bool:
         return self.error is not None or self.aborted or all(s.finished for s in self.sequences)
 
     def output(self) -> RequestOutput:
-        """A cumulative snapshot of every sample."""
+        """A cumulative snapshot of every sample (once finished, the final output)."""
+        if self.final_output is not None:
+            return self.final_output
         return RequestOutput(
             self.request_id,
             self.prompt,

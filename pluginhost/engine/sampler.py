@@ -2,28 +2,32 @@
 
 In order, on a batch of rows (one per sequence) of float32 logits:
 
-1. ``min_tokens``: the sequence's stop tokens are masked until it has that many;
-2. penalties: repetition (prompt and output tokens), frequency and presence
+1. logits processors that may change the most likely token (plugins');
+2. ``min_tokens``: the sequence's stop tokens are masked until it has that many;
+3. penalties: repetition (prompt and output tokens), frequency and presence
    (output tokens only);
-3. greedy rows take the most likely token; the others are divided by their
-   temperature, filtered by ``min_p``, ``top_k`` and ``top_p``, and drawn from
-   their own random stream.
+4. greedy rows take the most likely token; the others are divided by their
+   temperature, then go through the processors that never change the most
+   likely token (skipped when every row is greedy), and are filtered by
+   ``min_p``, ``top_k`` and ``top_p`` and drawn from their own random stream.
 
-Rows that need none of steps 1-2 cost nothing there, and an all-greedy batch
-without them is one ``argmax``.
+Rows that need none of steps 1-3 cost nothing there, and an all-greedy batch
+without them is one ``argmax``. A row whose state is ``None`` gets no token
+(its sequence waits this step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["SamplingState", "sample", "top_logprobs"]
+__all__ = ["Processor", "SamplingState", "sample", "top_logprobs"]
 
 
 @dataclass
@@ -52,21 +56,54 @@ class SamplingState:
             self.output_counts[token] += 1
 
 
-def sample(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
-    """One token per row of ``logits`` (B, V), float32; returns (B,) token ids."""
-    masked = [i for i, s in enumerate(states) if s.num_generated < s.params.min_tokens and s.stop_ids]
-    penalized = [i for i, s in enumerate(states) if s.params.penalized]
-    if masked or penalized:
+class Processor(Protocol):
+    """What the sampler needs of a logits processor."""
+
+    def apply(self, logits: Tensor) -> Tensor: ...
+
+    def is_argmax_invariant(self) -> bool: ...
+
+
+def sample(
+    logits: Tensor, states: Sequence[SamplingState | None], processors: Sequence[Processor] = ()
+) -> list[int | None]:
+    """One token per row of ``logits`` (B, V), float32 (``None`` where the state is ``None``)."""
+    live = [(i, s) for i, s in enumerate(states) if s is not None]
+    rows = [i for i, _ in live]
+    changing = [p for p in processors if not p.is_argmax_invariant()]
+    keeping = [p for p in processors if p.is_argmax_invariant()]
+    masked = [(i, s) for i, s in live if s.num_generated < s.params.min_tokens and s.stop_ids]
+    penalized = [(i, s) for i, s in live if s.params.penalized]
+    if changing or masked or penalized:
         logits = logits.clone()  # the model's own tensor stays as it returned it
-    for i in masked:
-        logits[i, list(states[i].stop_ids)] = float("-inf")
-    for i in penalized:
-        _apply_penalties(logits[i], states[i])
-    if all(s.params.greedy for s in states):
-        return logits.argmax(dim=-1)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for i, (row, state) in enumerate(zip(logits, states, strict=True)):
-        tokens[i] = row.argmax() if state.params.greedy else _draw(row, state.params, state.generator)
+    for processor in changing:
+        logits = processor.apply(logits)
+    for i, state in masked:
+        logits[i, list(state.stop_ids)] = float("-inf")
+    for i, state in penalized:
+        _apply_penalties(logits[i], state)
+    tokens: list[int | None] = [None] * len(states)
+    if all(s.params.greedy for _, s in live):
+        chosen = (logits if len(rows) == len(states) else logits[rows]).argmax(dim=-1).tolist()
+        for i, token in zip(rows, chosen, strict=True):
+            tokens[i] = token
+        return tokens
+    scaled = logits
+    if keeping:  # after temperature, on the whole batch, as vLLM applies them
+        temperatures = torch.tensor(
+            [s.params.temperature if s is not None and not s.params.greedy else 1.0 for s in states],
+            dtype=logits.dtype,
+            device=logits.device,
+        )
+        scaled = logits / temperatures[:, None]
+        for processor in keeping:
+            scaled = processor.apply(scaled)
+    for i, state in live:
+        if state.params.greedy:
+            tokens[i] = int(logits[i].argmax())
+        else:
+            row = scaled[i] if keeping else logits[i] / state.params.temperature
+            tokens[i] = int(_draw(row, state.params, state.generator))
     return tokens
 
 
@@ -89,8 +126,7 @@ def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
 
 
 def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
-    """Temperature, then min-p, top-k and top-p, then a draw from the sequence's own stream."""
-    logits = logits / p.temperature  # (V,)
+    """Min-p, top-k and top-p on temperature-scaled logits (V,), then a draw from the sequence's own stream."""
     if p.min_p > 0.0:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))

@@ -17,11 +17,13 @@
 Example::
 
     import my_plugin
+    from hookspecs import BUILD_HOOKS
+    from pluginhost import SamplingParams
 
     def test_my_architecture(make_engine, hook_recorder):
         llm = make_engine(my_plugin, model_architecture_override="MyOPT")
         out = llm.generate([[2, 5]], SamplingParams(max_tokens=3, temperature=0))
-        assert hook_recorder.names() == ["register_models", "modify_config", "pre_load", "post_load"]
+        assert hook_recorder.names() == list(BUILD_HOOKS)
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 import pluginhost_mock_opt
 from pluginhost_mock_opt.model import DEFAULT_TOKEN_ID, MockOPTForCausalLM
 
+from hookspecs import BUILD_HOOKS
 from pluginhost import SamplingParams
 
 
@@ -17,7 +18,7 @@ def test_always_predicts_the_mock_token(make_engine, hook_recorder):
     assert isinstance(llm.model, MockOPTForCausalLM)
     outs = llm.generate(["Hello", [2, 100, 7]], SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True))
     assert [o.token_ids for o in outs] == [[DEFAULT_TOKEN_ID] * 4] * 2
-    assert hook_recorder.names() == ["register_models", "modify_config", "pre_load", "post_load"]
+    assert hook_recorder.names() == list(BUILD_HOOKS)
     assert hook_recorder.last("pre_load").kwargs["model_class"] is MockOPTForCausalLM
 
 
