@@ -12,7 +12,7 @@ from pluginhost.config import EngineConfig
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.inputs import InputProcessor
 from pluginhost.engine.loader import LoadedModel
-from pluginhost.host import PluginRecord
+from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.registry import Registration
 
 __all__ = ["EngineFrontend"]
@@ -57,6 +57,11 @@ class EngineFrontend:
     @property
     def plugins(self) -> list[PluginRecord]:
         return self._loaded.plugins
+
+    @property
+    def plugin_host(self) -> PluginHost:
+        """The plugins of this engine (and the way to call their hooks)."""
+        return self._loaded.host
 
     @property
     def tokenizer(self) -> Any:

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
-from pluginhost.errors import EngineOverloadedError, ModelRunError
+from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginhostError
 from pluginhost.outputs import CompletionOutput, RequestOutput
 from pluginhost.sampling import SamplingParams
 from pluginhost.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -111,6 +111,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    engine.plugin_host.register_routes(app, engine, BUILTIN_ROUTES)  # plugins' routes, after the builtin ones
     return app
 
 
@@ -224,12 +225,14 @@ class _API:
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}"))
-        except (ValueError, EngineOverloadedError) as exc:
+        except (ValueError, PluginhostError) as exc:
             for stream in streams:
                 stream.abort()
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
-            raise bad_request(str(exc)) from None
+            if isinstance(exc, ValueError):  # bad input, or a plugin's refusal
+                raise bad_request(str(exc)) from None
+            raise APIError(500, str(exc), type="server_error", code="plugin_error") from None
         return streams
 
     def _params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
@@ -280,6 +283,10 @@ class _API:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(shape.stream(streams, include_usage))
         return JSONResponse(await shape.whole(streams))
+
+
+def _error_code(error: Exception) -> str:
+    return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -341,8 +348,8 @@ class _Shape:
         try:
             async for index, output in _merged(streams):
                 last[index] = output
-        except ModelRunError as exc:
-            raise APIError(500, str(exc), type="server_error", code="model_error") from None
+        except PluginhostError as exc:  # the model failed, or a plugin in the engine did
+            raise APIError(500, str(exc), type="server_error", code=_error_code(exc)) from None
         finally:
             self.record(streams)
         return last
@@ -403,8 +410,8 @@ class _Shape:
                     if completion.finished:
                         finished.add(number)
                     yield choice(number, completion, delta, start_tokens, first)
-        except ModelRunError as exc:
-            yield {"error": ErrorBody(message=str(exc), type="server_error", code="model_error").model_dump()}
+        except PluginhostError as exc:  # the model failed, or a plugin in the engine did
+            yield {"error": ErrorBody(message=str(exc), type="server_error", code=_error_code(exc)).model_dump()}
             return
         finally:
             self.record(streams)
