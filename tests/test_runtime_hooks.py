@@ -1,0 +1,384 @@
+"""Runtime hooks: logits processors, on_request, on_output, record_stats, register_routes.
+
+Each hook's normal use and its fault policy: a plugin's failure ends only
+what it touched, names the plugin, and the engine (and server) keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import httpx
+import pytest
+import torch
+
+from pluginhost import LLM, AsyncLLM, SamplingParams, hookimpl
+from pluginhost.errors import PluginHookError, RequestRefusedError
+from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, MoveDirectionality
+from pluginhost.server.app import build_app
+from pluginhost.testing.server import running_server
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
+TIMEOUT = 60
+
+
+def greedy(n: int = 6, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kwargs)
+
+
+# -- a processor written the vLLM v1 way ----------------------------------------------------------
+
+
+class TargetToken(LogitsProcessor):
+    """Per request, ``extra_args={"target_token": t}`` makes every generated token ``t``.
+
+    Written against vLLM v1's interface, as a vLLM plugin would be: only the
+    import of ``LogitsProcessor``, ``BatchUpdate`` and ``MoveDirectionality``
+    is pluginhost's.
+    """
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        target = (params.extra_args or {}).get("target_token")
+        if target is not None and not isinstance(target, int):
+            raise ValueError(f"target_token must be an int, got {target!r}")
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.targets: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if not batch_update:
+            return
+        for index, params, _, _ in batch_update.added:
+            target = (params.extra_args or {}).get("target_token")
+            if target is not None:
+                self.targets[index] = target
+            else:
+                self.targets.pop(index, None)
+        for index in batch_update.removed:
+            self.targets.pop(index, None)
+        for a, b, direction in batch_update.moved:
+            target_a, target_b = self.targets.pop(a, None), self.targets.pop(b, None)
+            if target_a is not None:
+                self.targets[b] = target_a
+            if direction == MoveDirectionality.SWAP and target_b is not None:
+                self.targets[a] = target_b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.targets:
+            return logits
+        rows = torch.tensor(list(self.targets), dtype=torch.long)
+        columns = torch.tensor(list(self.targets.values()), dtype=torch.long)
+        keep = logits[rows, columns].clone()
+        logits[rows] = float("-inf")
+        logits[rows, columns] = keep
+        return logits
+
+
+class TargetTokens:
+    @hookimpl
+    def register_logits_processors(self, registry):
+        registry.add(TargetToken)
+
+
+def test_a_vllm_v1_processor_forces_tokens_per_request(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()])
+    plain = LLM(str(tiny_opt), load_installed_plugins=False)
+    params = [greedy(extra_args={"target_token": 5}), greedy(), greedy(extra_args={"target_token": 77}), greedy()]
+    outs = llm.generate(PROMPTS, params)
+    assert outs[0].token_ids == [5] * 6 and outs[2].token_ids == [77] * 6
+    assert [outs[1].token_ids, outs[3].token_ids] == [
+        o.token_ids for o in plain.generate([PROMPTS[1], PROMPTS[3]], greedy())
+    ]
+
+
+def test_processor_state_follows_the_batch_as_requests_join_leave_and_move(tiny_opt):
+    """Staggered requests of many lengths: rows are filled, freed and compacted; every tag stays its request's."""
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()], max_num_seqs=6)
+    rng = random.Random(0)
+    jobs = [(i, rng.choice(PROMPTS), rng.randint(1, 20), rng.choice([None, 10 + i])) for i in range(24)]
+
+    async def one(i, prompt, n, target):
+        await asyncio.sleep(rng.random() * 0.05)
+        extra = {"target_token": target} if target is not None else None
+        return [o async for o in engine.generate(prompt, greedy(n, extra_args=extra), f"job-{i}")][-1]
+
+    async def everyone():
+        return await asyncio.gather(*(one(*job) for job in jobs))
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(everyone(), TIMEOUT))
+    finally:
+        engine.shutdown()
+    plain = LLM(str(tiny_opt), load_installed_plugins=False)
+    for (_, prompt, n, target), out in zip(jobs, finals, strict=True):
+        expected = [target] * n if target is not None else plain.generate([prompt], greedy(n))[0].token_ids
+        assert out.outputs[0].token_ids == expected
+
+
+def test_validate_params_refuses_a_request_naming_the_plugin(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()])
+    with pytest.raises(RequestRefusedError, match=r"logits processor TargetToken \(plugin 'TargetTokens'\) refused"):
+        llm.generate([PROMPTS[0]], greedy(extra_args={"target_token": "five"}))
+    assert isinstance(RequestRefusedError("x", plugin="p", hook="h"), ValueError)
+    assert llm.generate([PROMPTS[0]], greedy(2))[0].token_ids
+
+
+class CountsCalls(LogitsProcessor):
+    calls = 0
+
+    def __init__(self, config, device):
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        CountsCalls.calls += 1
+        return logits
+
+
+def test_argmax_invariant_processors_are_skipped_when_every_request_is_greedy(tiny_opt):
+    class Plugin:
+        @hookimpl
+        def register_logits_processors(self, registry):
+            registry.add(CountsCalls)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    CountsCalls.calls = 0
+    llm.generate(PROMPTS, greedy(4))
+    assert CountsCalls.calls == 0
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True))
+    assert CountsCalls.calls == 4
+
+
+class Explodes(TargetToken):
+    """Fails in apply once a request asks for it, or in update_state as such a request joins."""
+
+    def apply(self, logits):
+        if any(t == -1 for t in self.targets.values()):
+            raise RuntimeError("apply exploded")
+        return super().apply(logits)
+
+    def update_state(self, batch_update):
+        if batch_update and any((p.extra_args or {}).get("explode_on_join") for _, p, _, _ in batch_update.added):
+            raise RuntimeError("update_state exploded")
+        super().update_state(batch_update)
+
+    @classmethod
+    def validate_params(cls, params):
+        pass
+
+
+class ExplodingPlugin:
+    @hookimpl
+    def register_logits_processors(self, registry):
+        registry.add(Explodes)
+
+
+def test_a_processor_failing_in_apply_ends_that_steps_requests_naming_the_plugin_then_serves_others(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+    with pytest.raises(
+        PluginHookError, match=r"logits processor Explodes \(plugin 'ExplodingPlugin'\) failed in apply"
+    ):
+        llm.generate([PROMPTS[0]], greedy(extra_args={"target_token": -1}))
+    assert llm.generate([PROMPTS[1]], greedy(3, extra_args={"target_token": 9}))[0].token_ids == [9, 9, 9]
+    assert llm.engine.scheduler.num_running == 0
+
+
+def test_a_processor_failing_as_a_request_joins_ends_only_that_request(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+
+    async def scenario():
+        decoding = asyncio.Event()
+
+        async def long():
+            outs = []
+            async for out in engine.generate(PROMPTS[0], greedy(40, extra_args={"target_token": 8}), "long"):
+                outs.append(out)
+                if len(out.outputs[0].token_ids) >= 3:
+                    decoding.set()
+            return outs[-1]
+
+        task = asyncio.ensure_future(long())
+        await decoding.wait()
+        with pytest.raises(PluginHookError, match="failed in update_state: RuntimeError: update_state exploded"):
+            async for _ in engine.generate(PROMPTS[1], greedy(5, extra_args={"explode_on_join": True}), "bad"):
+                pass
+        return await task
+
+    try:
+        survivor = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+    finally:
+        engine.shutdown()
+    assert survivor.outputs[0].token_ids == [8] * 40  # unaffected, and its target survived the rebuild
+
+
+# -- on_request, on_output, record_stats ----------------------------------------------------------------
+
+
+class Guard:
+    @hookimpl
+    def on_request(self, request):
+        if "refuse" in (request.params.extra_args or {}):
+            raise ValueError("this site refuses such requests")
+        request.params.max_tokens = min(request.params.max_tokens or 3, 3)  # a site limit, applied in place
+
+
+def test_on_request_changes_a_request_or_refuses_it_naming_the_plugin(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Guard()])
+    shared = greedy(10)
+    assert [len(o.token_ids) for o in llm.generate(PROMPTS[:2], shared)] == [3, 3]
+    assert shared.max_tokens == 10  # each request has its own parameters: the caller's are untouched
+    with pytest.raises(ValueError, match=r"plugin 'Guard' refused the request: this site refuses such requests"):
+        llm.generate([PROMPTS[0]], greedy(extra_args={"refuse": True}))
+    assert len(llm.generate([PROMPTS[0]], greedy(10))[0].token_ids) == 3
+
+
+def test_a_refusal_is_a_400_and_the_server_keeps_serving(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Guard()])
+    try:
+        with running_server(build_app(engine, served_model_name="guarded")) as base:
+            body = {"model": "guarded", "prompt": [2, 5, 9], "max_tokens": 8}
+            refused = httpx.post(f"{base}/v1/completions", json={**body, "extra_args": {"refuse": 1}}, timeout=TIMEOUT)
+            assert refused.status_code == 400
+            assert "plugin 'Guard' refused the request" in refused.json()["error"]["message"]
+            served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+    finally:
+        engine.shutdown()
+
+
+class Redacts:
+    @hookimpl
+    def on_output(self, request, output):
+        if (request.params.extra_args or {}).get("fail"):
+            raise KeyError("no such redaction")
+        for sample in output.outputs:
+            sample.text = "[redacted]"
+
+
+def test_on_output_changes_the_final_output_and_a_failure_ends_only_that_request(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Redacts()])
+    out = llm.generate(["Hello world"], greedy(4))[0]
+    assert out.text == "[redacted]" and len(out.token_ids) == 4
+    with pytest.raises(PluginHookError, match=r"plugin 'Redacts' failed in its on_output hook: KeyError"):
+        llm.generate(["Hello", "world"], [greedy(4, extra_args={"fail": True}), greedy(4)])
+    assert llm.generate(["world"], greedy(2))[0].text == "[redacted]"
+
+
+def test_record_stats_sees_every_step_and_a_failing_one_is_logged_once_and_dropped(tiny_opt, caplog):
+    seen = []
+
+    class Records:
+        @hookimpl
+        def record_stats(self, stats):
+            seen.append(stats)
+
+    class Breaks:
+        calls = 0
+
+        @hookimpl(tryfirst=True)
+        def record_stats(self, stats):
+            Breaks.calls += 1
+            raise ZeroDivisionError("oops")
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Records(), Breaks()])
+    with caplog.at_level(logging.ERROR, logger="pluginhost"):
+        outs = llm.generate(PROMPTS, greedy(5))
+        llm.generate(PROMPTS[:1], greedy(5))
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5, 5]  # the engine went on
+    failures = [r for r in caplog.records if "record_stats" in r.getMessage()]
+    assert len(failures) == 1 and "plugin 'Breaks'" in failures[0].getMessage() and Breaks.calls == 1
+    assert sum(s.num_generated_tokens for s in seen) >= 5  # the other implementation keeps being called
+    assert seen[-1].num_running >= 1 and seen[-1].step_time_s > 0
+
+
+# -- register_routes ------------------------------------------------------------------------------------------
+
+
+class Hello:
+    @hookimpl
+    def register_routes(self, app, engine):
+        @app.get("/v1/hello")
+        async def hello():
+            return {"model": engine.config.model, "vocab": engine.vocab_size}
+
+
+class TakesHealth:
+    @hookimpl
+    def register_routes(self, app):
+        @app.get("/health")
+        async def mine():
+            return {"mine": True}
+
+
+def test_register_routes_adds_routes_behind_the_api_key(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Hello()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny", api_key="k")) as base:
+            assert httpx.get(f"{base}/v1/hello", timeout=TIMEOUT).status_code == 401
+            answer = httpx.get(f"{base}/v1/hello", headers={"Authorization": "Bearer k"}, timeout=TIMEOUT).json()
+            assert answer == {"model": str(tiny_opt), "vocab": 384}
+    finally:
+        engine.shutdown()
+
+
+def test_a_route_taking_a_builtin_path_stops_the_server_naming_the_plugin(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[TakesHealth()])
+    try:
+        with pytest.raises(
+            PluginHookError, match=r"plugin 'TakesHealth' failed in its register_routes hook: route /health"
+        ):
+            build_app(engine, served_model_name="tiny")
+    finally:
+        engine.shutdown()
+
+
+def test_a_route_collision_through_the_cli_exits_2(install_plugin, tiny_opt):
+    import subprocess
+    import sys
+
+    site = install_plugin(
+        "grabs_metrics",
+        "from pluginhost import hookimpl\n@hookimpl\ndef register_routes(app):\n    app.get('/metrics')(lambda: {})\n",
+        dist="grabs-dist",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pluginhost", "serve", "--model", str(tiny_opt), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={"PYTHONPATH": f"{site}:{':'.join(sys.path)}", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "plugin 'grabs_metrics' (distribution grabs-dist 1.0) failed in its register_routes hook" in result.stderr
+    assert "route /metrics is already taken by the server itself" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_runtime_hooks_are_listed_by_pluginhost_plugins(install_plugin, capsys):
+    from pluginhost.cli import main
+
+    install_plugin(
+        "everything",
+        "from pluginhost import hookimpl\n"
+        "@hookimpl\ndef on_request(request): pass\n"
+        "@hookimpl\ndef on_output(request, output): pass\n"
+        "@hookimpl\ndef record_stats(stats): pass\n"
+        "@hookimpl\ndef register_routes(app, engine): pass\n"
+        "@hookimpl\ndef register_logits_processors(registry): pass\n",
+    )
+    assert main(["plugins", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "everything")
+    assert row["hooks"] == sorted(
+        ["on_request", "on_output", "record_stats", "register_routes", "register_logits_processors"]
+    )
