@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILTIN_ARCHITECTURES", "register_models"]
 
-#: Architecture name -> lazy implementation.
+#: Architecture name -> lazy implementation. ``TransformersForCausalLM`` is the fallback that serves
+#: any architecture transformers' ``AutoModelForCausalLM`` can build (``EngineConfig.model_impl``).
 BUILTIN_ARCHITECTURES = {
     "OPTForCausalLM": "builtin_models.opt:OPTForCausalLM",
+    "TransformersForCausalLM": "builtin_models.transformers_fallback:TransformersForCausalLM",
 }
 
 

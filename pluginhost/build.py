@@ -6,7 +6,8 @@
 3. ``modify_config`` adjusts the ``EngineConfig`` (the user's settings are in);
 4. the model directory is checked and its ``config.json`` read, then
    ``hf_overrides`` and the architecture override applied;
-5. the architecture is picked from the registry;
+5. the architecture is picked from the registry, by ``model_impl``: the
+   registered model, or the transformers fallback;
 6. (``LLM``) the tokenizer is loaded and the weight files found, so a broken
    tokenizer or missing weights fail before anything heavy; the model class
    is resolved (imported and checked); device, dtype and ``max_model_len``
@@ -28,15 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pluginhost.config import EngineConfig
+from pluginhost.errors import UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
-from pluginhost.registry import ArchitectureRegistry, Registration
+from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, Registration
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["BuildPlan", "plan_build"]
+__all__ = ["TRANSFORMERS_FALLBACK", "BuildPlan", "plan_build", "transformers_builds", "transformers_causal_lms"]
 
 
 @dataclass
@@ -72,13 +74,45 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
-    registration = _pick_architecture(registry, hf_config.architectures)
+    registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
 
 
-def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str]) -> Registration:
-    """The first of the config's architectures that is registered."""
-    for architecture in architectures:
-        if architecture in registry:
-            return registry.get(architecture)
-    return registry.get(architectures[0])  # raises, naming close matches
+def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str], model_impl: str) -> Registration:
+    """The registration that builds the model, by ``model_impl``.
+
+    "native": the first of the config's architectures that is registered.
+    "transformers": the fallback (``TransformersForCausalLM``, or what a plugin
+    registered under that name). "auto": native when registered, else the
+    fallback when transformers can build the model, else an error naming both.
+    """
+    native = [a for a in architectures if a in registry and a != TRANSFORMERS_FALLBACK]
+    if model_impl == "transformers" or (model_impl == "auto" and not native and transformers_builds(architectures)):
+        return registry.get(TRANSFORMERS_FALLBACK)
+    if native:
+        return registry.get(native[0])
+    try:
+        return registry.get(architectures[0])  # raises, naming close matches
+    except UnknownArchitectureError as exc:
+        if model_impl == "native" and transformers_builds(architectures):
+            raise UnknownArchitectureError(
+                f"{exc} transformers could build it: pass model_impl='auto' (--model-impl auto) to use the "
+                "transformers fallback."
+            ) from None
+        raise
+
+
+def transformers_causal_lms() -> set[str]:
+    """The causal-LM classes transformers' ``AutoModelForCausalLM`` can build (imports transformers, and torch)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {
+        name
+        for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        for name in ([names] if isinstance(names, str) else names)
+    }
+
+
+def transformers_builds(architectures: list[str]) -> bool:
+    """Whether transformers has a causal-LM class of one of these names."""
+    return bool(set(architectures) & transformers_causal_lms())

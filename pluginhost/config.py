@@ -37,6 +37,11 @@ class EngineConfig(BaseModel):
         default=None,
         description="Build this registered architecture instead of the one config.json names.",
     )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        default="auto",
+        description="'auto': the registered model for the architecture if there is one, else the transformers "
+        "fallback; 'native': registered models only; 'transformers': always the fallback.",
+    )
     hf_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Attributes set on the Hugging Face config after it is read.",

@@ -40,6 +40,7 @@ from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectur
 
 __all__ = [
     "REQUIRED_METHODS",
+    "TRANSFORMERS_FALLBACK",
     "ArchitectureRegistry",
     "ModelRegistry",
     "Registration",
@@ -54,6 +55,9 @@ REQUIRED_METHODS = ("forward", "compute_logits", "load_weights")
 
 #: The name of the always-loaded plugin that registers the builtin architectures.
 BUILTIN_PLUGIN = "builtin_models"
+
+#: The architecture name of the transformers fallback, which serves architectures no model is registered for.
+TRANSFORMERS_FALLBACK = "TransformersForCausalLM"
 
 
 def builtin_ref() -> PluginRef:
@@ -206,7 +210,8 @@ class ArchitectureRegistry:
         return architecture in self._entries
 
     def _unknown_message(self, architecture: str) -> str:
-        close = difflib.get_close_matches(architecture, self._entries, n=3, cutoff=0.6)
+        names = [name for name in self._entries if name != TRANSFORMERS_FALLBACK]
+        close = difflib.get_close_matches(architecture, names, n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         return (
             f"Architecture {architecture!r} is not registered.{hint} "

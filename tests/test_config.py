@@ -64,6 +64,7 @@ def test_plugin_assignments_are_attributed_to_the_plugin():
     assert config.provenance == {
         "model": "user",
         "model_architecture_override": "default",
+        "model_impl": "default",
         "hf_overrides": "plugin:SitePolicy",
         "dtype": "default",
         "device": "default",

@@ -58,6 +58,11 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
     group.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        help="auto (default): the registered model, else the transformers fallback; native; transformers",
+    )
+    group.add_argument(
         "--hf-overrides", metavar="JSON", help="JSON object set on the HF config, e.g. '{\"dropout\": 0}'"
     )
     return parent
@@ -142,7 +147,17 @@ def _configure_logging(args: argparse.Namespace) -> None:
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (only those, for provenance)."""
     settings: dict[str, Any] = {}
-    for field in ("model", "dtype", "device", "max_model_len", "max_num_seqs", "seed", "model_architecture_override"):
+    fields = (
+        "model",
+        "dtype",
+        "device",
+        "max_model_len",
+        "max_num_seqs",
+        "seed",
+        "model_architecture_override",
+        "model_impl",
+    )
+    for field in fields:
         value = getattr(args, field, None)
         if value is not None:
             settings[field] = value
