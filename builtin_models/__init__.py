@@ -21,6 +21,9 @@ __all__ = ["BUILTIN_ARCHITECTURES", "register_models"]
 #: any architecture transformers' ``AutoModelForCausalLM`` can build (``EngineConfig.model_impl``).
 BUILTIN_ARCHITECTURES = {
     "OPTForCausalLM": "builtin_models.opt:OPTForCausalLM",
+    "LlamaForCausalLM": "builtin_models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "builtin_models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "builtin_models.llama:Qwen2ForCausalLM",
     "TransformersForCausalLM": "builtin_models.transformers_fallback:TransformersForCausalLM",
 }
 

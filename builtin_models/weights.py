@@ -29,15 +29,24 @@ __all__ = ["Stacked", "assign_weights"]
 class Stacked:
     """Where a checkpoint tensor goes when the model stacks several into one parameter.
 
-    ``param`` is made of equal parts along dim 0, named ``parts`` in order
-    (say ``("q_proj", "k_proj", "v_proj")`` for a fused attention input
-    projection); this tensor is part ``parts[part]``. One matrix product then
-    does the work of several.
+    ``param`` is made of parts along dim 0, named ``parts`` in order (say
+    ``("q_proj", "k_proj", "v_proj")`` for a fused attention input
+    projection); this tensor is part ``parts[part]``. The parts are equal,
+    unless ``sizes`` gives each one's rows (grouped-query attention has fewer
+    key and value rows than query rows). One matrix product then does the
+    work of several.
     """
 
     param: str
     part: int
     parts: tuple[str, ...]
+    sizes: tuple[int, ...] | None = None
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """(start, stop) rows of this part in a parameter of ``total`` rows."""
+        sizes = self.sizes or (total // len(self.parts),) * len(self.parts)
+        start = sum(sizes[: self.part])
+        return start, start + sizes[self.part]
 
 
 def assign_weights(
@@ -103,8 +112,8 @@ def assign_weights(
 
 
 def _part_shape(param: nn.Parameter, stacked: Stacked) -> tuple[int, ...]:
-    rows, rest = param.shape[0], tuple(param.shape[1:])
-    return (rows // len(stacked.parts), *rest)
+    start, stop = stacked.rows(param.shape[0])
+    return (stop - start, *param.shape[1:])
 
 
 def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor) -> nn.Parameter:
@@ -119,9 +128,9 @@ def _set_parameter(model: nn.Module, name: str, param: nn.Parameter, tensor: tor
 def _set_part(model: nn.Module, name: str, param: nn.Parameter, stacked: Stacked, tensor: torch.Tensor) -> nn.Parameter:
     if param.is_meta:  # the first part to arrive allocates the whole parameter
         param = _replace_parameter(model, name, torch.empty(param.shape, dtype=param.dtype, device=tensor.device))
-    rows = param.shape[0] // len(stacked.parts)
+    start, stop = stacked.rows(param.shape[0])
     with torch.no_grad():
-        param[stacked.part * rows : (stacked.part + 1) * rows].copy_(tensor)
+        param[start:stop].copy_(tensor)
     return param
 
 

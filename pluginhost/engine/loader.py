@@ -115,8 +115,27 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
     )
 
 
-def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+def _position_limit(hf_config: Any) -> int | None:
+    """The longest sequence the model takes: its positions, stretched by RoPE scaling that stretches them.
+
+    As in vLLM: ``linear``, ``dynamic`` and ``yarn`` scaling multiply the trained
+    length by their factor; ``llama3`` and ``longrope`` configs already give the
+    stretched length.
+    """
     limit = getattr(hf_config, "max_position_embeddings", None)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if limit is None or not isinstance(rope, dict):
+        return limit
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind in ("linear", "dynamic") and factor:
+        return int(limit * factor)
+    if kind == "yarn" and factor:
+        return int(rope.get("original_max_position_embeddings", limit) * factor)
+    return limit
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = _position_limit(hf_config)
     if config.max_model_len is None:
         if limit is None:
             raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
@@ -124,7 +143,7 @@ def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
     if limit is not None and config.max_model_len > limit:
         raise ConfigError(
             f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
-            "(max_position_embeddings); lower it."
+            "(max_position_embeddings, stretched by its RoPE scaling); lower it."
         )
     return config.max_model_len
 

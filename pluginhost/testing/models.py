@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_OPT", "make_byte_tokenizer", "make_tiny_opt"]
+__all__ = ["TINY_OPT", "make_byte_tokenizer", "make_tiny_model", "make_tiny_opt"]
 
 #: A pre-LayerNorm OPT (like opt-125m), small enough for a test to build in a second.
 TINY_OPT: dict[str, Any] = {
@@ -101,6 +101,73 @@ def make_tiny_opt(
         torch.save(state, path / "pytorch_model.bin")
     else:
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    if tokenizer:
+        make_byte_tokenizer(path, vocab_size=min(320, hf_config.vocab_size))
+    return path
+
+
+#: Tiny configs, by model type, for ``make_tiny_model`` (Llama-shaped ones share most fields).
+_TINY_LLAMA = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "tie_word_embeddings": False,
+    # Ten times transformers' default: peaked distributions, so a numerical slip shows.
+    "initializer_range": 0.2,
+}
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": _TINY_LLAMA,
+    "mistral": {**_TINY_LLAMA, "sliding_window": 6},
+    "qwen2": {**_TINY_LLAMA, "tie_word_embeddings": True},
+    "gpt2": {
+        "vocab_size": 384,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 128,
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+        "initializer_range": 0.2,
+    },
+}
+
+
+def make_tiny_model(
+    path: Path | str,
+    model_type: str,
+    *,
+    tokenizer: bool = False,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **config: Any,
+) -> Path:
+    """Save a random model of ``model_type`` (``TINY_CONFIGS`` plus ``config``) with transformers' ``save_pretrained``.
+
+    Norm weights and biases are perturbed away from transformers' 1 and 0, so
+    tests comparing against transformers see them.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS.get(model_type, {}), **config})
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
     if tokenizer:
         make_byte_tokenizer(path, vocab_size=min(320, hf_config.vocab_size))
     return path
