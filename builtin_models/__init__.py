@@ -24,6 +24,7 @@ BUILTIN_ARCHITECTURES = {
     "LlamaForCausalLM": "builtin_models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "builtin_models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "builtin_models.llama:Qwen2ForCausalLM",
+    "GPT2LMHeadModel": "builtin_models.gpt2:GPT2LMHeadModel",
     "TransformersForCausalLM": "builtin_models.transformers_fallback:TransformersForCausalLM",
 }
 

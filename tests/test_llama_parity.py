@@ -139,3 +139,46 @@ def test_half_precision_stays_close_to_transformers(tmp_path, dtype):
     truth = exact(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     assert (ours - theirs).abs().max().item() <= 0.25
     assert (ours - truth).abs().max().item() <= 2 * (theirs - truth).abs().max().item() + 0.02
+
+
+# -- checkpoint layouts -------------------------------------------------------------------------
+
+
+def greedy(path: Path) -> list[list[int]]:
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+
+
+def test_sharded_checkpoint_with_an_index(tmp_path):
+    sharded = make_tiny_model(tmp_path / "sharded", "llama", seed=5, max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    assert greedy(sharded) == greedy(make_tiny_model(tmp_path / "whole", "llama", seed=5))
+
+
+def test_names_without_the_model_prefix_and_a_stored_rotary_buffer(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    original = make_tiny_model(tmp_path / "original", "llama", seed=6)
+    state = load_file(str(original / "model.safetensors"))
+    renamed = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    renamed["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old checkpoints stored it; it is computed
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file(renamed, str(bare / "model.safetensors"))
+    (bare / "config.json").write_text((original / "config.json").read_text())
+    assert greedy(bare) == greedy(original)
+
+
+def test_tied_embeddings_need_no_lm_head_and_untied_ones_do(tmp_path):
+    from safetensors.torch import load_file
+
+    tied = make_tiny_model(tmp_path / "tied", "qwen2", seed=7)
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    llm = LLM(str(tied), load_installed_plugins=False)
+    assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
+    untied = make_tiny_model(tmp_path / "untied", "llama", seed=7)
+    state = load_file(str(untied / "model.safetensors"))
+    assert "lm_head.weight" in state
+    assert not torch.equal(
+        LLM(str(untied), load_installed_plugins=False).model.lm_head.weight, state["model.embed_tokens.weight"]
+    )

@@ -1,0 +1,106 @@
+"""Builtin GPT-2 against transformers on the same weights, and the layouts of real GPT-2 checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel as HFGPT2
+
+from pluginhost import LLM, SamplingParams
+from pluginhost.testing import make_tiny_model
+
+TOLERANCE = 1e-4
+STEPS = 10
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11, 3, 9, 70], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8]]
+
+VARIANTS = {
+    "gpt2": {},
+    "attention scaled by inverse layer index": {"scale_attn_by_inverse_layer_idx": True},
+    "reordered and upcast attention": {"reorder_and_upcast_attn": True},
+    "unscaled attention, n_inner 80, exact gelu": {
+        "scale_attn_weights": False,
+        "n_inner": 80,
+        "activation_function": "gelu",
+    },
+    "untied head": {"tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def variant(request, tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt2-variant"), "gpt2", seed=1, **VARIANTS[request.param])
+
+
+def hf(path: Path) -> HFGPT2:
+    return HFGPT2.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def test_full_forward_matches_transformers(variant):
+    llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf(variant)
+    for ids in PROMPTS:
+        ours = llm.model.compute_logits(llm.model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0].log_softmax(-1)
+        theirs = reference(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
+def test_cached_batched_decoding_matches_transformers_at_every_step(variant):
+    llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
+    reference = hf(variant)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        generated = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.token_ids == generated.sequences[0, len(prompt) :].tolist()
+        steps = torch.stack(generated.logits)[:, 0].float().log_softmax(-1)
+        for step, candidates in zip(steps, out.logprobs, strict=True):
+            assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= TOLERANCE
+
+
+def greedy(path: Path) -> list[list[int]]:
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt2-ref"), "gpt2", seed=4)
+
+
+def test_the_original_checkpoint_layout(tmp_path, reference_dir):
+    """OpenAI's GPT-2 checkpoints: no ``transformer.`` prefix, causal-mask buffers, a ``.bin`` file."""
+    state = load_file(str(reference_dir / "model.safetensors"))
+    old = {name.removeprefix("transformer."): tensor for name, tensor in state.items()}
+    for i in range(2):
+        old[f"h.{i}.attn.bias"] = torch.tril(torch.ones(128, 128)).view(1, 1, 128, 128)
+        old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(old, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((reference_dir / "config.json").read_text())
+    assert greedy(tmp_path) == greedy(reference_dir)
+
+
+def test_sharded_checkpoint_with_an_index(tmp_path):
+    sharded = make_tiny_model(tmp_path / "sharded", "gpt2", seed=4, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    whole = make_tiny_model(tmp_path / "whole", "gpt2", seed=4)
+    assert greedy(sharded) == greedy(whole)
+
+
+def test_conv1d_weights_are_transposed_into_contiguous_linear_weights(reference_dir):
+    llm = LLM(str(reference_dir), load_installed_plugins=False, dtype="float32", device="cpu")
+    state = load_file(str(reference_dir / "model.safetensors"))
+    block = llm.model.transformer.h[0]
+    assert torch.equal(block.attn.c_attn.weight, state["transformer.h.0.attn.c_attn.weight"].t())
+    assert all(p.is_contiguous() for p in llm.model.parameters())
