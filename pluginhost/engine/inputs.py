@@ -97,7 +97,12 @@ class InputProcessor:
     def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         loaded = self._loaded
         if isinstance(prompt, Mapping):
+            text = prompt.get("prompt")
             prompt = _unwrap_prompt_dict(index, prompt)
+            if not isinstance(prompt, str) and isinstance(text, str):
+                # vLLM's TokensPrompt may carry the text the ids came from (the server's chat prompts):
+                # the ids are used, the text is kept as the request's prompt (for on_request hooks).
+                return text, self._check_ids(index, prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
