@@ -15,6 +15,7 @@ import torch
 
 from pluginhost import LLM, AsyncLLM, SamplingParams, hookimpl
 from pluginhost.demo import ensure_demo_model
+from pluginhost.errors import PluginHookError
 from pluginhost.logits_processors import LogitsProcessor, MoveDirectionality
 from pluginhost.server.app import build_app
 from pluginhost.testing.server import running_server
@@ -119,3 +120,25 @@ def test_a_token_prompt_may_carry_its_text(llm):
     # vLLM's TokensPrompt: the ids are generated from, the text is the request's prompt.
     out = llm.generate({"prompt": "hi", "prompt_token_ids": [2, 5]}, tagged(70, 1))[0]
     assert (out.prompt, out.prompt_token_ids) == ("hi", [2, 5])
+
+
+class BuggyValidation(ForceTag):
+    @classmethod
+    def validate_params(cls, params):
+        return params.extra_args["needed"]  # a KeyError when absent: the plugin's bug, not a refusal
+
+
+class BuggyValidationPlugin:
+    @hookimpl
+    def register_logits_processors(self, registry):
+        registry.add(BuggyValidation)
+
+
+def test_a_validate_params_failing_otherwise_than_with_valueerror_is_the_plugins_named_failure(tiny_opt):
+    llm = LLM(str(tiny_opt), plugins=[BuggyValidationPlugin()], load_installed_plugins=False, device="cpu")
+    with pytest.raises(PluginHookError, match=r"failed in validate_params: KeyError: 'needed'") as info:
+        llm.generate([[2, 5]], tagged(40, 2))
+    assert not isinstance(info.value, ValueError)  # not a refusal: the server answers 500, naming the plugin
+    assert (info.value.plugin, info.value.hook) == ("BuggyValidationPlugin", "register_logits_processors")
+    out = llm.generate([[2, 5]], SamplingParams(max_tokens=2, ignore_eos=True, extra_args={"tag": 40, "needed": 1}))
+    assert out[0].outputs[0].token_ids == [40, 40]

@@ -16,7 +16,7 @@ from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
-from pluginhost.errors import RequestRefusedError
+from pluginhost.errors import PluginHookError, RequestRefusedError
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -68,6 +68,13 @@ class InputProcessor:
                     plugin=processor.registered_by.name,
                     hook="register_logits_processors",
                 ) from None
+            except Exception as exc:  # a bug in the plugin, not a refusal: its failure, named
+                raise PluginHookError(
+                    f"{processor.describe()} failed in validate_params: {type(exc).__name__}: {exc}. "
+                    f"The request was not run. {processor.registered_by.remedy()}",
+                    plugin=processor.registered_by.name,
+                    hook="register_logits_processors",
+                ) from exc
         token_ids = request.prompt_token_ids
         max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
         total = len(token_ids) + max_tokens
