@@ -16,7 +16,7 @@ from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
-from pluginhost.errors import RequestRefusedError
+from pluginhost.errors import PluginHookError, RequestRefusedError
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -68,6 +68,13 @@ class InputProcessor:
                     plugin=processor.registered_by.name,
                     hook="register_logits_processors",
                 ) from None
+            except Exception as exc:  # a bug in the plugin, not a refusal: its failure, named
+                raise PluginHookError(
+                    f"{processor.describe()} failed in validate_params: {type(exc).__name__}: {exc}. "
+                    f"The request was not run. {processor.registered_by.remedy()}",
+                    plugin=processor.registered_by.name,
+                    hook="register_logits_processors",
+                ) from exc
         token_ids = request.prompt_token_ids
         max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
         total = len(token_ids) + max_tokens
@@ -97,7 +104,12 @@ class InputProcessor:
     def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         loaded = self._loaded
         if isinstance(prompt, Mapping):
+            text = prompt.get("prompt")
             prompt = _unwrap_prompt_dict(index, prompt)
+            if not isinstance(prompt, str) and isinstance(text, str):
+                # vLLM's TokensPrompt may carry the text the ids came from (the server's chat prompts):
+                # the ids are used, the text is kept as the request's prompt (for on_request hooks).
+                return text, self._check_ids(index, prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is an empty string; give some text or token ids")

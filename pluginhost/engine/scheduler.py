@@ -60,7 +60,9 @@ class Scheduler:
         self._rows: list[Sequence | None] = []
         self._free: list[int] = []  # rows freed since the last step, sorted
         self._added: list[AddedRequest] = []
-        self._removed: list[int] = []
+        #: Rows freed since the last ``BatchUpdate``: reported in the next one, even when steps without
+        #: admission, or with nothing left to run, come in between.
+        self._removed: set[int] = set()
         self._last_prefilled = False
 
     @property
@@ -98,6 +100,7 @@ class Scheduler:
         row, sequence.row = sequence.row, None
         self._rows[row] = None
         bisect.insort(self._free, row)
+        self._removed.add(row)
 
     def schedule(self) -> ScheduledStep | None:
         """Admit, place and compact; ``None`` when nothing runs."""
@@ -113,8 +116,8 @@ class Scheduler:
         update = None
         if self._added or self._removed or moves:
             moved = [(a, b, MoveDirectionality.UNIDIRECTIONAL) for a, b in moves]
-            update = BatchUpdate(len(rows), self._added, self._removed, moved)
-        self._added, self._removed = [], []
+            update = BatchUpdate(len(rows), self._added, sorted(self._removed), moved)
+        self._added, self._removed = [], set()
         moved_to = dict(moves)
         prefill = sorted(moved_to.get(r, r) for r in prefill_rows)
         return ScheduledStep(rows, prefill, update, moves)
@@ -123,7 +126,6 @@ class Scheduler:
 
     def _admit(self) -> list[int]:
         """Move waiting sequences into free rows (lowest first), then onto the end."""
-        self._removed = list(self._free)
         admitted: list[int] = []
         longest = 0
         while self.waiting and self.num_running < self.max_num_seqs:
@@ -136,11 +138,11 @@ class Scheduler:
             longest = max(longest, length)
             if self._free:
                 row = self._free.pop(0)
-                self._removed.remove(row)
                 self._rows[row] = sequence
             else:
                 row = len(self._rows)
                 self._rows.append(sequence)
+            self._removed.discard(row)  # a newcomer in a freed row: in ``added``, not in ``removed``
             sequence.row = row
             admitted.append(row)
             self._added.append((row, sequence.params, sequence.prompt_token_ids, sequence.token_ids))

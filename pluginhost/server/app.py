@@ -273,7 +273,7 @@ class _API:
             text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
             raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
-        prompt = {"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top))
         request_id = random_id("chatcmpl")
