@@ -115,7 +115,7 @@ FAULTS = {
     "missing config.json": (remove_config, "config.json is missing"),
     "invalid JSON": (invalid_json, "config.json is not valid JSON"),
     "no architectures": (no_architectures, "config.json names no architecture"),
-    "unknown architecture": (unknown_architecture, "Did you mean 'OPTForCausalLM'?"),
+    "unknown architecture": (unknown_architecture, "Did you mean 'OPTForCausalLM'"),
     "no weights": (no_weights, "No weights in"),
     "index naming a missing shard": (bad_index, "lists shard(s) that are missing: model-00002.safetensors"),
 }

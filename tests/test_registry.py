@@ -106,7 +106,7 @@ def test_vllm_style_registration_inside_a_hook_stays_in_that_engine():
 def test_unknown_architecture_names_close_matches_and_how_to_list():
     with pytest.raises(UnknownArchitectureError) as info:
         collect().get("OPTForCausalLm")
-    assert "Did you mean 'OPTForCausalLM'?" in str(info.value)
+    assert "Did you mean 'OPTForCausalLM'" in str(info.value)
     assert "pluginhost models" in str(info.value)
 
 
