@@ -26,17 +26,36 @@ OPT_125M = {
 }
 
 
-def checkpoint_dir() -> Path:
-    """The benchmark checkpoint, saved once with transformers' ``save_pretrained`` (fp32)."""
+#: A Llama of about the same size: 12 layers, hidden 768, grouped-query attention 12/4.
+LLAMA_12L = {
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+#: Benchmark models by name: (directory name, model type, config).
+MODELS = {"opt": ("opt-125m-random", "opt", OPT_125M), "llama": ("llama-12x768-gqa-random", "llama", LLAMA_12L)}
+
+
+def checkpoint_dir(model: str = "opt") -> Path:
+    """A benchmark checkpoint (``MODELS``), random weights saved once with ``save_pretrained`` (fp32)."""
+    name, model_type, config = MODELS[model]
     root = Path(os.environ.get("PLUGINHOST_BENCH_DIR", Path.home() / ".cache" / "pluginhost-bench"))
-    path = root / "opt-125m-random"
-    if not (path / "model.safetensors").is_file():
+    path = root / name
+    if not any(path.glob("*.safetensors")):
         import torch
-        from transformers import OPTConfig, OPTForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
-        model = OPTForCausalLM(OPTConfig(**OPT_125M))
-        model.save_pretrained(path)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).save_pretrained(path)
     return path
 
 
