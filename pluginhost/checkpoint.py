@@ -8,6 +8,14 @@ runs; a tensor that needs no conversion is handed over as it is.
 ``.bin`` files are read with ``torch.load(weights_only=True)``, which refuses
 pickled code. Files are only ever read.
 
+Before anything is read, every tensor is placed: it must come from exactly one
+file (the one the index names, when there is an index), no tensor may be
+larger than the model's largest parameter, and the whole must fit in the
+memory available. Weight files must lie inside the model directory (a
+Hugging Face cache snapshot's links into its ``blobs`` folder are fine);
+``allow_external`` lets an index or a link point elsewhere. Weights that are
+not finite are reported by name (or refused).
+
 Progress goes to a tqdm bar on stderr for checkpoints over 256 MiB; tqdm hides
 it when stderr is not a terminal, and ``TQDM_DISABLE=1`` hides it always.
 """
@@ -15,23 +23,30 @@ it when stderr is not a terminal, and ``TQDM_DISABLE=1`` hides it always.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import pickle
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
 from pluginhost.envflags import env_flag
-from pluginhost.errors import CheckpointError
+from pluginhost.errors import CheckpointError, ConfigError
+from pluginhost.model_dir import read_json
 
 __all__ = ["Checkpoint", "find_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _PROGRESS_MIN_BYTES = 256 * 2**20
+#: Names of non-finite tensors listed in a warning.
+_NONFINITE_SHOWN = 10
 
 
 @dataclass(frozen=True)
@@ -40,19 +55,37 @@ class Checkpoint:
 
     format: str  # "safetensors" or "bin"
     files: tuple[Path, ...]
+    #: With an index: tensor name -> the file the index names for it.
+    index: Mapping[str, Path] | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def tensors(self, *, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``."""
+    def tensors(
+        self,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_numel: int | None = None,
+        refuse_nonfinite: bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``.
+
+        ``max_numel``: the model's largest parameter; a larger tensor cannot be
+        this model's and is refused before anything is read.
+        """
         from tqdm.auto import tqdm
 
-        read = _read_safetensors if self.format == "safetensors" else _read_bin
+        if self.format == "safetensors":
+            plan = self._place_safetensors(max_numel, dtype)
+            reads = (pair for path in self.files for pair in _read_safetensors(path, plan[path]))
+        else:
+            reads = self._read_bins(max_numel)
         total = self.nbytes
         # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
         quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
+        nonfinite: list[str] = []
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(
             total=total,
@@ -62,48 +95,191 @@ class Checkpoint:
             disable=True if quiet else None,
             leave=False,
         ) as progress:
-            for path in self.files:
-                for name, tensor in read(path):
-                    progress.update(tensor.numel() * tensor.element_size())  # bytes read, as in the total
-                    if tensor.is_floating_point():
-                        tensor = tensor.to(device=device, dtype=dtype)
-                    else:
-                        tensor = tensor.to(device=device)
-                    yield name, tensor
+            for name, tensor in reads:
+                progress.update(tensor.numel() * tensor.element_size())  # bytes read, as in the total
+                if tensor.is_floating_point():
+                    tensor = _convert(name, tensor, device, dtype)
+                    # Checked in the engine's dtype: a value too large for it (fp32 -> fp16) counts too.
+                    if not bool(torch.isfinite(tensor).all()):
+                        if refuse_nonfinite:
+                            raise CheckpointError(
+                                f"Tensor {name} holds values that are not finite (inf or nan) in {dtype}: refused "
+                                "(refuse_nonfinite_weights is on)."
+                            )
+                        nonfinite.append(name)
+                else:
+                    tensor = _convert(name, tensor, device, None)
+                yield name, tensor
+        if nonfinite:
+            shown = ", ".join(nonfinite[:_NONFINITE_SHOWN]) + (" ..." if len(nonfinite) > _NONFINITE_SHOWN else "")
+            logger.warning(
+                "%d weight tensor(s) hold values that are not finite (inf or nan): %s. Generation from them is "
+                "garbage; is the checkpoint corrupt? (refuse_nonfinite_weights=True refuses such a checkpoint)",
+                len(nonfinite),
+                shown,
+            )
+
+    def _place_safetensors(self, max_numel: int | None, dtype: torch.dtype) -> dict[Path, list[str]]:
+        """Which tensors to read from which file, every tensor from exactly one place; checked before reading."""
+        from safetensors import SafetensorError, safe_open
+
+        where: dict[str, Path] = {}
+        plan: dict[Path, list[str]] = {}
+        total_bytes = 0
+        for path in self.files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
+                    names = list(f.keys())  # noqa: SIM118 - safe_open is not a mapping
+                    entries, _ = _safetensors_entries(raw)
+            except (SafetensorError, OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
+            kept = []
+            for name in names:
+                if self.index is not None and self.index.get(name) != path:
+                    listed = self.index.get(name)
+                    raise CheckpointError(
+                        f"Tensor {name} is in {path.name}, but the index places it in "
+                        f"{listed.name if listed else 'no file'}: a tensor must come from one place. "
+                        "Fix the index, or remove the stray copy."
+                    )
+                if name in where:
+                    raise CheckpointError(
+                        f"Tensor {name} is in both {where[name].name} and {path.name}: a tensor must come from one "
+                        "place. Remove the stray file (or add an index naming the right one)."
+                    )
+                numel = math.prod(entries[name]["shape"])
+                if max_numel is not None and numel > max_numel:
+                    raise CheckpointError(
+                        f"Tensor {name} in {path.name} has {numel:,} elements, more than any parameter of the model "
+                        f"({max_numel:,}): it is not this model's. Is it the right checkpoint?"
+                    )
+                where[name] = path
+                kept.append(name)
+                kind = entries[name]["dtype"]
+                total_bytes += numel * (dtype.itemsize if kind.startswith(("F", "BF")) else _STORED_BYTES.get(kind, 8))
+            plan[path] = kept
+        if self.index is not None:
+            absent = sorted(set(self.index) - set(where))
+            if absent:
+                raise CheckpointError(
+                    f"The index names {len(absent)} tensor(s) its shards do not hold: {', '.join(absent[:5])}"
+                    + (" ..." if len(absent) > 5 else "")
+                )
+        _check_memory(total_bytes)
+        return plan
+
+    def _read_bins(self, max_numel: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: dict[str, Path] = {}
+        for path in self.files:
+            for name, tensor in _read_bin(path):
+                if name in seen:
+                    raise CheckpointError(
+                        f"Tensor {name} is in both {seen[name].name} and {path.name}: "
+                        "a tensor must come from one place."
+                    )
+                if self.index is not None and self.index.get(name) != path:
+                    raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
+                if max_numel is not None and tensor.numel() > max_numel:
+                    raise CheckpointError(
+                        f"Tensor {name} in {path.name} has {tensor.numel():,} elements, more than any parameter of "
+                        f"the model ({max_numel:,}): it is not this model's."
+                    )
+                seen[name] = path
+                yield name, tensor
 
 
-def find_checkpoint(model_dir: Path) -> Checkpoint:
-    """Locate the weights: a safetensors index or files, else a ``.bin`` index or files."""
+#: Bytes per element of safetensors' non-floating dtypes (floating ones are converted to the engine's dtype).
+_STORED_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _check_memory(needed: int) -> None:
+    """Refuse a checkpoint that cannot fit in the memory available, before reading it."""
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise CheckpointError(
+            f"The weights need {needed / 2**30:.1f} GiB in memory and only {available / 2**30:.1f} GiB is "
+            "available. Free memory, use a smaller dtype (--dtype bfloat16) or a smaller model."
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    try:
+        return tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device=device)
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, MemoryError) or "alloc" in str(exc).lower() or "out of memory" in str(exc).lower():
+            raise CheckpointError(f"Out of memory while loading tensor {name} onto {device}: {exc}") from None
+        raise
+
+
+def find_checkpoint(model_dir: Path, *, allow_external: bool = False) -> Checkpoint:
+    """Locate the weights: a safetensors index or files, else a ``.bin`` index or files; every file checked."""
     for index_name, fmt in ((_SAFETENSORS_INDEX, "safetensors"), (_BIN_INDEX, "bin")):
         index = model_dir / index_name
         if index.is_file():
-            return Checkpoint(fmt, _files_from_index(index))
+            files, placement = _files_from_index(index, allow_external)
+            return Checkpoint(fmt, files, placement)
     safetensors = sorted(model_dir.glob("*.safetensors"))
     if safetensors:
-        return Checkpoint("safetensors", tuple(safetensors))
+        return Checkpoint("safetensors", tuple(_checked(model_dir, f, allow_external) for f in safetensors))
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
     if bins:
-        return Checkpoint("bin", tuple(bins))
+        return Checkpoint("bin", tuple(_checked(model_dir, f, allow_external) for f in bins))
     raise CheckpointError(
         f"No weights in {model_dir}: expected *.safetensors (or {_SAFETENSORS_INDEX}) "
         f"or pytorch_model*.bin (or {_BIN_INDEX})."
     )
 
 
-def _files_from_index(index: Path) -> tuple[Path, ...]:
+def _files_from_index(index: Path, allow_external: bool) -> tuple[tuple[Path, ...], dict[str, Path]]:
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        weight_map = read_json(index)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{index} is not a valid checkpoint index (needs a 'weight_map' object): {exc}") from None
-    files = tuple(index.parent / name for name in names)
-    missing = [f.name for f in files if not f.is_file()]
+    names = sorted(set(weight_map.values()))
+    missing = [name for name in names if not (index.parent / name).exists()]
     if missing:
         raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(missing)}.")
-    return files
+    files = {name: _checked(index.parent, index.parent / name, allow_external) for name in names}
+    return tuple(files.values()), {tensor: files[name] for tensor, name in weight_map.items()}
 
 
-def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked(model_dir: Path, path: Path, allow_external: bool) -> Path:
+    """``path`` if it is a regular file inside the model directory (or its Hugging Face cache blobs)."""
+    if not path.is_file():
+        if not path.exists():
+            raise CheckpointError(f"The weight file {path} is missing (or a link to nothing).")
+        raise CheckpointError(f"{path} is not a regular file: refusing to read it.")
+    if allow_external:
+        return path
+    real = path.resolve()
+    roots = [model_dir.resolve()]
+    if model_dir.resolve().parent.name == "snapshots":  # the Hugging Face cache: snapshots link to ../../blobs
+        roots.append(model_dir.resolve().parent.parent / "blobs")
+    if not any(real.is_relative_to(root) for root in roots):
+        raise CheckpointError(
+            f"The weight file {path} is {real}, outside the model directory {model_dir}: refused. Copy the "
+            "weights into the directory, or pass allow_external_weights=True (--allow-external-weights) if you "
+            "trust where they are."
+        )
+    return path
+
+
+def _read_safetensors(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -112,14 +288,18 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         # and never leaves a tensor backed by the file (rewriting or truncating it later is harmless).
         with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
             entries, data_start = _safetensors_entries(raw)
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in names:
                 entry = entries[name]
                 dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
                 if dtype is None or sys.byteorder != "little":  # what the direct read does not cover
                     yield name, f.get_tensor(name).clone()
                     continue
                 offset = data_start + entry["data_offsets"][0]
-                yield name, _read_into(raw, offset, torch.empty(entry["shape"], dtype=dtype), path)
+                try:
+                    empty = torch.empty(entry["shape"], dtype=dtype)
+                except RuntimeError as exc:  # more than the machine can allocate
+                    raise CheckpointError(f"Out of memory reading tensor {name} of {path}: {exc}") from None
+                yield name, _read_into(raw, offset, empty, path)
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
 

@@ -68,6 +68,18 @@ class EngineConfig(BaseModel):
         description="Most sequences waiting to run; more are refused (a server answers 503) instead of queued.",
     )
     seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
+    max_logprobs: int = Field(
+        default=20,
+        ge=0,
+        description="Most log-probabilities a request may ask for per token (SamplingParams.logprobs).",
+    )
+    allow_external_weights: bool = Field(
+        default=False,
+        description="Read weight files that an index or a link places outside the model directory.",
+    )
+    refuse_nonfinite_weights: bool = Field(
+        default=False, description="Refuse a checkpoint holding inf or nan weights (by default: a warning naming them)."
+    )
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
 

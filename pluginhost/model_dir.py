@@ -1,13 +1,21 @@
-"""Reading a Hugging Face-format model directory's ``config.json``.
+"""Checking a Hugging Face-format model directory and reading its ``config.json``.
 
 Only data is read: ``trust_remote_code`` is never set, so no code from a model
-directory ever runs, and nothing is ever written into it.
+directory ever runs, and nothing is ever written into it. Before anything is
+read, the directory is checked: an entry that is not a regular file or folder
+(a FIFO, a socket, a device: reading one can hang forever) and a JSON file
+larger than any real one of its kind are refused. The config's sizes are
+checked before anything is built from them, so a config cannot make the
+engine build something absurd (ten million layers) or fail obscurely (a
+vocabulary of ``"300"``, zero heads).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,22 +24,79 @@ from pluginhost.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["apply_overrides", "load_hf_config", "model_directory", "read_config_json"]
+__all__ = [
+    "JSON_SIZE_LIMITS",
+    "apply_overrides",
+    "check_model_config",
+    "load_hf_config",
+    "model_directory",
+    "read_config_json",
+    "read_json",
+]
 
 logger = logging.getLogger(__name__)
 
+_MiB = 2**20
+#: The largest JSON file of each kind read from a model directory (tokenizers of the largest
+#: vocabularies are tens of MiB; configs a few KiB).
+JSON_SIZE_LIMITS = {
+    "config.json": 16 * _MiB,
+    "generation_config.json": 16 * _MiB,
+    "tokenizer_config.json": 16 * _MiB,
+    "special_tokens_map.json": 16 * _MiB,
+    "model.safetensors.index.json": 64 * _MiB,
+    "pytorch_model.bin.index.json": 64 * _MiB,
+    "tokenizer.json": 512 * _MiB,
+    "vocab.json": 512 * _MiB,
+}
 
-def model_directory(model: str) -> Path:
-    """The model directory as a path; an error if it is not an existing directory."""
+
+def model_directory(model: str | os.PathLike[str]) -> Path:
+    """The model directory as a path, checked (see the module docstring); a ``ConfigError`` says what is wrong."""
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"Model directory {model!r} does not exist. Pass the path of a directory holding config.json "
+            f"Model directory {str(model)!r} does not exist. Pass the path of a directory holding config.json "
             "and weights (for example a downloaded facebook/opt-125m)."
         )
     if not path.is_dir():
-        raise ConfigError(f"Model path {model!r} is a file; pass the directory that holds config.json.")
+        raise ConfigError(f"Model path {str(model)!r} is a file; pass the directory that holds config.json.")
+    try:
+        entries = list(path.iterdir())
+    except OSError as exc:
+        raise ConfigError(f"Cannot list model directory {path}: {exc.strerror or exc}.") from None
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode  # follows symlinks: a link to a FIFO is one too
+        except OSError:
+            continue  # a dangling link: reported by whatever needs the file
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(
+                f"{entry} is not a regular file (a FIFO, socket or device): reading it could hang. "
+                "Remove it from the model directory."
+            )
+        limit = JSON_SIZE_LIMITS.get(entry.name)
+        if limit is not None and entry.stat().st_size > limit:
+            raise ConfigError(
+                f"{entry} is {entry.stat().st_size / _MiB:.0f} MiB; a real {entry.name} is far smaller "
+                f"(at most {limit // _MiB} MiB is read). Is it the right file?"
+            )
     return path
+
+
+def read_json(path: Path) -> Any:
+    """The parsed JSON of ``path`` (within its size limit); one clear ``ConfigError`` for any problem."""
+    limit = JSON_SIZE_LIMITS.get(path.name, 16 * _MiB)
+    try:
+        if path.stat().st_size > limit:
+            raise ConfigError(f"{path} is larger than the {limit // _MiB} MiB read for a {path.name}.")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"Cannot read {path}: {exc}.") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests its JSON too deeply to be a real {path.name}.") from None
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -39,12 +104,7 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json.")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"Cannot read {path}: {exc}.") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}.")
     return data
@@ -75,6 +135,46 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
         raise ConfigError(f"{model_dir / 'config.json'} cannot be used as a {model_type} config: {exc}") from None
 
 
+#: Config sizes and their largest sane value: far above any real model, far below what would exhaust the machine.
+SIZE_LIMITS = {
+    "num_hidden_layers": 4096,
+    "n_layer": 4096,
+    "hidden_size": 2**17,
+    "n_embd": 2**17,
+    "intermediate_size": 2**20,
+    "ffn_dim": 2**20,
+    "n_inner": 2**20,
+    "num_attention_heads": 2**12,
+    "n_head": 2**12,
+    "num_key_value_heads": 2**12,
+    "head_dim": 2**12,
+    "vocab_size": 2**24,
+    "max_position_embeddings": 2**24,
+    "n_positions": 2**24,
+    "word_embed_proj_dim": 2**17,
+}
+
+
+def check_model_config(hf_config: PretrainedConfig) -> None:
+    """Refuse sizes no model has (wrong types, zero or negative, absurdly large) before anything is built."""
+    problems = []
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(hf_config, name, None)
+        if value is None and name in ("n_inner", "head_dim", "num_key_value_heads"):
+            continue  # optional: derived from the others
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"{name} is {value!r}, not a whole number")
+        elif not 0 < value <= limit:
+            problems.append(f"{name} is {value}, outside 1..{limit}")
+    if problems:
+        raise ConfigError(
+            f"The model config does not describe a model that can be built: {'; '.join(problems)}. "
+            "Fix config.json (or --hf-overrides)."
+        )
+
+
 def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], architecture: str | None) -> None:
     """Apply ``hf_overrides`` and the architecture override to ``hf_config`` in place."""
     for key, value in overrides.items():
@@ -83,8 +183,15 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
         setattr(hf_config, key, value)
     if architecture is not None:
         hf_config.architectures = [architecture]
-    if not getattr(hf_config, "architectures", None):
+    architectures = getattr(hf_config, "architectures", None)
+    if not architectures:
         raise ConfigError(
             "config.json names no architecture ('architectures' is missing or empty). "
             "Pass model_architecture_override (--model-architecture-override) with a registered architecture."
         )
+    if not isinstance(architectures, list) or not all(isinstance(a, str) and a for a in architectures):
+        raise ConfigError(
+            f"config.json's 'architectures' must be a list of class names such as [\"OPTForCausalLM\"], "
+            f"got {architectures!r}."
+        )
+    check_model_config(hf_config)

@@ -61,16 +61,9 @@ def test_plugin_assignments_are_attributed_to_the_plugin():
 
     config = EngineConfig(model="dir", seed=5)
     PluginHost(plugins=[SitePolicy()], load_installed=False).call("modify_config", config=config)
-    assert config.provenance == {
+    assert config.provenance == {name: "default" for name in EngineConfig.model_fields} | {
         "model": "user",
-        "model_architecture_override": "default",
-        "model_impl": "default",
-        "hf_overrides": "plugin:SitePolicy",
-        "dtype": "default",
-        "device": "default",
-        "max_model_len": "plugin:SitePolicy",
-        "max_num_seqs": "default",
-        "max_num_batched_tokens": "default",
-        "max_waiting_seqs": "default",
         "seed": "user",
+        "hf_overrides": "plugin:SitePolicy",
+        "max_model_len": "plugin:SitePolicy",
     }

@@ -59,6 +59,11 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.logprobs is not None and params.logprobs > loaded.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} is more than this engine allows ({loaded.config.max_logprobs}): "
+                "ask for fewer, or raise max_logprobs"
+            )
         for processor in loaded.logits_processors:
             try:
                 processor.cls.validate_params(params)

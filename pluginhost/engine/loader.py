@@ -78,7 +78,7 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
         raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
     plan = plan_build(config, host)
     tokenizer = load_tokenizer(plan.model_dir)
-    checkpoint = find_checkpoint(plan.model_dir)
+    checkpoint = find_checkpoint(plan.model_dir, allow_external=config.allow_external_weights)
     model_class = plan.registry.resolve(plan.architecture)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, plan.hf_config, device)
@@ -86,7 +86,11 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
-    loaded = model.load_weights(checkpoint.tensors(dtype=dtype, device=device))
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    weights = checkpoint.tensors(
+        dtype=dtype, device=device, max_numel=largest, refuse_nonfinite=config.refuse_nonfinite_weights
+    )
+    loaded = model.load_weights(weights)
     _check_loaded(model, loaded, plan.model_dir)
     model.eval().requires_grad_(False)
     host.call("post_load", config=config, model=model)
