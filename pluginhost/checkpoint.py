@@ -131,6 +131,8 @@ class Checkpoint:
                 with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
                     names = list(f.keys())  # noqa: SIM118 - safe_open is not a mapping
                     entries, _ = _safetensors_entries(raw)
+            except MemoryError as exc:
+                raise CheckpointError(_too_big(path, exc)) from None
             except (SafetensorError, OSError, ValueError, KeyError) as exc:
                 raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
             kept = []
@@ -300,8 +302,15 @@ def _read_safetensors(path: Path, names: list[str]) -> Iterator[tuple[str, torch
                 except RuntimeError as exc:  # more than the machine can allocate
                     raise CheckpointError(f"Out of memory reading tensor {name} of {path}: {exc}") from None
                 yield name, _read_into(raw, offset, empty, path)
+    except MemoryError as exc:
+        raise CheckpointError(_too_big(path, exc)) from None
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
+
+
+def _too_big(path: Path, exc: BaseException) -> str:
+    size = path.stat().st_size / 2**30
+    return f"Cannot read {path} ({size:.1f} GiB): not enough memory ({exc}). Free memory, or use a smaller model."
 
 
 #: safetensors' dtype names that map one to one onto torch dtypes (little-endian, as the format is).

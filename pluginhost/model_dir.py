@@ -131,8 +131,9 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
             config = PretrainedConfig.from_dict(data)
         config.name_or_path = str(model_dir)  # as from_pretrained records it
         return config
-    except (ValueError, TypeError, OSError) as exc:
-        raise ConfigError(f"{model_dir / 'config.json'} cannot be used as a {model_type} config: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' configs validate their fields with many error types
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"{model_dir / 'config.json'} cannot be used as a {model_type} config: {detail}") from None
 
 
 #: Config sizes and their largest sane value: far above any real model, far below what would exhaust the machine.

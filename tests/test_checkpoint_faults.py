@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,77 @@ def bad_index(d: Path) -> None:
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
 
 
+def fifo_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")  # reading it would block forever
+
+
+def stray_copy_of_a_tensor(d: Path) -> None:
+    save_file({"model.decoder.final_layer_norm.weight": torch.zeros(32)}, str(d / "stray.safetensors"))
+
+
+def tensor_in_two_shards(d: Path) -> None:
+    tensors = load_file(str(d / "model.safetensors"))
+    first = dict(list(tensors.items())[:5])
+    save_file(first, str(d / "model-00001-of-00002.safetensors"))
+    save_file(tensors, str(d / "model-00002-of-00002.safetensors"))  # holds the first five again
+    (d / "model.safetensors").unlink()
+    weight_map = {name: "model-00002-of-00002.safetensors" for name in tensors}
+    weight_map.update({name: "model-00001-of-00002.safetensors" for name in first})  # the index says shard 1
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def index_outside_the_directory(d: Path) -> None:
+    outside = d.parent / "elsewhere.safetensors"
+    shutil.move(d / "model.safetensors", outside)
+    names = load_file(str(outside)).keys()
+    weight_map = {name: "../elsewhere.safetensors" for name in names}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def link_outside_the_directory(d: Path) -> None:
+    outside = d.parent / "elsewhere.safetensors"
+    shutil.move(d / "model.safetensors", outside)
+    (d / "model.safetensors").symlink_to(outside)
+
+
+def huge_declared_tensor(d: Path) -> None:
+    """A header declaring 6 GB of data in a sparse file: nothing must be read before it is refused."""
+    shape = [50_000, 30_000]
+    header = json.dumps(
+        {
+            "model.decoder.layers.0.huge.weight": {
+                "dtype": "F32",
+                "shape": shape,
+                "data_offsets": [0, 4 * shape[0] * shape[1]],
+            }
+        }
+    )
+    header += " " * (-len(header) % 8)
+    with (d / "model-huge.safetensors").open("wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header.encode())
+        f.truncate(8 + len(header) + 4 * shape[0] * shape[1])
+
+
+def edit_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        config = json.loads((d / "config.json").read_text())
+        change(config)
+        (d / "config.json").write_text(json.dumps(config))
+
+    return damage
+
+
+def huge_config(d: Path) -> None:
+    (d / "config.json").write_text('{"architectures": ["OPTForCausalLM"], "junk": [' + "0," * 9_000_000 + "0]}")
+
+
+def deeply_nested_config(d: Path) -> None:
+    (d / "config.json").write_text(
+        '{"architectures": ["OPTForCausalLM"], "junk": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
+
+
 FAULTS = {
     "missing tensor": (drop_tensor, "lacks 1 tensor(s) the model needs: decoder.layers.1.fc2.weight"),
     "missing part of q/k/v": (
@@ -118,6 +190,26 @@ FAULTS = {
     "unknown architecture": (unknown_architecture, "Did you mean 'OPTForCausalLM'"),
     "no weights": (no_weights, "No weights in"),
     "index naming a missing shard": (bad_index, "lists shard(s) that are missing: model-00002.safetensors"),
+    "weights that are a FIFO": (fifo_weights, "is not a regular file (a FIFO, socket or device)"),
+    "a tensor in two files": (stray_copy_of_a_tensor, "is in both model.safetensors and stray.safetensors"),
+    "a tensor in two shards": (tensor_in_two_shards, "but the index places it in model-00001-of-00002.safetensors"),
+    "an index naming ../": (index_outside_the_directory, "outside the model directory"),
+    "a link out of the directory": (link_outside_the_directory, "outside the model directory"),
+    "a 6 GB tensor in a sparse file": (huge_declared_tensor, "more than any parameter of the model"),
+    "a vocabulary of '300'": (edit_config(lambda c: c.update(vocab_size="300")), "vocab_size"),
+    "2.0 layers": (edit_config(lambda c: c.update(num_hidden_layers=2.0)), "num_hidden_layers"),
+    "zero heads": (edit_config(lambda c: c.update(num_attention_heads=0)), "num_attention_heads"),
+    "negative hidden size": (edit_config(lambda c: c.update(hidden_size=-32)), "hidden_size"),
+    "ten million layers": (
+        edit_config(lambda c: c.update(num_hidden_layers=10_000_000)),
+        "num_hidden_layers is 10000000",
+    ),
+    "architectures a string": (edit_config(lambda c: c.update(architectures="OPTForCausalLM")), "architectures"),
+    "architectures [null]": (edit_config(lambda c: c.update(architectures=[None])), "architectures"),
+    "architectures [1]": (edit_config(lambda c: c.update(architectures=[1])), "architectures"),
+    "architectures an object": (edit_config(lambda c: c.update(architectures={"a": 1})), "architectures"),
+    "a 100 MB config.json": (huge_config, "a real config.json is far smaller"),
+    "deeply nested JSON": (deeply_nested_config, "nests its JSON too deeply"),
 }
 
 
@@ -175,3 +267,70 @@ def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt_no_to
     assert "it holds pickled objects other than tensors" in capsys.readouterr().err
     assert not marker.exists()
     assert snapshot(model) == before
+
+
+# -- what the table above cannot express: warnings, opt-ins, limits -------------------------
+
+
+def test_non_finite_weights_are_named_in_a_warning_or_refused(broken_copy, caplog):
+    edit_tensors(broken_copy, lambda t: t["model.decoder.layers.0.fc2.bias"].__setitem__(3, float("inf")))
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        LLM(str(broken_copy), load_installed_plugins=False)
+    assert "not finite" in caplog.text and "model.decoder.layers.0.fc2.bias" in caplog.text
+    with pytest.raises(PluginhostError, match="model.decoder.layers.0.fc2.bias holds values that are not finite"):
+        LLM(str(broken_copy), load_installed_plugins=False, refuse_nonfinite_weights=True)
+
+
+def test_weights_outside_the_directory_load_when_allowed(broken_copy):
+    link_outside_the_directory(broken_copy)
+    llm = LLM(str(broken_copy), load_installed_plugins=False, allow_external_weights=True)
+    assert llm.generate([[2, 5]])[0].token_ids
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs(tiny_opt, tmp_path):
+    """The Hugging Face cache's layout: snapshots/<rev>/model.safetensors -> ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot_dir, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot_dir.mkdir(parents=True)
+    blobs.mkdir()
+    for f in tiny_opt.iterdir():
+        blob = blobs / hashlib.sha256(f.name.encode()).hexdigest()
+        shutil.copy(f, blob)
+        (snapshot_dir / f.name).symlink_to(os.path.relpath(blob, snapshot_dir))
+    assert LLM(str(snapshot_dir), load_installed_plugins=False).generate([[2, 5]])[0].token_ids
+
+
+def test_weights_larger_than_the_memory_available_are_one_clear_error(broken_copy, monkeypatch, capsys):
+    import pluginhost.checkpoint
+
+    monkeypatch.setattr(pluginhost.checkpoint, "_available_memory", lambda: 1000)
+    with pytest.raises(PluginhostError, match=r"The weights need .* GiB in memory and only 0.0 GiB is available"):
+        LLM(str(broken_copy), load_installed_plugins=False)
+    assert main(["generate", "--model", str(broken_copy), "--prompt", "Hi", "--no-plugins"]) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [edit_config(lambda c: c.update(num_hidden_layers=10_000_000)), huge_config, huge_declared_tensor],
+    ids=["ten million layers", "100 MB config.json", "6 GB tensor"],
+)
+def test_a_config_or_checkpoint_cannot_run_the_machine_out_of_memory(broken_copy, damage):
+    """In a process limited to 3 GiB and 60 s: refused in a moment, exit 2, whatever the directory claims."""
+    import resource
+    import subprocess
+    import sys
+
+    damage(broken_copy)
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pluginhost", "generate", "--model", str(broken_copy), "--prompt", "Hi", "--no-plugins"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limits,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
