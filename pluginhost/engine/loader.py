@@ -9,14 +9,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pluginhost.build import plan_build
 from pluginhost.checkpoint import find_checkpoint
@@ -152,55 +151,55 @@ def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
     return config.max_model_len
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+class _Constructing(TorchFunctionMode):
+    """While a model is constructed, in this thread only: tensors a factory would make in the
+    default float dtype are made in the engine's dtype, and in-place changes of meta tensors
+    (the weight initialisations, which the checkpoint replaces) are skipped.
 
-
-_INIT_FUNCTIONS = (
-    "uniform_",
-    "normal_",
-    "trunc_normal_",
-    "constant_",
-    "ones_",
-    "zeros_",
-    "eye_",
-    "dirac_",
-    "xavier_uniform_",
-    "xavier_normal_",
-    "kaiming_uniform_",
-    "kaiming_normal_",
-    "orthogonal_",
-    "sparse_",
-)
-
-
-@contextmanager
-def _no_weight_init() -> Iterator[None]:
-    """Skip ``torch.nn.init`` while constructing: every parameter is about to come from the checkpoint.
-
-    Besides the wasted work, initialising meta tensors imports torch's Python
-    decompositions, which costs seconds of start-up.
+    The same effect as ``torch.set_default_dtype`` plus switching ``torch.nn.init`` off, without
+    touching process-wide state that other threads see (they may be creating tensors meanwhile).
+    Skipping the initialisations also spares importing torch's meta decompositions (seconds).
     """
-    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.factories = _FACTORIES
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
+            if args[0].is_meta:
+                return args[0]
+        result = func(*args, **kwargs)
+        if (
+            func in self.factories
+            and kwargs.get("dtype") is None
+            and isinstance(result, torch.Tensor)
+            and result.dtype is torch.get_default_dtype()
+            and result.dtype is not self.dtype
+        ):
+            result = result.to(self.dtype)
+        return result
+
+
+def _factories() -> frozenset:
     try:
-        for name in _INIT_FUNCTIONS:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(torch.nn.init, name, function)
+        from torch.utils._device import _device_constructors
+
+        return frozenset(_device_constructors())
+    except (ImportError, AttributeError):  # torch moved it: the common factories
+        return frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.tensor})
+
+
+_FACTORIES = _factories()
 
 
 def _construct(model_class: type, registration: Registration, hf_config: Any, dtype: torch.dtype) -> nn.Module:
     """Build the model on the meta device: no memory until its weights arrive."""
     try:
-        with torch.device("meta"), _default_dtype(dtype), _no_weight_init():
+        with torch.device("meta"), _Constructing(dtype):
             return model_class(hf_config)
     except Exception as exc:
         raise ModelClassError(
