@@ -8,6 +8,7 @@ Each field remembers who set it last: ``default``, ``user`` or
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
@@ -82,6 +83,12 @@ class EngineConfig(BaseModel):
     )
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path_as_str(cls, value: Any) -> Any:
+        # A pathlib.Path (any os.PathLike) is the natural thing to pass; keep the field a str.
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("model")
     @classmethod

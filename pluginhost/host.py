@@ -37,7 +37,7 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -49,6 +49,7 @@ from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatc
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.envflags import env_flag
 from pluginhost.errors import (
+    ConfigError,
     PluginError,
     PluginHookError,
     PluginLoadError,
@@ -141,7 +142,7 @@ class PluginHost:
         selection: PluginSelection | None = None,
         skip_broken: bool | None = None,
     ) -> None:
-        self._in_process = list(plugins)
+        self._in_process = _checked_in_process(plugins)
         self._load_installed = load_installed
         self._selection = selection
         self._skip_broken = skip_broken
@@ -525,6 +526,23 @@ def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _checked_in_process(plugins: Sequence[object]) -> list[object]:
+    """``plugins`` as a list, or one ``ConfigError`` (a ``ValueError``) saying what is wrong with it."""
+    if isinstance(plugins, str | bytes | Mapping) or not isinstance(plugins, Iterable):
+        raise ConfigError(
+            f"plugins must be a list of plugin objects (modules, classes or instances with @hookimpl "
+            f"functions, or register() functions), got {type(plugins).__name__}: {plugins!r:.80}"
+        )
+    for i, plugin in enumerate(plugins):
+        if plugin is None or isinstance(plugin, str | bytes | int | float | bool):
+            raise ConfigError(
+                f"plugins[{i}] is {plugin!r:.80}, not a plugin: pass the plugin object itself (a module, class or "
+                "instance with @hookimpl functions, or a register() function); installed plugins are chosen by "
+                "name with PLUGINHOST_PLUGINS or --plugins instead"
+            )
+    return list(plugins)
 
 
 def _in_process_name(plugin: object) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,8 +74,12 @@ def test_unseeded_requests_follow_the_engine_seed(tiny_opt):
     [
         SamplingParams(max_tokens=8, temperature=0.7, top_k=1, seed=1, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.7, top_p=1e-6, seed=1, ignore_eos=True),
+        # Below float32's smallest value: these once ended in "probability tensor contains inf or nan".
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1e-300, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1e-300, top_p=1e-300, min_p=1e-300, seed=1, ignore_eos=True),
     ],
-    ids=["top_k=1", "tiny top_p"],
+    ids=["top_k=1", "tiny top_p", "top_p=1e-300", "temperature=1e-300", "all 1e-300"],
 )
 def test_top_k_1_and_tiny_top_p_are_greedy(llm, params):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -394,6 +399,11 @@ def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
         ([[2, 5.0]], None, "must hold only int token ids"),
         ([], None, "no prompts given"),
         ([[2, 5]], [SamplingParams(), SamplingParams()], "one per prompt"),
+        # Once taken as token ids, a list of keys, or a TypeError.
+        (b"hello", None, "prompts must be a string, a list of token ids, or a list of prompts, got bytes"),
+        ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),
+        (None, None, "got NoneType"),
+        ([None], None, "prompt 0 must be a string, a list of token ids or a prompt dict, got NoneType"),
     ],
 )
 def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompts, params, message):
@@ -413,6 +423,7 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
         ({"top_k": -2}, "top_k must be an integer >= 0"),
         ({"logprobs": -2}, "logprobs must be None or an integer >= 0"),
         ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of token ids >= 0"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids >= 0, got 5"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error(kwargs, message):
@@ -426,6 +437,30 @@ def test_text_prompt_without_a_tokenizer(tiny_opt_no_tokenizer):
         llm.generate(["Hello"])
     out = llm.generate([[2, 5, 9]], SamplingParams(max_tokens=3))[0]
     assert out.text is None and len(out.token_ids) >= 1
+
+
+def test_the_model_may_be_a_path(tiny_opt, llm):
+    by_path = LLM(Path(tiny_opt), load_installed_plugins=False)
+    assert by_path.config.model == str(tiny_opt)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert by_path.generate(PROMPTS, params)[0].token_ids == llm.generate(PROMPTS, params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("plugins", "message"),
+    [
+        ([None], r"plugins\[0\] is None, not a plugin"),
+        (
+            [object, "my_plugin"],
+            r"plugins\[1\] is 'my_plugin', not a plugin: .* chosen by name with PLUGINHOST_PLUGINS",
+        ),
+        ("my_plugin", "plugins must be a list of plugin objects .* got str"),
+        ({"name": object}, "plugins must be a list of plugin objects .* got dict"),
+    ],
+)
+def test_plugins_that_are_not_plugin_objects_are_one_value_error(tiny_opt, plugins, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_opt), plugins=plugins, load_installed_plugins=False)
 
 
 def test_invalid_engine_settings_are_one_clear_error(tiny_opt):

@@ -138,6 +138,7 @@ def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tens
         probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
         drop_sorted = probs.cumsum(dim=-1) - probs >= p.top_p
+        drop_sorted[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[0]
