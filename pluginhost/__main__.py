@@ -1,5 +1,5 @@
 """``python -m pluginhost``: the same as the ``pluginhost`` command."""
 
-from pluginhost.cli import main
+from pluginhost.cli import run
 
-raise SystemExit(main())
+run()

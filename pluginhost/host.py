@@ -57,7 +57,7 @@ from pluginhost.errors import (
     RequestRefusedError,
 )
 from pluginhost.registry import BUILTIN_PLUGIN, ArchitectureRegistry, ModelRegistry, builtin_ref, collecting_into
-from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection
+from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection, normalize_name
 
 if TYPE_CHECKING:
     from pluginhost.logits_processors import LogitsProcessorRegistry
@@ -221,8 +221,16 @@ class PluginHost:
     def _import_installed(self, pm: pluggy.PluginManager) -> list[tuple[PluginRecord, object | None]]:
         installed = discover_installed()
         selection = self._selection or PluginSelection.from_env()
+        builtin_name = normalize_name(BUILTIN_PLUGIN)
+        if builtin_name in selection.deny:
+            raise PluginSelectionError(
+                f"{selection.deny[builtin_name]} names {BUILTIN_PLUGIN!r}, pluginhost's own builtin architectures, "
+                "which cannot be disabled. To replace a builtin architecture, register your own under the same "
+                "name from a plugin (it overrides the builtin); to skip installed plugins, use --no-plugins."
+            )
         pairs = [(p.name, p.distribution) for p in installed]
-        unmatched = selection.unmatched_allowed(pairs)
+        # The builtins always load: naming them in an allow-list is not a mistake.
+        unmatched = [n for n in selection.unmatched_allowed(pairs) if normalize_name(n) != builtin_name]
         if unmatched:
             names = ", ".join(f"{p.name} ({p.distribution})" for p in installed) or "none"
             raise PluginSelectionError(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -98,3 +100,42 @@ def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_opt_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_opt(tmp_path_factory.mktemp("tiny-opt-no-tok"), tokenizer=False)
+
+
+RunPluginhost = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def run_pluginhost() -> RunPluginhost:
+    """Run ``python -m pluginhost ARGS`` in a fresh process, bounded in time and memory.
+
+    The fault harness for whatever must be seen from outside: exit statuses, what
+    reaches stdout and stderr, a process that must end. The child sees this test's
+    environment (``env`` adds to it) and ``sys.path``, so plugins installed with
+    ``install_plugin`` are installed there too. ``stdout`` may be a file or file
+    descriptor to write to instead of capturing. A run past ``timeout`` seconds
+    fails the test (``subprocess.TimeoutExpired``); past ``memory_gib`` of address
+    space the child fails to allocate.
+    """
+
+    def run(
+        *args: str | bytes,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        memory_gib: float = 3,
+        stdout: object = subprocess.PIPE,
+    ) -> subprocess.CompletedProcess[str]:
+        limit = int(memory_gib * 2**30)
+        child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+        return subprocess.run(
+            [sys.executable, "-m", "pluginhost", *args],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=timeout,
+            env=child_env,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        )
+
+    return run

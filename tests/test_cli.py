@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,8 @@ def test_config_table(capsys, tiny_opt):
             "Did you mean 'OPTForCausalLM'",
         ),
         (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
+        (["plugins", "--disable-plugin", "builtin_models"], "pluginhost's own builtin architectures, which cannot"),
+        (["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", "ab\udcff"], "--prompt 2 is not valid UTF-8"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_no_traceback(capsys, tiny_opt, argv, message):
@@ -156,7 +159,7 @@ def test_debug_shows_the_traceback(capsys):
 def test_internal_failure_exits_1(capsys, monkeypatch):
     import pluginhost.cli.commands as commands
 
-    def explode(args):
+    def explode(args, out):
         raise AttributeError("a bug")
 
     monkeypatch.setattr(commands, "list_plugins", explode)
@@ -193,3 +196,46 @@ def test_python_dash_m_is_the_same_command():
     )
     assert result.returncode == 0, result.stderr
     assert {row["architecture"] for row in json.loads(result.stdout)} == set(BUILTIN_ARCHITECTURES)
+
+
+def test_disabling_the_builtins_from_the_environment_is_one_clear_error(capsys, monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "other,builtin-models")
+    code, _, err = run(capsys, "models")
+    assert code == 2 and "PLUGINHOST_DISABLED_PLUGINS names 'builtin_models'" in err
+    monkeypatch.delenv("PLUGINHOST_DISABLED_PLUGINS")
+    code, out, _ = run(capsys, "models", "--plugins", "builtin_models")  # naming them in an allow-list is fine
+    assert code == 0 and "OPTForCausalLM" in out
+
+
+def test_undecodable_prompt_bytes_from_the_shell_exit_2(run_pluginhost):
+    result = run_pluginhost("generate", "--prompt", b"caf\xe9", "--no-plugins")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "error: --prompt 1 is not valid UTF-8 (byte 0xe9 at character 3); pass the prompt as UTF-8 text, "
+        "or check the terminal's or script's encoding\n"
+    )
+
+
+@pytest.mark.parametrize("where", ["closed pipe", "full disk"])
+def test_output_that_cannot_be_written_exits_2_with_a_message(run_pluginhost, where):
+    if where == "closed pipe":
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # what `| head` does once it has its lines
+        stdout, expected = write_end, "stdout was closed before the command finished"
+    else:
+        stdout, expected = os.open("/dev/full", os.O_WRONLY), "could not be written to stdout: No space left on device"
+    try:
+        result = run_pluginhost("models", "--no-plugins", stdout=stdout)
+    finally:
+        os.close(stdout)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: the output could not be written") and expected in result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+def test_an_unwritable_home_and_cache_do_not_stop_generation(run_pluginhost, tmp_path):
+    nowhere = "/dev/null/cannot-exist"  # under a file: not even root can create it
+    env = {"HOME": nowhere, "XDG_CACHE_HOME": nowhere, "HF_HOME": nowhere, "PLUGINHOST_CACHE_DIR": nowhere}
+    result = run_pluginhost("generate", "--prompt", "A plugin is", "--max-tokens", "3", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)[0]["token_ids"]) == 3

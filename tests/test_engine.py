@@ -439,6 +439,14 @@ def test_text_prompt_without_a_tokenizer(tiny_opt_no_tokenizer):
     assert out.text is None and len(out.token_ids) >= 1
 
 
+def test_logprobs_are_capped_by_max_logprobs(tiny_opt, llm):
+    with pytest.raises(ValueError, match=r"logprobs=21 is more than this engine allows \(20\): ask for fewer"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=21))
+    wide = LLM(str(tiny_opt), load_installed_plugins=False, max_logprobs=100)
+    out = wide.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=50))[0]
+    assert len(out.logprobs[0]) >= 50
+
+
 def test_the_model_may_be_a_path(tiny_opt, llm):
     by_path = LLM(Path(tiny_opt), load_installed_plugins=False)
     assert by_path.config.model == str(tiny_opt)

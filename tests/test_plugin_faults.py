@@ -91,6 +91,16 @@ FAULTS = {
         HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_model_len = -5\n",
         "invalid value: max_model_len: Input should be greater than 0",
     ),
+    "sys.exit at import": Fault("import sys\nsys.exit('no licence')\n", "SystemExit: no licence"),
+    "sys.exit in post_load": Fault(
+        HEADER + "import sys\n@hookimpl\ndef post_load(model):\n    sys.exit(0)\n", "post_load hook: SystemExit: 0"
+    ),
+    "BaseException in pre_load": Fault(
+        HEADER
+        + "class Halt(BaseException):\n    pass\n"
+        + "@hookimpl\ndef pre_load(config, model_class):\n    raise Halt('stop')\n",
+        "pre_load hook: Halt: stop",
+    ),
     "modify_config assigns an unknown field": Fault(
         HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_len = 5\n",
         "max_len: unknown setting",
@@ -181,3 +191,68 @@ def test_allow_list_naming_nothing_installed_exits_2_listing_what_is(install_plu
 def test_text_prompt_without_tokenizer_exits_2(capsys, tiny_opt_no_tokenizer):
     assert main(["generate", "--model", str(tiny_opt_no_tokenizer), "--prompt", "Hello"]) == 2
     assert "has no tokenizer files; pass token ids" in capsys.readouterr().err
+
+
+NOISY = """
+import os, sys
+from pluginhost import hookimpl
+print("noise at import")
+os.write(1, b"noise below Python\\n")
+
+@hookimpl
+def register_models(registry):
+    print("noise in register_models")
+
+@hookimpl
+def pre_load(config, model_class):
+    print("noise in pre_load")
+    sys.stdout.flush()
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plugins", "--json"], ["models", "--json"], ["config", "--model", "{tiny}", "--json"], ["generate", "--json"]],
+    ids=lambda argv: argv[0],
+)
+def test_a_plugin_printing_to_stdout_leaves_the_json_output_valid(install_plugin, run_pluginhost, tiny_opt, argv):
+    install_plugin("noisy", NOISY, dist="noisy-dist")
+    argv = [a.replace("{tiny}", str(tiny_opt)) for a in argv]
+    if argv[0] == "generate":
+        argv += ["--model", str(tiny_opt), "--prompt", "Hello", "--max-tokens", "2"]
+    result = run_pluginhost(*argv)
+    assert result.returncode == 0, result.stderr
+    json.loads(result.stdout)  # nothing but the result
+    assert "noise at import" in result.stderr and "noise below Python" in result.stderr
+
+
+def test_a_plugin_printing_in_process_goes_to_stderr(install_plugin, capsys):
+    install_plugin("noisy", NOISY, dist="noisy-dist")
+    assert main(["models", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert {row["architecture"] for row in json.loads(captured.out)} >= {"OPTForCausalLM"}
+    assert "noise in register_models" in captured.err
+
+
+LINGERING = (
+    HEADER
+    + """
+import threading, time
+threading.Thread(target=time.sleep, args=(600,), name="licence-heartbeat").start()  # not a daemon
+
+@hookimpl
+def post_load(model):
+    pass
+"""
+)
+
+
+@pytest.mark.parametrize("argv", [["plugins"], ["models", "--json"], ["generate", "--max-tokens", "2"]])
+def test_a_plugin_thread_does_not_keep_a_command_from_exiting(install_plugin, run_pluginhost, argv):
+    install_plugin("lingering", LINGERING, dist="lingering-dist")
+    if argv[0] == "generate":
+        argv = [*argv, "--prompt", "Hello"]
+    result = run_pluginhost(*argv, timeout=60)  # would wait 600 s for the thread
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "exiting without waiting for 1 thread(s) a plugin left running: licence-heartbeat" in result.stderr

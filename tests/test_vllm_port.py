@@ -177,36 +177,28 @@ def test_vllms_older_compute_logits_signature_is_refused_when_resolved(tiny_opt)
     assert "calls compute_logits(hidden_states)" in message
 
 
-def run_cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
-    env.pop("PLUGINHOST_PLUGINS", None)
-    env.pop("PLUGINHOST_DISABLED_PLUGINS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "pluginhost", *args], capture_output=True, text=True, timeout=120, env=env
-    )
+def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt_path: str, run_pluginhost):
+    def run_cli(*args: str):
+        path = os.pathsep.join([str(dummy_plugin_site), *sys.path])
+        return run_pluginhost(*args, env={"PYTHONPATH": path}, timeout=120)
 
-
-def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt_path: str):
-    listing = run_cli(dummy_plugin_site, "plugins", "--json")
+    listing = run_cli("plugins", "--json")
     assert listing.returncode == 0, listing.stderr
     record = next(r for r in json.loads(listing.stdout) if r["name"] == "register_dummy_model")
     assert (record["status"], record["hooks"], record["version"]) == ("loaded", ["register"], "0.1")
 
-    models = run_cli(dummy_plugin_site, "models", "--json")
+    models = run_cli("models", "--json")
     row = next(r for r in json.loads(models.stdout) if r["architecture"] == "MyOPTForCausalLM")
     assert (row["implementation"], row["registered_by"]) == (
         "vllm_add_dummy_model.my_opt:MyOPTForCausalLM",
         "register_dummy_model",
     )
 
-    generated = run_cli(
-        dummy_plugin_site, "generate", "--model", dummy_opt_path, "--prompt", "Hello", "--max-tokens", "4", "--json"
-    )
+    generated = run_cli("generate", "--model", dummy_opt_path, "--prompt", "Hello", "--max-tokens", "4", "--json")
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)[0]["token_ids"] == [0, 0, 0, 0]
 
     disabled = run_cli(
-        dummy_plugin_site,
         "generate",
         "--model",
         dummy_opt_path,

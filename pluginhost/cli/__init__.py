@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from pluginhost.errors import PluginhostError
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
@@ -200,8 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": commands.generate,
         "serve": commands.serve,
     }[args.command]
+    from pluginhost.cli.output import reserved_stdout
+
     try:
-        return handler(args)
+        with reserved_stdout() as out:
+            return handler(args, out)
     except (PluginhostError, ValueError) as exc:
         if args.debug:
             raise
@@ -218,3 +223,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+
+
+def run() -> None:
+    """The ``pluginhost`` console script: ``main`` and exit, whatever threads plugins left running.
+
+    A plugin may start a non-daemon thread (at import, in a hook); the interpreter would
+    wait for it forever after the command is done. Such threads are named on stderr and
+    not waited for.
+    """
+    code = main()
+    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if lingering:
+        logging.getLogger("pluginhost").warning(
+            "exiting without waiting for %d thread(s) a plugin left running: %s",
+            len(lingering),
+            ", ".join(t.name for t in lingering),
+        )
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    raise SystemExit(code)

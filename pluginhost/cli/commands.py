@@ -12,22 +12,23 @@ import sys
 from typing import Any
 
 from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
+from pluginhost.cli.output import ResultStream
 from pluginhost.cli.tables import format_table
 
 __all__ = ["generate", "list_models", "list_plugins", "serve", "show_config"]
 
 
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
+def _print_json(out: ResultStream, data: Any) -> None:
+    out.print(json.dumps(data, indent=2, default=str))
 
 
-def list_plugins(args: argparse.Namespace) -> int:
+def list_plugins(args: argparse.Namespace, out: ResultStream) -> int:
     host = make_host(args)
     host.load(strict=False)
     host.collect_models(strict=False)  # a plugin whose register_models raises shows as failed
     records = host.records
     if args.json:
-        _print_json([r.as_dict() for r in records])
+        _print_json(out, [r.as_dict() for r in records])
         return EXIT_OK
     rows = [
         [
@@ -41,17 +42,18 @@ def list_plugins(args: argparse.Namespace) -> int:
         ]
         for r in records
     ]
-    print(format_table(["NAME", "STATUS", "DISTRIBUTION", "VERSION", "HOOKS", "IMPORT", "REASON"], rows))
+    out.print(format_table(["NAME", "STATUS", "DISTRIBUTION", "VERSION", "HOOKS", "IMPORT", "REASON"], rows))
     return EXIT_OK
 
 
-def list_models(args: argparse.Namespace) -> int:
+def list_models(args: argparse.Namespace, out: ResultStream) -> int:
     host = make_host(args)
     host.load(strict=False)
     registry = host.collect_models(strict=False)
     entries = sorted(registry.entries(), key=lambda e: e.architecture)
     if args.json:
         _print_json(
+            out,
             [
                 {
                     "architecture": e.architecture,
@@ -64,7 +66,7 @@ def list_models(args: argparse.Namespace) -> int:
                     ],
                 }
                 for e in entries
-            ]
+            ],
         )
     else:
         rows = [
@@ -76,14 +78,14 @@ def list_models(args: argparse.Namespace) -> int:
             ]
             for e in entries
         ]
-        print(format_table(["ARCHITECTURE", "IMPLEMENTATION", "REGISTERED BY", "OVERRIDES"], rows))
+        out.print(format_table(["ARCHITECTURE", "IMPLEMENTATION", "REGISTERED BY", "OVERRIDES"], rows))
     failed = [r for r in host.records if r.status == "failed"]
     if failed and not args.json:
         print(f"\n{len(failed)} plugin(s) failed to load; see `pluginhost plugins`.", file=sys.stderr)
     return EXIT_OK
 
 
-def show_config(args: argparse.Namespace) -> int:
+def show_config(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.build import plan_build
     from pluginhost.config import EngineConfig
 
@@ -95,17 +97,21 @@ def show_config(args: argparse.Namespace) -> int:
         **plan.describe(),
     }
     if args.json:
-        _print_json(data)
+        _print_json(out, data)
         return EXIT_OK
     rows = [[name, json.dumps(value), data["provenance"][name]] for name, value in data["config"].items()]
-    print(format_table(["FIELD", "VALUE", "SET BY"], rows))
-    print(f"\narchitecture: {data['architecture']} -> {data['implementation']} (registered by {data['registered_by']})")
+    out.print(format_table(["FIELD", "VALUE", "SET BY"], rows))
+    out.print(
+        f"\narchitecture: {data['architecture']} -> {data['implementation']} (registered by {data['registered_by']})"
+    )
     return EXIT_OK
 
 
-def generate(args: argparse.Namespace) -> int:
+def generate(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.sampling import SamplingParams
 
+    for number, prompt in enumerate(args.prompt, 1):
+        _check_utf8(prompt, f"--prompt {number}")
     settings = engine_settings(args)
     if "model" not in settings:
         from pluginhost.demo import ensure_demo_model
@@ -126,26 +132,39 @@ def generate(args: argparse.Namespace) -> int:
     outputs = llm.generate(list(args.prompt), params)
     if args.json:
         _print_json(
+            out,
             [
                 {
                     "prompt": prompt,
-                    "text": out.text,
-                    "token_ids": out.token_ids,
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "finish_reason": out.finish_reason,
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "prompt_token_ids": result.prompt_token_ids,
+                    "finish_reason": result.finish_reason,
                 }
-                for prompt, out in zip(args.prompt, outputs, strict=True)
-            ]
+                for prompt, result in zip(args.prompt, outputs, strict=True)
+            ],
         )
         return EXIT_OK
-    for prompt, out in zip(args.prompt, outputs, strict=True):
-        print(f"prompt: {prompt!r}")
-        print(f"output: {out.text!r}")
-        print(f"tokens: {out.token_ids} ({out.finish_reason})\n")
+    for prompt, result in zip(args.prompt, outputs, strict=True):
+        out.print(f"prompt: {prompt!r}")
+        out.print(f"output: {result.text!r}")
+        out.print(f"tokens: {result.token_ids} ({result.finish_reason})\n")
     return EXIT_OK
 
 
-def serve(args: argparse.Namespace) -> int:
+def _check_utf8(text: str, what: str) -> None:
+    # Python decodes undecodable argv bytes to lone surrogates; they would fail deep in the tokenizer.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00  # surrogateescape keeps the byte in U+DC80..U+DCFF
+        raise UsageError(
+            f"{what} is not valid UTF-8 (byte 0x{byte:02x} at character {exc.start}); "
+            "pass the prompt as UTF-8 text, or check the terminal's or script's encoding"
+        ) from None
+
+
+def serve(args: argparse.Namespace, out: ResultStream) -> int:
     import os
     from pathlib import Path
 
