@@ -16,12 +16,16 @@ How each part maps onto transformers (5.x):
   transformers skips weight initialisation on meta, so nothing is allocated.
 * **Weights.** ``load_weights`` assigns checkpoint tensors to the wrapped
   model's parameters (and persistent buffers) by their state-dict names
-  (``builtin_models.weights.assign_weights``: names and shapes checked),
-  accepting checkpoints saved with or without the base model's prefix; it
-  ties the output embeddings as transformers does (a checkpoint holding only
-  one of two tied tensors is fine) and ignores the stale buffers old
-  checkpoints carry (``rotary_emb.inv_freq``, ``attn.bias``...: transformers'
-  own ``_keys_to_ignore_on_load_unexpected`` list plus the model's
+  (``builtin_models.weights.assign_weights``: names and shapes checked).
+  Names are mapped as ``from_pretrained`` maps them, with transformers' own
+  tables: legacy names (GPT-NeoX saves its head as ``embed_out``), with or
+  without the base model's prefix. Tensors transformers fuses or splits while
+  loading (``WeightConverter``s: per-expert MoE weights...) are refused with
+  a message saying so. Output embeddings are tied as transformers ties them
+  (a checkpoint holding only one of two tied tensors is fine), and the stale
+  buffers old checkpoints carry are skipped (``rotary_emb.inv_freq``,
+  ``attention.masked_bias``...: transformers' own
+  ``_keys_to_ignore_on_load_unexpected`` patterns plus the model's
   non-persistent buffers). Anything else unexpected is an error.
 * **Buffers.** Buffers transformers computes in ``__init__`` (rotary
   ``inv_freq``, GPT-J's sinusoid table...) were created on meta. They are
@@ -38,8 +42,9 @@ How each part maps onto transformers (5.x):
   uncached one (two rows of different lengths, a prefill then a decode
   step); where they disagree, or the architecture cannot use such a cache
   (recurrent layers, keys and values of different shapes, ALiBi models that
-  need a 2D mask), the cache is switched off with a warning and the engine
-  recomputes every step: slower, still correct.
+  need a 2D mask), the cache is switched off with a warning (the instance's
+  ``setup_caches`` becomes ``None``, which the engine reads as "no cache")
+  and the engine recomputes every step: slower, still correct.
 * **Masks.** The engine's (B, 1, T, S) mask goes to transformers as a custom
   4D additive mask (transformers returns 4D masks untouched, so it never
   builds a causal mask over the wrong length); positions go as
@@ -49,13 +54,17 @@ How each part maps onto transformers (5.x):
   ``{layer_type: mask}`` dict for models whose ``config.layer_types`` mix
   full and sliding layers (Gemma 2, Qwen 2...). Layer types without a known
   mask (chunked, linear attention) leave mask building to transformers,
-  uncached.
-* **Logits.** ``forward`` returns the base model's last hidden states;
-  ``compute_logits`` runs transformers' own ``*ForCausalLM.forward`` with
-  the base model's forward swapped for one that returns the given hidden
-  states, so whatever an architecture does after its decoder (the output
-  embeddings, logit soft-capping, logit scales, ...) is transformers' code,
-  not a copy of it that could drift.
+  uncached. Without the cache a causal mask (what the engine passes when it
+  recomputes) is left to transformers altogether.
+* **Logits.** ``forward`` returns the decoder's last hidden states, the
+  decoder being the module ``*ForCausalLM.forward`` calls for them (found at
+  load with hooks on one reference forward: ``model`` for most, OPT's
+  ``model.decoder``). ``compute_logits`` runs transformers' own
+  ``*ForCausalLM.forward`` with that module's forward swapped for one that
+  returns the given hidden states, so whatever an architecture does after
+  its decoder (output embeddings, logit soft-capping, logit scales...) is
+  transformers' code, not a copy that could drift. The load checks it
+  against the reference forward's logits.
 
 A plugin overrides the fallback by registering its own class under
 ``TransformersForCausalLM`` (typically a subclass of this one).

@@ -30,8 +30,9 @@ from pluginhost.testing import RegistersModel, make_tiny_opt
 TOLERANCE = 1e-4
 VOCAB = 384
 
-#: Tiny random models (hidden 32, 2 layers) of architectures only the fallback serves:
-#: (config class, model class, config fields).
+#: Tiny random models (hidden 32, 2 layers): (config class, model class, config fields). No builtin covers the
+#: first four; Mistral (every layer sliding) may get one, so the parity tests force the fallback
+#: (``model_impl="transformers"``) for all of them.
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt_neox (partial rotary, parallel residual)": (
         "GPTNeoXConfig",
@@ -60,9 +61,14 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "attn_logit_softcapping": 5.0,
         },
     ),
+    "mistral (sliding window of 4 on every layer)": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 2, "sliding_window": 4},
+    ),
 }
 
-#: Longer than gemma2's window: its sliding layers see only the last 4 positions.
+#: Longer than the windows of 4: sliding layers see only the last 4 positions.
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42]]
 
 
@@ -99,7 +105,7 @@ def model_dir(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pair(model_dir) -> tuple[LLM, transformers.PreTrainedModel]:
     """The fallback and transformers on one tiny model (the parity tests share them: they only read)."""
-    return fallback(model_dir), hf_model(model_dir)
+    return fallback(model_dir, model_impl="transformers"), hf_model(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +143,7 @@ def greedy(n: int, **kwargs: Any) -> SamplingParams:
 @torch.no_grad()
 def test_full_forward_matches_transformers(pair):
     llm, reference = pair
-    assert type(llm.model) is TransformersForCausalLM  # "auto": no registered model has this architecture
-    assert llm.registration.architecture == "TransformersForCausalLM"
+    assert type(llm.model) is TransformersForCausalLM
     for ids in PROMPTS:
         hidden = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None])
         ours = llm.model.compute_logits(hidden)[0].log_softmax(-1)
@@ -230,6 +235,18 @@ def test_forcing_the_fallback_for_opt_gives_the_native_tokens(opt_dir):
     assert ours == [hf_generate(reference, p, 10) for p in PROMPTS]
 
 
+def test_auto_picks_the_fallback_for_an_architecture_only_transformers_knows(neox_dir):
+    llm = fallback(neox_dir)  # model_impl="auto", the default
+    assert type(llm.model) is TransformersForCausalLM
+    assert llm.registration.architecture == "TransformersForCausalLM"
+    assert llm.architecture == "TransformersForCausalLM"
+    assert llm.hf_config.architectures == ["GPTNeoXForCausalLM"]
+    # Naming the fallback as the architecture works too: transformers then goes by the config's model_type.
+    named = fallback(neox_dir, model_architecture_override="TransformersForCausalLM")
+    assert type(named.model.hf_model).__name__ == "GPTNeoXForCausalLM"
+    assert named.generate(PROMPTS, greedy(5))[0].token_ids == llm.generate(PROMPTS, greedy(5))[0].token_ids
+
+
 def test_native_only_on_an_architecture_only_transformers_knows_says_to_use_auto(neox_dir):
     with pytest.raises(UnknownArchitectureError, match=r"transformers could build it: pass model_impl='auto'"):
         fallback(neox_dir, model_impl="native")
@@ -272,12 +289,14 @@ def rewrite(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 - a function of
 
 
 def test_old_checkpoint_names_and_stale_buffers_load(tmp_path, neox_dir):
-    """Legacy names (GPT-NeoX's embed_out), no base-model prefix, per-layer inv_freq: as from_pretrained reads them."""
+    """Legacy names (GPT-NeoX's embed_out), no base-model prefix, stale buffers: as from_pretrained reads them."""
 
     def edit(tensors):
         assert "embed_out.weight" in tensors  # transformers saves GPT-NeoX's head under its legacy name
         tensors = {k.removeprefix("gpt_neox."): v for k, v in tensors.items()}
         tensors["layers.0.attention.rotary_emb.inv_freq"] = torch.ones(4)
+        tensors["layers.1.attention.bias"] = torch.ones(1, 1, 128, 128, dtype=torch.bool).tril()  # as in Pythia
+        tensors["layers.1.attention.masked_bias"] = torch.tensor(-1e9)
         return tensors
 
     expected = [o.token_ids for o in fallback(neox_dir).generate(PROMPTS, greedy(6))]
