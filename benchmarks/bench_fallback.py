@@ -11,7 +11,7 @@ attention. The fallback runs the same transformers modules, so the difference
 is the engine around them (its static KV cache against transformers'
 ``DynamicCache``, one step loop against ``generate``'s). Target: not slower.
 
-    python benchmarks/bench_fallback.py [--runs 3] [--new-tokens 128] [--models opt,gpt_neox]
+    python benchmarks/bench_fallback.py [--runs 3] [--new-tokens 128] [--models opt,gpt_neox] [--threads N]
 """
 
 from __future__ import annotations
@@ -99,8 +99,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--models", default="opt,gpt_neox", help="comma-separated: opt, gpt_neox")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: all cores; 1 is steadier on a shared machine)"
+    )
     args = parser.parse_args()
     cores = setup_threads()
+    if args.threads:
+        torch.set_num_threads(cores := args.threads)
     print(f"machine: {machine()}; threads: {cores}")
     generator = torch.Generator().manual_seed(0)
     for model in args.models.split(","):

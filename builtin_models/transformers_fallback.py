@@ -166,8 +166,15 @@ class TransformersForCausalLM(nn.Module):
         return base if isinstance(base, nn.Module) else hf.get_decoder()
 
     @property
+    def _weight(self) -> Tensor:
+        """A parameter that tells the model's device and dtype: the input embeddings', else the first one."""
+        embeddings = self.hf_model.get_input_embeddings()
+        weight = getattr(embeddings, "weight", None)
+        return weight if isinstance(weight, Tensor) else next(self.hf_model.parameters())
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.hf_model.get_input_embeddings().weight.dtype
+        return self._weight.dtype
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, cache_rows: CacheRows | None = None, mask: Tensor | None = None
@@ -267,7 +274,7 @@ class TransformersForCausalLM(nn.Module):
         """One ``KVCache`` per layer that uses the cache, shaped as that layer's keys (found at load)."""
         if not self.cache_supported:
             raise ModelClassError(f"{type(self.hf_model).__name__} runs without a cache (see the load warning)")
-        device = self.hf_model.get_input_embeddings().weight.device
+        device = self._weight.device
         caches = {
             layer: KVCache(max_batch_size, heads, max_seq_len, head_dim, dtype=dtype, device=device)
             for layer, (heads, head_dim, dtype) in self._cache_layers.items()
@@ -365,7 +372,7 @@ class TransformersForCausalLM(nn.Module):
         from transformers import initialization
 
         hf = self.hf_model
-        device = hf.get_input_embeddings().weight.device
+        device = self._weight.device
         owners = []
         for module_name, module in hf.named_modules():
             meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
@@ -408,8 +415,8 @@ class TransformersForCausalLM(nn.Module):
     def _check_head_and_cache(self) -> None:
         """Find the decoder and check ``compute_logits`` on a reference forward, then find the cache layout."""
         hf = self.hf_model
-        device = hf.get_input_embeddings().weight.device
-        vocab = int(hf.get_input_embeddings().weight.shape[0])
+        device = self._weight.device
+        vocab = int(getattr(self.text_config, "vocab_size", None) or 2)
         ids = (torch.arange(8, device=device).view(2, 4) * 7 + 3) % vocab  # (2, 4)
         name, hidden, logits = _reference_forward(hf, ids)
         if name is None:
@@ -431,9 +438,11 @@ class TransformersForCausalLM(nn.Module):
             self.setup_caches = None
 
     def _find_cache_layout(self, ids: Tensor, full: Tensor) -> bool:
-        """Run two rows (4 and 3 tokens) through the cache: record each layer's cache shape; ``False`` if it fails.
+        """Run two rows through the cache as the engine does: record each layer's cache shape; ``False`` if it fails.
 
-        ``full``: the uncached hidden states of ``ids`` (2, 4), the reference.
+        Row 0: a prompt of 3 tokens, then its 4th decoded; row 1: a prompt of 2, right-padded to 3 in the
+        same prefill, then its 3rd decoded at position 2, over the padding's slot. ``full``: the uncached
+        hidden states of ``ids`` (2, 4), the reference.
         """
         name = type(self.hf_model).__name__
         if self._mask_mode == "own":
@@ -444,16 +453,16 @@ class TransformersForCausalLM(nn.Module):
             )
             return False
         device = ids.device
-        lengths = [4, 3]
         positions = torch.arange(4, device=device).expand(2, 4)
         probe = EngineCache(None, self._num_layers(), probe_shape=(2, 4))
         try:
-            # Prefill both rows right-padded to 3 tokens, then decode each row's next token.
+            prompts = ids[:, :3].clone()
+            prompts[1, 2] = (prompts[1, 2] + 1) % int(getattr(self.text_config, "vocab_size", None) or 2)  # padding
             causal = torch.ones(3, 3, dtype=torch.bool, device=device).tril()[None, None].expand(2, 1, 3, 3)
             probe.bind(torch.arange(2, device=device), positions[:, :3], 3, 3)
-            prefill = self._run(ids[:, :3], positions[:, :3], probe, causal)  # (2, 3, W)
+            prefill = self._run(prompts, positions[:, :3], probe, causal)  # (2, 3, W)
             probe.unbind()
-            step = torch.tensor([[lengths[0] - 1], [lengths[1] - 1]], device=device)  # (2, 1) positions 3 and 2
+            step = torch.tensor([[3], [2]], device=device)  # (2, 1): each row's next position
             step_ids = ids.gather(1, step)
             mask = (torch.arange(4, device=device)[None, :] <= step)[:, None, None, :]  # (2, 1, 1, 4)
             probe.bind(slice(0, 2), step, 4, 1)
@@ -469,7 +478,7 @@ class TransformersForCausalLM(nn.Module):
             return False
         expected_decode = torch.stack([full[0, 3], full[1, 2]])
         drift = max(
-            _relative_error(prefill[0], full[0, :3]),
+            _relative_error(prefill[0], full[0, :3]),  # row 1's third token was padding
             _relative_error(prefill[1, :2], full[1, :2]),
             _relative_error(decode, expected_decode),
         )

@@ -11,6 +11,7 @@ eager-attention model with logit soft-capping and sliding-window layers).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from builtin_models.kv_cache import KVCache
 from builtin_models.opt import OPTForCausalLM as NativeOPT
 from builtin_models.transformers_fallback import TransformersForCausalLM
 from pluginhost import LLM, AsyncLLM, SamplingParams
+from pluginhost.cli import main
 from pluginhost.errors import CheckpointError, UnknownArchitectureError
 from pluginhost.testing import RegistersModel, make_tiny_opt
 
@@ -247,6 +249,15 @@ def test_auto_picks_the_fallback_for_an_architecture_only_transformers_knows(neo
     assert named.generate(PROMPTS, greedy(5))[0].token_ids == llm.generate(PROMPTS, greedy(5))[0].token_ids
 
 
+def test_config_command_shows_the_fallback(neox_dir, capsys):
+    assert main(["config", "--model", str(neox_dir), "--no-plugins", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["architecture"] == "TransformersForCausalLM"
+    assert data["implementation"] == "builtin_models.transformers_fallback:TransformersForCausalLM"
+    assert main(["config", "--model", str(neox_dir), "--no-plugins", "--model-impl", "native"]) == 2
+    assert "pass model_impl='auto' (--model-impl auto)" in capsys.readouterr().err
+
+
 def test_native_only_on_an_architecture_only_transformers_knows_says_to_use_auto(neox_dir):
     with pytest.raises(UnknownArchitectureError, match=r"transformers could build it: pass model_impl='auto'"):
         fallback(neox_dir, model_impl="native")
@@ -342,3 +353,20 @@ def test_an_architecture_without_a_usable_cache_recomputes_and_stays_exact(tmp_p
     reference = hf_model(path)
     outs = llm.generate(PROMPTS, greedy(6))
     assert [o.token_ids for o in outs] == [hf_generate(reference, p, 6) for p in PROMPTS]
+
+
+def test_a_cache_that_disagrees_with_the_uncached_forward_is_switched_off(neox_dir, monkeypatch, caplog):
+    """The load-time check: a cache that writes every token to slot 0 (wrong) is caught; generation stays exact."""
+    update = KVCache.update
+
+    def slot_zero(cache, rows, positions, k, v, n_slots):
+        return update(cache, rows, torch.zeros_like(positions), k, v, n_slots)
+
+    monkeypatch.setattr(KVCache, "update", slot_zero)
+    with caplog.at_level(logging.WARNING, logger="builtin_models.transformers_fallback"):
+        llm = fallback(neox_dir)
+    assert not llm.model.cache_supported and llm.model.setup_caches is None and not llm.engine.runner.cached
+    assert "cached and uncached forwards disagree" in caplog.text
+    monkeypatch.undo()
+    reference = hf_model(neox_dir)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(6))] == [hf_generate(reference, p, 6) for p in PROMPTS]
