@@ -192,6 +192,18 @@ def test_internal_failure_exits_1(capsys, monkeypatch):
     assert code == 1 and "internal error: AttributeError: a bug" in err and "--debug" in err
 
 
+def test_a_reader_going_away_is_no_internal_error(capsys, monkeypatch):
+    """`pluginhost models --fallback | head -1`: stdout's reader closes early; no "internal error" message."""
+    import pluginhost.cli.commands as commands
+
+    def reader_gone(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(commands, "list_models", reader_gone)
+    code, _, err = run(capsys, "models")
+    assert code == 141 and err == ""
+
+
 def test_no_command_prints_help_and_exits_2(capsys):
     code, _, err = run(capsys)
     assert code == 2 and "usage: pluginhost" in err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from pluginhost.errors import PluginhostError
 __all__ = ["main"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
+#: The shells' status for a command killed by SIGPIPE (128 + 13), returned when stdout's reader went away.
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(PluginhostError):
@@ -215,6 +218,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`pluginhost models --fallback | head`): stop quietly, as a killed-by-SIGPIPE
+        # command would, and keep the interpreter's last flush of stdout from raising again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no real file (captured, closed)
+            pass
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - the last line of defence
         if args.debug:
             raise
