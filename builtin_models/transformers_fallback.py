@@ -1,9 +1,9 @@
 """``TransformersForCausalLM``: any causal LM transformers can build, in pluginhost's model interface.
 
 The fallback wraps the transformers model class the checkpoint's
-``config.json`` names (``config.architectures[0]``, else whatever
-``AutoModelForCausalLM`` maps the config's ``model_type`` to; never remote
-code) and runs it the way pluginhost runs its native models: built on the
+``config.json`` names (the first of ``config.architectures`` transformers
+has, else the class ``AutoModelForCausalLM`` maps the config's type to; never
+remote code) and runs it the way pluginhost runs its native models: built on the
 meta device, weights streamed in by pluginhost's checkpoint reader, the static
 per-row ``KVCache`` the engine grows and compacts, the engine's positions and
 masks, the engine's batching and sampling.
@@ -80,7 +80,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -105,9 +105,13 @@ _SELF_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 _SELF_CHECK_HALF_TOLERANCE = 5e-2
 
 
-def _transformers_class(config: Any) -> type[PreTrainedModel] | None:
-    """The transformers causal-LM class the config names, or ``None`` (then ``AutoModelForCausalLM`` decides)."""
+def _transformers_class(config: Any) -> type[PreTrainedModel]:
+    """The transformers causal-LM class the config names, else the one ``AutoModelForCausalLM`` maps its type to.
+
+    Only transformers' own classes: never remote code (a config's ``auto_map`` is not looked at).
+    """
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from pluginhost.build import transformers_causal_lms
 
@@ -117,7 +121,14 @@ def _transformers_class(config: Any) -> type[PreTrainedModel] | None:
             cls = getattr(transformers, name, None)
             if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
                 return cls
-    return None
+    try:  # e.g. the architecture is "TransformersForCausalLM" itself: go by the config's model_type
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ModelClassError(
+            f"transformers has no causal LM for this checkpoint: none of its architectures "
+            f"({', '.join(getattr(config, 'architectures', None) or []) or 'none'}) is a transformers causal-LM "
+            f"class, and AutoModelForCausalLM maps no class to model_type {getattr(config, 'model_type', None)!r}."
+        ) from None
 
 
 class TransformersForCausalLM(nn.Module):
@@ -134,14 +145,9 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         config = copy.deepcopy(config)  # transformers writes into it (attention implementation, ...)
         cls = _transformers_class(config)
-        supports_sdpa = getattr(cls or AutoModelForCausalLM, "_supports_sdpa", True) is not False
-        config._attn_implementation = "sdpa" if supports_sdpa else "eager"
-        if cls is not None:
-            hf_model = cls(config)
-        else:  # e.g. architectures names a class transformers does not have: go by model_type
-            hf_model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-            if hf_model.config._attn_implementation == "sdpa" and not getattr(hf_model, "_supports_sdpa", True):
-                hf_model.config._attn_implementation = "eager"
+        # SDPA where the class has it; eager otherwise (Gemma 2: SDPA has no attention soft-capping).
+        config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+        hf_model = cls(config)
         self.hf_model: PreTrainedModel = hf_model.eval()
         self.config = hf_model.config
         self.text_config = self.config.get_text_config()
