@@ -10,7 +10,7 @@ pickled code. Files are only ever read.
 
 Before anything is read, every tensor is placed: it must come from exactly one
 file (the one the index names, when there is an index), no tensor may be
-larger than the model's largest parameter, and the whole must fit in the
+larger than the whole model, and the whole must fit in the
 memory available. Weight files must lie inside the model directory (a
 Hugging Face cache snapshot's links into its ``blobs`` folder are fine);
 ``allow_external`` lets an index or a link point elsewhere. Weights that are
@@ -72,8 +72,10 @@ class Checkpoint:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``.
 
-        ``max_numel``: the model's largest parameter; a larger tensor cannot be
-        this model's and is refused before anything is read.
+        ``max_numel``: the model's size in elements (parameters and buffers); a larger
+        tensor cannot be this model's and is refused before anything is read. (Not the
+        largest parameter: an old checkpoint's stale buffer, a causal mask the model
+        skips, may be larger than any parameter of a small model.)
         """
         from tqdm.auto import tqdm
 
@@ -152,7 +154,7 @@ class Checkpoint:
                 numel = math.prod(entries[name]["shape"])
                 if max_numel is not None and numel > max_numel:
                     raise CheckpointError(
-                        f"Tensor {name} in {path.name} has {numel:,} elements, more than any parameter of the model "
+                        f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole model "
                         f"({max_numel:,}): it is not this model's. Is it the right checkpoint?"
                     )
                 where[name] = path
@@ -183,8 +185,8 @@ class Checkpoint:
                     raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
                 if max_numel is not None and tensor.numel() > max_numel:
                     raise CheckpointError(
-                        f"Tensor {name} in {path.name} has {tensor.numel():,} elements, more than any parameter of "
-                        f"the model ({max_numel:,}): it is not this model's."
+                        f"Tensor {name} in {path.name} has {tensor.numel():,} elements, more than the whole "
+                        f"model ({max_numel:,}): it is not this model's."
                     )
                 seen[name] = path
                 yield name, tensor

@@ -195,7 +195,7 @@ FAULTS = {
     "a tensor in two shards": (tensor_in_two_shards, "but the index places it in model-00001-of-00002.safetensors"),
     "an index naming ../": (index_outside_the_directory, "outside the model directory"),
     "a link out of the directory": (link_outside_the_directory, "outside the model directory"),
-    "a 6 GB tensor in a sparse file": (huge_declared_tensor, "more than any parameter of the model"),
+    "a 6 GB tensor in a sparse file": (huge_declared_tensor, "more than the whole model"),
     "a vocabulary of '300'": (edit_config(lambda c: c.update(vocab_size="300")), "vocab_size"),
     "2.0 layers": (edit_config(lambda c: c.update(num_hidden_layers=2.0)), "num_hidden_layers"),
     "zero heads": (edit_config(lambda c: c.update(num_attention_heads=0)), "num_attention_heads"),

@@ -92,6 +92,34 @@ def test_selection_flags_work_on_listing_commands(install_plugin, capsys):
         assert {r["architecture"] for r in json.loads(out)} == set(BUILTIN_ARCHITECTURES), flags
 
 
+def test_models_says_what_the_fallback_serves_without_importing_transformers(capsys):
+    code, out, _ = run(capsys, "models", "--json", "--no-plugins")
+    assert code == 0
+    rows = {r["architecture"]: r for r in json.loads(out)}
+    serves = rows["TransformersForCausalLM"]["serves"]
+    assert isinstance(serves, str) and "transformers can build" in serves and "models --fallback" in serves
+    assert "serves" not in rows["OPTForCausalLM"]
+    code, out, _ = run(capsys, "models", "--no-plugins")
+    assert code == 0 and "TransformersForCausalLM serves every causal-LM architecture" in out
+
+
+def test_models_fallback_lists_the_architectures_no_registered_model_covers(install_plugin, capsys):
+    code, out, _ = run(capsys, "models", "--json", "--fallback", "--no-plugins")
+    assert code == 0
+    serves = {r["architecture"]: r for r in json.loads(out)}["TransformersForCausalLM"]["serves"]
+    assert {"GPTNeoXForCausalLM", "PhiForCausalLM", "FalconForCausalLM"} <= set(serves)
+    assert "OPTForCausalLM" not in serves and serves == sorted(serves)
+    install_plugin(
+        "neox",
+        "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n"
+        "    registry.register_model('GPTNeoXForCausalLM', 'neox_impl:NeoX')\n",
+    )
+    code, out, _ = run(capsys, "models", "--fallback")
+    assert code == 0
+    listed = out.split("architectures transformers can build:")[1].split()
+    assert "PhiForCausalLM" in listed and "GPTNeoXForCausalLM" not in listed and "OPTForCausalLM" not in listed
+
+
 def test_models_lists_a_plugin_whose_hook_raises_as_failed(install_plugin, capsys):
     install_plugin("raiser", "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n    1/0\n")
     code, out, err = run(capsys, "models")
@@ -172,7 +200,9 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert code == 2 and "usage: pluginhost" in err
 
 
-@pytest.mark.parametrize("argv", [["plugins"], ["models", "--json"], ["--help"], ["generate", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["plugins"], ["models"], ["models", "--json"], ["models", "--help"], ["--help"], ["generate", "--help"]]
+)
 def test_listing_and_help_import_neither_torch_nor_transformers(argv):
     script = textwrap.dedent(
         f"""

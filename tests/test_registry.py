@@ -19,8 +19,13 @@ def collect(*plugins, load_installed=False) -> ArchitectureRegistry:
     return PluginHost(plugins=plugins, load_installed=load_installed).collect_models()
 
 
-def test_builtin_opt_is_registered_lazily():
-    sys.modules.pop("builtin_models.opt", None)
+def test_builtin_opt_is_registered_lazily(monkeypatch):
+    # Through monkeypatch, so the module (and its classes) other tests imported is back afterwards: a
+    # module left re-imported makes `type(model) is OPTForCausalLM` false in every later test file.
+    import builtin_models
+
+    monkeypatch.delitem(sys.modules, "builtin_models.opt", raising=False)
+    monkeypatch.delattr(builtin_models, "opt", raising=False)
     registry = collect()
     entry = registry.get("OPTForCausalLM")
     assert entry.implementation == "builtin_models.opt:OPTForCausalLM"

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true")
     models = commands.add_parser("models", parents=[selection], help="list architectures and who registered them")
     models.add_argument("--json", action="store_true")
+    models.add_argument(
+        "--fallback",
+        action="store_true",
+        help="list the architectures the transformers fallback (TransformersForCausalLM) would serve: those "
+        "transformers can build that no registered model covers (imports transformers and torch)",
+    )
     config = commands.add_parser(
         "config",
         parents=[_engine_options(model_required=True), selection],

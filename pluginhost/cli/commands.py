@@ -46,28 +46,42 @@ def list_plugins(args: argparse.Namespace, out: ResultStream) -> int:
     return EXIT_OK
 
 
+#: What the fallback's row says it serves, when ``--fallback`` does not list the architectures.
+FALLBACK_SERVES = (
+    "every causal-LM architecture transformers can build that no registered model covers (model_impl 'auto', "
+    "the default), and any architecture with model_impl 'transformers'; `pluginhost models --fallback` lists them"
+)
+
+
 def list_models(args: argparse.Namespace, out: ResultStream) -> int:
+    from pluginhost.registry import TRANSFORMERS_FALLBACK
+
     host = make_host(args)
     host.load(strict=False)
     registry = host.collect_models(strict=False)
     entries = sorted(registry.entries(), key=lambda e: e.architecture)
+    serves: str | list[str] = FALLBACK_SERVES
+    if args.fallback:
+        from pluginhost.build import transformers_causal_lms  # imports transformers and torch: only when asked
+
+        serves = sorted(transformers_causal_lms() - {e.architecture for e in entries})
     if args.json:
-        _print_json(
-            out,
-            [
-                {
-                    "architecture": e.architecture,
-                    "implementation": e.implementation,
-                    "registered_by": e.registered_by.name,
-                    "distribution": e.registered_by.distribution,
-                    "version": e.registered_by.version,
-                    "overrides": [
-                        {"implementation": o.implementation, "registered_by": o.registered_by.name} for o in e.overrides
-                    ],
-                }
-                for e in entries
-            ],
-        )
+        rows = []
+        for e in entries:
+            row = {
+                "architecture": e.architecture,
+                "implementation": e.implementation,
+                "registered_by": e.registered_by.name,
+                "distribution": e.registered_by.distribution,
+                "version": e.registered_by.version,
+                "overrides": [
+                    {"implementation": o.implementation, "registered_by": o.registered_by.name} for o in e.overrides
+                ],
+            }
+            if e.architecture == TRANSFORMERS_FALLBACK:
+                row["serves"] = serves
+            rows.append(row)
+        _print_json(out, rows)
     else:
         rows = [
             [
@@ -79,6 +93,12 @@ def list_models(args: argparse.Namespace, out: ResultStream) -> int:
             for e in entries
         ]
         out.print(format_table(["ARCHITECTURE", "IMPLEMENTATION", "REGISTERED BY", "OVERRIDES"], rows))
+        if any(e.architecture == TRANSFORMERS_FALLBACK for e in entries):
+            if isinstance(serves, str):
+                out.print(f"\n{TRANSFORMERS_FALLBACK} serves {serves}.")
+            else:
+                out.print(f"\n{TRANSFORMERS_FALLBACK} serves these {len(serves)} architectures transformers can build:")
+                out.print("\n".join(f"  {name}" for name in serves))
     failed = [r for r in host.records if r.status == "failed"]
     if failed and not args.json:
         print(f"\n{len(failed)} plugin(s) failed to load; see `pluginhost plugins`.", file=sys.stderr)

@@ -85,9 +85,9 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
-    largest = max((p.numel() for p in model.parameters()), default=0)
+    size = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     weights = checkpoint.tensors(
-        dtype=dtype, device=device, max_numel=largest, refuse_nonfinite=config.refuse_nonfinite_weights
+        dtype=dtype, device=device, max_numel=size, refuse_nonfinite=config.refuse_nonfinite_weights
     )
     loaded = model.load_weights(weights)
     _check_loaded(model, loaded, plan.model_dir)
