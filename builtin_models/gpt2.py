@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from builtin_models.activations import activation
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
+from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
 from builtin_models.weights import assign_weights
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2LMHeadModel"]
@@ -61,7 +62,7 @@ class GPT2Attention(nn.Module):
             y = y.to(v.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, E))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, E / ranks)
 
 
 class GPT2Block(nn.Module):
@@ -133,6 +134,17 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         return self.lm_head(hidden_states)  # (..., V)
+
+    def tp_plan(self) -> dict[str, Style]:
+        """How tensor parallelism splits the model (``builtin_models.tp``), as vLLM splits GPT-2."""
+        return {
+            "transformer.h.*.attn": Heads(),
+            "transformer.h.*.attn.c_attn": Colwise(parts=3),
+            "transformer.h.*.attn.c_proj": Rowwise(),
+            "transformer.h.*.c_fc": Colwise(),
+            "transformer.h.*.c_proj": Rowwise(),
+            "lm_head": VocabParallel(),
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Load transformers' (``transformer.h.N...``) or the original (``h.N...``) GPT-2 checkpoint names."""

@@ -29,6 +29,7 @@ from builtin_models.activations import activation
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.rope import RotaryEmbedding, apply_rotary
+from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
 from builtin_models.weights import Stacked, assign_weights
 
 __all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "Qwen2ForCausalLM", "RMSNorm"]
@@ -192,12 +193,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         return self.lm_head(hidden_states)  # (..., V)
 
+    def tp_plan(self) -> dict[str, Style]:
+        """How tensor parallelism splits the model (``builtin_models.tp``), as vLLM splits Llama."""
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        return {
+            "model.layers.*.self_attn": Heads(),
+            "model.layers.*.self_attn.qkv_proj": Colwise(parts=attn.sizes if attn is not None else 1),
+            "model.layers.*.self_attn.o_proj": Rowwise(),
+            "model.layers.*.mlp.gate_up_proj": Colwise(parts=2),
+            "model.layers.*.mlp.down_proj": Rowwise(),
+            "lm_head": VocabParallel(),
+        }
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Load Hugging Face checkpoint names (``model.layers.N...``, ``lm_head.weight``)."""
         tied = getattr(self.config, "tie_word_embeddings", False)
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
         qkv_sizes = attn.sizes if attn is not None else None
-        mlp_sizes = (self.config.intermediate_size,) * 2
+        mlp_sizes = None  # gate and up: equal parts, whatever a rank's share of them
 
         def rename(name: str) -> str | Stacked | None:
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):

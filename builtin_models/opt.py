@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from builtin_models.activations import activation
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
+from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
 from builtin_models.weights import Stacked, assign_weights
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class OPTAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scaling)  # (B, H, T, D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, E)  # (B, T, E)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, E), or E / N on a rank of N
         return self.out_proj(y)
 
 
@@ -164,6 +165,17 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         return self.lm_head(hidden_states)  # (..., V)
+
+    def tp_plan(self) -> dict[str, Style]:
+        """How tensor parallelism splits the model (``builtin_models.tp``), as vLLM splits OPT."""
+        return {
+            "decoder.layers.*.self_attn": Heads(),
+            "decoder.layers.*.self_attn.qkv_proj": Colwise(parts=3),
+            "decoder.layers.*.self_attn.out_proj": Rowwise(),
+            "decoder.layers.*.fc1": Colwise(),
+            "decoder.layers.*.fc2": Rowwise(),
+            "lm_head": VocabParallel(),
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Load Hugging Face OPT checkpoint names (``model.decoder.*`` or ``decoder.*``)."""

@@ -8,6 +8,10 @@ a parameter that already holds memory is copied into instead. A parameter
 stacked from several checkpoint tensors (see ``Stacked``) is allocated once
 and each part copied into its rows.
 
+A parameter may also hold only a slice of its checkpoint tensor (tensor
+parallelism: ``builtin_models.tp`` marks such parameters with a ``Shard``);
+the slice is cut from each tensor as it arrives, before the shape is checked.
+
 Plugin authors writing a model from scratch can call ``assign_weights`` from
 their ``load_weights``.
 """
@@ -22,7 +26,10 @@ from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["Stacked", "assign_weights"]
+__all__ = ["SHARD_ATTR", "Shard", "Stacked", "assign_weights"]
+
+#: The attribute of a (meta) parameter holding its ``Shard``.
+SHARD_ATTR = "tp_shard"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,61 @@ class Stacked:
         return start, start + sizes[self.part]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The slice of a checkpoint tensor a parameter holds, on one of ``world`` ranks.
+
+    Along ``dim``, the tensor is cut into ``world`` equal chunks and this rank
+    keeps chunk ``rank``; a fused tensor (``parts``: the full sizes of its parts
+    along ``dim``, such as q, k and v stacked) is cut part by part. ``pad``
+    (a vocabulary split): chunks of ``ceil(size / world)``, the last one padded
+    with zeros. ``rank0_only`` (the bias of a row-parallel product, whose
+    outputs are summed over ranks): rank 0 keeps the tensor, the others zeros.
+    """
+
+    rank: int
+    world: int
+    dim: int = 0
+    parts: tuple[int, ...] | None = None
+    pad: bool = False
+    rank0_only: bool = False
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full ``tensor`` (a copy: the full one can be freed)."""
+        if self.rank0_only:
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        if self.dim >= tensor.dim():
+            return tensor  # the shape check reports the mismatch
+        size = tensor.shape[self.dim]
+        if self.pad:
+            chunk = -(-size // self.world)
+            start = min(self.rank * chunk, size)
+            piece = tensor.narrow(self.dim, start, min(chunk, size - start))
+            missing = chunk - piece.shape[self.dim]
+            if missing:
+                shape = list(piece.shape)
+                shape[self.dim] = missing
+                piece = torch.cat([piece, piece.new_zeros(shape)], dim=self.dim)
+            return piece.contiguous()
+        parts = self.parts or (size,)
+        if sum(parts) != size or any(p % self.world for p in parts):
+            return tensor  # not this model's tensor: the shape check reports it
+        pieces = tensor.split(list(parts), dim=self.dim)
+        mine = [
+            p.narrow(self.dim, self.rank * (p.shape[self.dim] // self.world), p.shape[self.dim] // self.world)
+            for p in pieces
+        ]
+        return torch.cat(mine, dim=self.dim) if len(mine) > 1 else mine[0].contiguous()
+
+    def take_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of one part of a stacked parameter (its rows, cut into ``world`` chunks)."""
+        size = tensor.shape[0] if tensor.dim() else 0
+        if self.dim != 0 or size % self.world:
+            return tensor  # the shape check reports it
+        chunk = size // self.world
+        return tensor.narrow(0, self.rank * chunk, chunk).contiguous()
+
+
 def assign_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -63,6 +125,8 @@ def assign_weights(
     the loaded parameters are returned, so the caller can report missing ones.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    # Read once: a parameter replaced as it loads no longer carries its Shard.
+    shards = {name: getattr(p, SHARD_ATTR) for name, p in params.items() if hasattr(p, SHARD_ATTR)}
     loaded: set[str] = set()
     stacked_parts: dict[str, tuple[Stacked, set[int]]] = {}
     unexpected: list[str] = []
@@ -76,6 +140,9 @@ def assign_weights(
         if param is None:
             unexpected.append(checkpoint_name)
             continue
+        shard = shards.get(name)
+        if shard is not None:
+            tensor = shard.take_part(tensor) if isinstance(target, Stacked) else shard.take(tensor)
         expected = _part_shape(param, target) if isinstance(target, Stacked) else tuple(param.shape)
         if tuple(tensor.shape) != expected:
             where = f"model {expected}"

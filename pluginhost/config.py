@@ -68,6 +68,13 @@ class EngineConfig(BaseModel):
         gt=0,
         description="Most sequences waiting to run; more are refused (a server answers 503) instead of queued.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        gt=0,
+        le=64,
+        description="Processes the model is split over (tensor parallelism; gloo on CPU, NCCL on CUDA). Under "
+        "torchrun, its world size.",
+    )
     seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
     max_logprobs: int = Field(
         default=20,

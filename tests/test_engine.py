@@ -578,13 +578,10 @@ def test_prompts_of_very_different_lengths_join_together_and_match_alone(llm):
 
 
 def test_joining_prompts_are_grouped_by_length():
-    from types import SimpleNamespace
-
     from pluginhost.engine.runner import _similar_lengths
 
     lengths = [5, 250, 30, 240, 8, 120, 40]
-    step = SimpleNamespace(rows=[SimpleNamespace(prompt_token_ids=[0] * n) for n in lengths])
-    groups = _similar_lengths(step, list(range(len(lengths))))
+    groups = _similar_lengths(list(range(len(lengths))), lengths)
     assert sorted(r for g in groups for r in g) == list(range(len(lengths)))  # every row, once
     for group in groups:
         sizes = [lengths[r] for r in group]

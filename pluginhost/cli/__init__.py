@@ -57,6 +57,12 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the model over N processes on this machine (under torchrun: its world size)",
+    )
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
     group.add_argument(
@@ -161,6 +167,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "device",
         "max_model_len",
         "max_num_seqs",
+        "tensor_parallel_size",
         "seed",
         "model_architecture_override",
         "model_impl",

@@ -75,6 +75,8 @@ def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
         config = EngineConfig(**settings)
     except ValueError as exc:
         raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("tensor_parallel_size > 1 is not wired into the engine yet")
     plan = plan_build(config, host)
     tokenizer = load_tokenizer(plan.model_dir)
     checkpoint = find_checkpoint(plan.model_dir, allow_external=config.allow_external_weights)

@@ -15,6 +15,8 @@ sequences get longer, keeping what it holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor, nn
 
@@ -22,11 +24,54 @@ from builtin_models.kv_cache import KVCache
 from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import ModelClassError
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StepInputs"]
 
 #: Cache slots are added in steps of this many, rows in steps of ``_ROW_STEP``.
 _SLOT_STEP = 256
 _ROW_STEP = 8
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the model needs of a step, and nothing else: small, plain and picklable.
+
+    Built from a ``ScheduledStep`` on the process that schedules; with tensor
+    parallelism it is sent to every other rank, which runs exactly the same
+    forward passes on its shard.
+    """
+
+    #: "decode" (one token per row), "prefill" (joining rows' prompts) or "recompute" (no cache).
+    kind: str
+    #: Rows of the batch, and cache slots the step needs (the cache grows to hold them).
+    num_rows: int = 0
+    slots_needed: int = 0
+    #: KV cache rows to move before the forward: (from, to, slots to copy).
+    moves: tuple[tuple[int, int, int], ...] = ()
+    #: decode: each row's last token and its position.
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    #: prefill: the joining rows and their prompts; recompute: the active rows' whole texts.
+    rows: list[int] = field(default_factory=list)
+    texts: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, step: ScheduledStep, *, cached: bool) -> StepInputs:
+        if not cached:
+            texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
+            return cls("recompute", texts=texts)
+        moves = tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves)
+        if step.prefill_rows:
+            texts = [list(step.rows[r].prompt_token_ids) for r in step.prefill_rows]
+            return cls(
+                "prefill",
+                len(step.rows),
+                max(len(t) for t in texts),
+                moves,
+                rows=list(step.prefill_rows),
+                texts=texts,
+            )
+        positions = [s.num_computed for s in step.rows]
+        return cls("decode", len(step.rows), max(positions) + 1, moves, [s.token_ids[-1] for s in step.rows], positions)
 
 
 class ModelRunner:
@@ -46,43 +91,41 @@ class ModelRunner:
         """(rows, slots) of the KV cache now."""
         return self._rows, self._slots
 
-    @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> Tensor:
         """The logits of the step's active rows, (len(active_rows), V) float32, in row order."""
-        if not self.cached:
-            return self._recompute(step)
-        prefill = step.prefill_rows
-        if prefill:
-            needed = max(len(step.rows[r].prompt_token_ids) for r in prefill)
-        else:
-            needed = max(s.num_computed for s in step.rows) + 1
-        self._ensure_capacity(len(step.rows), needed)
-        for src, dst in step.moves:
+        return self.run(StepInputs.of(step, cached=self.cached))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> Tensor:
+        """The logits of a step described by ``inputs`` (what ``execute`` runs, and every rank of a split model)."""
+        if inputs.kind == "recompute":
+            return self._recompute(inputs.texts)
+        self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
+        for src, dst, length in inputs.moves:
             for cache in self._caches:
-                cache.move(src, dst, step.rows[dst].num_computed)
-        if not prefill:
-            return self.model.compute_logits(self._decode(step)).float()  # (B, V)
+                cache.move(src, dst, length)
+        if inputs.kind == "decode":
+            return self.model.compute_logits(self._decode(inputs.tokens, inputs.positions)).float()  # (B, V)
         hidden = None
-        index = {row: i for i, row in enumerate(prefill)}
-        for group in _similar_lengths(step, prefill):
-            joined = self._prefill(step, group)  # (k, W), in the group's order
+        index = {row: i for i, row in enumerate(inputs.rows)}
+        for group in _similar_lengths(inputs.rows, [len(text) for text in inputs.texts]):
+            joined = self._prefill([inputs.texts[index[r]] for r in group], group)  # (k, W), in the group's order
             if hidden is None:
-                hidden = joined.new_empty((len(prefill), joined.shape[-1]))
+                hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
             hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
         return self.model.compute_logits(hidden).float()  # (P, V)
 
-    def _decode(self, step: ScheduledStep) -> Tensor:
+    def _decode(self, tokens: list[int], positions_list: list[int]) -> Tensor:
         """One token for every row: (B, W)."""
-        ids = torch.tensor([s.token_ids[-1] for s in step.rows], device=self.device)[:, None]  # (B, 1)
-        positions = torch.tensor([s.num_computed for s in step.rows], device=self.device)[:, None]  # (B, 1)
-        slots = int(positions.max()) + 1
+        ids = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
+        positions = torch.tensor(positions_list, device=self.device)[:, None]  # (B, 1)
+        slots = max(positions_list) + 1
         mask = torch.arange(slots, device=self.device)[None, :] <= positions  # (B, S)
-        hidden = self.model(ids, positions, slice(0, len(step.rows)), mask[:, None, None, :])  # (B, 1, W)
+        hidden = self.model(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
-    def _prefill(self, step: ScheduledStep, rows_joining: list[int]) -> Tensor:
+    def _prefill(self, prompts: list[list[int]], rows_joining: list[int]) -> Tensor:
         """The prompts of these joining rows, right-padded; the hidden state of each one's last token."""
-        prompts = [step.rows[row].prompt_token_ids for row in rows_joining]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         T = int(lengths.max())
         ids = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -95,9 +138,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, rows, mask.expand(len(prompts), 1, T, T))  # (k, T, W)
         return hidden[torch.arange(len(prompts), device=self.device), lengths - 1]  # (k, W)
 
-    def _recompute(self, step: ScheduledStep) -> Tensor:
+    def _recompute(self, texts: list[list[int]]) -> Tensor:
         """The active sequences' whole texts, right-padded, for a model without a cache."""
-        texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
         lengths = torch.tensor([len(t) for t in texts], device=self.device)
         T = int(lengths.max())
         ids = torch.zeros(len(texts), T, dtype=torch.long)
@@ -133,18 +175,19 @@ class ModelRunner:
 _MAX_PADDING = 0.25
 
 
-def _similar_lengths(step: ScheduledStep, rows: list[int]) -> list[list[int]]:
-    """The joining rows in groups of similar prompt length, each one prefill pass.
+def _similar_lengths(rows: list[int], lengths: list[int]) -> list[list[int]]:
+    """The joining rows in groups of similar prompt length (``lengths``, in ``rows`` order), each one prefill pass.
 
     A prefill pass is mostly large matrix products, whose cost grows with the
     padded tokens: one pass over prompts of 16 and 256 tokens pays for 512.
     Short prompts still go together (their products are not compute-bound).
     """
-    ordered = sorted(rows, key=lambda r: len(step.rows[r].prompt_token_ids))
+    length_of = dict(zip(rows, lengths, strict=True))
+    ordered = sorted(rows, key=length_of.__getitem__)
     groups: list[list[int]] = []
     total = 0
     for row in ordered:
-        length = len(step.rows[row].prompt_token_ids)
+        length = length_of[row]
         if groups:
             group = groups[-1]
             padded = (len(group) + 1) * length  # sorted: this one is the longest so far

@@ -1,0 +1,173 @@
+"""Tensor parallelism as a transformation of a built model, as gpt-fast's ``tp.py`` does it.
+
+A model declares how it splits (``tp_plan()``: module name patterns and a
+style each); ``shard_model`` applies the plan to the model while it is still on
+the meta device, so each rank allocates and loads only its slices. The styles
+are vLLM's (Megatron-LM's):
+
+* ``Colwise``: a linear layer's outputs are split, rank r computing chunk r of
+  them (q/k/v and the MLP's first product). A fused weight (q, k and v
+  stacked) is split part by part.
+* ``Rowwise``: a linear layer's inputs are split; each rank's partial product
+  is summed over ranks by one all-reduce, the bias added on rank 0 only (the
+  attention output and the MLP's second product).
+* ``Heads``: an attention module's head counts (and q/k/v sizes) are divided,
+  so its reshapes and its KV cache follow.
+* ``VocabParallel``: the language-model head's vocabulary is split (padded to
+  a multiple of the ranks) and the logits all-gathered.
+
+Embeddings stay whole on every rank: a lookup costs no arithmetic, only the
+table's memory. Each split layer pays one collective per forward: two
+all-reduces per transformer block and one all-gather for the logits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from builtin_models.weights import SHARD_ATTR, Shard
+from pluginhost.errors import ModelClassError
+
+__all__ = ["Colwise", "Heads", "Rowwise", "Style", "VocabParallel", "has_tp_plan", "shard_model", "unshard_tied"]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split the outputs; ``parts``: a fused weight's parts (a count of equal ones, or their sizes)."""
+
+    parts: int | tuple[int, ...] = 1
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split the inputs; the outputs are all-reduced."""
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Divide an attention module's ``n_heads``, ``n_kv_heads`` and ``sizes`` by the ranks."""
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Split the vocabulary of the head; the logits are all-gathered."""
+
+
+Style = Colwise | Rowwise | Heads | VocabParallel
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    return callable(getattr(model, "tp_plan", None))
+
+
+def shard_model(model: nn.Module, rank: int, world: int, group: Any = None) -> None:
+    """Apply ``model.tp_plan()`` for ``rank`` of ``world``; the model must still be on the meta device."""
+    if not has_tp_plan(model):
+        raise ModelClassError(
+            f"{type(model).__name__} has no tensor-parallel plan (a tp_plan() method), so it cannot be split over "
+            f"{world} ranks: use tensor_parallel_size=1, or give the class a tp_plan (see builtin_models.tp)."
+        )
+    modules = dict(model.named_modules())
+    for pattern, style in model.tp_plan().items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))  # "*": one name, never a dotted path
+        matched = [name for name in modules if regex.fullmatch(name)]
+        if not matched:
+            raise ModelClassError(f"{type(model).__name__}.tp_plan() names {pattern!r}, which matches no module")
+        for name in matched:
+            _apply(style, name, modules[name], rank, world, group)
+
+
+def unshard_tied(model: nn.Module) -> None:
+    """After loading: a vocabulary-split head tied to the (whole) embedding table takes its slice of it."""
+    for module in model.modules():
+        vocab = getattr(module, "tp_vocab", None)
+        if vocab is not None and module.weight.shape[0] == vocab:
+            shard: Shard = module.tp_vocab_shard
+            module.weight = nn.Parameter(shard.take(module.weight.data), requires_grad=False)
+
+
+def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, group: Any) -> None:
+    if isinstance(style, Heads):
+        _split_heads(name, module, world)
+        return
+    if not isinstance(module, nn.Linear):
+        raise ModelClassError(f"tp_plan: {name} is a {type(module).__name__}; {type(style).__name__} splits nn.Linear")
+    out_features, in_features = module.weight.shape
+    if isinstance(style, Colwise):
+        parts = style.parts if isinstance(style.parts, tuple) else (out_features // style.parts,) * style.parts
+        if sum(parts) != out_features or any(p % world for p in parts):
+            raise ModelClassError(
+                f"{name} cannot be split over {world} ranks: its {out_features} outputs (in parts {list(parts)}) "
+                f"are not divisible by {world}"
+            )
+        shard = Shard(rank, world, dim=0, parts=parts if len(parts) > 1 else None)
+        _replace(module, "weight", (out_features // world, in_features), shard)
+        if module.bias is not None:
+            _replace(module, "bias", (out_features // world,), shard)
+        module.out_features = out_features // world
+    elif isinstance(style, Rowwise):
+        if in_features % world:
+            raise ModelClassError(f"{name} cannot be split over {world} ranks: {in_features} inputs")
+        _replace(module, "weight", (out_features, in_features // world), Shard(rank, world, dim=1))
+        if module.bias is not None:
+            _replace(module, "bias", (out_features,), Shard(rank, world, rank0_only=True))
+        module.in_features = in_features // world
+        module.register_forward_hook(_all_reduce_output(group))
+    elif isinstance(style, VocabParallel):
+        chunk = -(-out_features // world)
+        shard = Shard(rank, world, dim=0, pad=True)
+        _replace(module, "weight", (chunk, in_features), shard)
+        if module.bias is not None:
+            _replace(module, "bias", (chunk,), shard)
+        module.tp_vocab, module.tp_vocab_shard = out_features, shard
+        module.register_forward_hook(_gather_vocab(out_features, world, group))
+
+
+def _split_heads(name: str, module: nn.Module, world: int) -> None:
+    for attr in ("n_heads", "n_kv_heads"):
+        count = getattr(module, attr, None)
+        if count is None:
+            continue
+        if count % world:
+            raise ModelClassError(
+                f"{name} has {count} {'key/value ' if attr == 'n_kv_heads' else ''}heads, which do not split over "
+                f"{world} ranks: use a tensor_parallel_size that divides {count}"
+            )
+        setattr(module, attr, count // world)
+    sizes = getattr(module, "sizes", None)
+    if sizes is not None:
+        module.sizes = tuple(size // world for size in sizes)
+
+
+def _replace(module: nn.Module, attr: str, shape: tuple[int, ...], shard: Shard) -> None:
+    old = getattr(module, attr)
+    if not old.is_meta:
+        raise ModelClassError("shard_model needs the model on the meta device, before its weights load")
+    param = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=False)
+    setattr(param, SHARD_ATTR, shard)
+    setattr(module, attr, param)
+
+
+def _all_reduce_output(group: Any):  # noqa: ANN202
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        output = output.contiguous()
+        dist.all_reduce(output, group=group)  # the partial products of every rank, summed
+        return output
+
+    return hook
+
+
+def _gather_vocab(vocab: int, world: int, group: Any):  # noqa: ANN202
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        output = output.contiguous()  # (..., V / world)
+        pieces = [torch.empty_like(output) for _ in range(world)]
+        dist.all_gather(pieces, output, group=group)
+        return torch.cat(pieces, dim=-1)[..., :vocab]  # (..., V), the padding dropped
+
+    return hook

@@ -1,0 +1,32 @@
+"""Which process of a tensor-parallel engine this is, for plugins.
+
+With ``tensor_parallel_size=N`` every one of the N processes (ranks) loads its
+plugins itself and runs every build hook, so a plugin's code runs N times, once
+per process. Most plugins need not care; one that must do something once (write
+a file, call a service) does it where ``get_rank() == 0``. Without tensor
+parallelism, the rank is 0 and the world size 1.
+
+Cheap: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["get_rank", "get_world_size"]
+
+_rank, _world_size = 0, 1
+
+
+def get_rank() -> int:
+    """This process's rank among the engine's processes (0 in the process that schedules)."""
+    return _rank
+
+
+def get_world_size() -> int:
+    """How many processes the engine's model is split over (``tensor_parallel_size``)."""
+    return _world_size
+
+
+def _set(rank: int, world_size: int) -> None:
+    """Set by the engine as it starts its processes (and back to 0 of 1 when they stop)."""
+    global _rank, _world_size
+    _rank, _world_size = rank, world_size
