@@ -28,6 +28,8 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,6 +116,41 @@ def logprobs(llm, ids: list[int]) -> torch.Tensor:
     return llm.model.compute_logits(hidden)[0].float().log_softmax(-1)  # (T, V)
 
 
+class CpuShare:
+    """How much of its threads' wall time this process got on the CPUs in each run (about 0.9-1 alone;
+    well below, other load on the machine slowed that run)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.shares: dict[str, list[float]] = {}
+
+    def __call__(self, name: str, fn: Callable[[], float]) -> Callable[[], float]:
+        def run() -> float:
+            before, start = os.times(), time.perf_counter()
+            figure = fn()
+            after, wall = os.times(), time.perf_counter() - start
+            cpu = (after.user - before.user) + (after.system - before.system)
+            self.shares.setdefault(name, []).append(cpu / (wall * self.threads))
+            return figure
+
+        return run
+
+    def take(self, name: str) -> str:
+        return " ".join(f"{x:.2f}" for x in self.shares.pop(name, []))
+
+
+def print_section(title: str, runs: dict[str, list[float]], fmt: str, share: CpuShare) -> None:
+    best = max if "tok/s" in title else min
+    print(f"{title}:")
+    for name, values in runs.items():
+        ratio = statistics.median(values) / statistics.median(runs["fp32"])
+        best_ratio = best(values) / best(runs["fp32"])
+        print(
+            f"  {name:<16} {spread(values, fmt):<26} {ratio:5.2f}x fp32 (medians), {best_ratio:5.2f}x (bests); "
+            f"CPU share per run {share.take(name)}"
+        )
+
+
 def spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
@@ -165,7 +202,11 @@ def main() -> None:
             f"RSS {rss['added']:4.0f} MiB after, {rss['peak']:4.0f} MiB at the peak"
         )
 
-    print(f"\nspeed: median (range) over {args.runs} alternating runs")
+    print(
+        f"\nspeed: median (range) over {args.runs} alternating runs; ratios to fp32 of the medians and of the bests; "
+        "CPU share: of its threads' wall time, what this process got on the CPUs (about 0.9-1 alone)"
+    )
+    share = CpuShare(cores)
     results = {}
     for batch in (1, 8):
         batch_prompts = prompts(batch, PROMPT_LENGTH)
@@ -174,15 +215,19 @@ def main() -> None:
         runs = median_alternating(
             args.runs,
             **{
-                name: (lambda llm=llm, p=batch_prompts: pluginhost_tokens_per_second(llm, p, args.new_tokens))
+                name: share(
+                    name, lambda llm=llm, p=batch_prompts: pluginhost_tokens_per_second(llm, p, args.new_tokens)
+                )
                 for name, llm in engines.items()
             },
         )
         results[f"decode b{batch}"] = runs
-        print(f"decode, batch {batch}, {PROMPT_LENGTH}+{args.new_tokens} tokens (tok/s, higher is better):")
-        for name, values in runs.items():
-            ratio = statistics.median(values) / statistics.median(runs["fp32"])
-            print(f"  {name:<16} {spread(values, '.1f'):<24} {ratio:5.2f}x fp32")
+        print_section(
+            f"decode, batch {batch}, {PROMPT_LENGTH}+{args.new_tokens} tokens (tok/s, higher is better)",
+            runs,
+            ".1f",
+            share,
+        )
 
     long_prompt = prompts(1, 512)
     for llm in engines.values():
@@ -190,14 +235,11 @@ def main() -> None:
     runs = median_alternating(
         args.runs,
         **{
-            name: (lambda llm=llm: 1 / pluginhost_tokens_per_second(llm, long_prompt, 1))
+            name: share(name, lambda llm=llm: 1 / pluginhost_tokens_per_second(llm, long_prompt, 1))
             for name, llm in engines.items()
         },
     )
-    print("prefill, 512 tokens, to the first token (s, lower is better):")
-    for name, values in runs.items():
-        ratio = statistics.median(values) / statistics.median(runs["fp32"])
-        print(f"  {name:<16} {spread(values, '.3f'):<24} {ratio:5.2f}x fp32")
+    print_section("prefill, 512 tokens, to the first token (s, lower is better)", runs, ".3f", share)
 
     print("\ndecode batch 1: weight bytes read per token at the median speed:")
     for name, values in results["decode b1"].items():

@@ -65,6 +65,8 @@ _CHUNK_ELEMENTS = 1 << 22
 _MAX_TIMED_ROWS = 2048
 #: Output channels checked against the exact result when measuring (a slice: no full-size fp32 copy).
 _CHECKED_CHANNELS = 256
+#: Up to this many rows, ``int8pack`` is taken untimed when it runs correctly (see ``_decide``).
+_UNTIMED_ROWS = 7
 #: Another kernel must beat ``int8pack`` by this much to be chosen instead.
 _MARGIN = 0.9
 _SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -92,7 +94,8 @@ def quantize_weight(weight: Tensor, *, name: str = "weight") -> tuple[Tensor, Te
         if not bool(torch.isfinite(amax).all()):
             raise ValueError(f"{name} has NaN or infinite values, which int8 cannot represent")
         # Rounded to bfloat16 once, here: every kernel then multiplies by exactly the same scales.
-        s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16)
+        s = (amax / 127).to(torch.bfloat16)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a channel of zeros (or below bf16's range): any scale
         q[start : start + step] = torch.div(block, s.float()[:, None]).round_().clamp_(-127, 127)
         scales[start : start + step] = s
     return q, scales
@@ -226,6 +229,11 @@ class _KernelTable:
             logger.warning("%s=%s cannot run a %s weight here; measuring instead", KERNEL_ENV, self.forced, _shape(q))
         generator = torch.Generator().manual_seed(rows)
         sample = torch.randn(rows, q.shape[1], generator=generator).to(device=x.device, dtype=x.dtype)
+        if rows <= _UNTIMED_ROWS and INT8PACK in candidates:
+            # A few rows are bound by memory traffic, and the dequantizing kernels move several times the
+            # int8 weight's bytes: no need to time them (timing on a busy machine can only mislead here).
+            if self._correct(INT8PACK, q, scales, bias, x, rows, sample=sample):
+                return INT8PACK
         with torch.inference_mode():
             runnable = [name for name in candidates if self._correct(name, q, scales, bias, x, rows, sample=sample)]
             times = _time_alternating(
