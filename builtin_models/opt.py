@@ -151,7 +151,9 @@ class OPTForCausalLM(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every layer, on the model's device and dtype."""
-        weight = self.lm_head.weight
+        # The embedding table, not lm_head: a post_load plugin may replace lm_head (and every linear
+        # layer) with a module whose weights are quantized or that has no ``weight`` at all.
+        weight = self.decoder.embed_tokens.weight
         for layer in self.decoder.layers:
             attn = layer.self_attn
             attn.kv_cache = KVCache(

@@ -356,6 +356,29 @@ def test_the_four_hooks_run_in_order_with_what_they_promise(tiny_opt):
     assert llm.max_model_len == 40 and llm.config.provenance["max_model_len"] == "plugin:Observer"
 
 
+def test_post_load_may_replace_the_lm_head_with_a_module_without_a_weight(tiny_opt, llm):
+    """The contract lets post_load replace submodules: the KV cache must not depend on ``lm_head.weight``."""
+
+    class Wrapped(torch.nn.Module):  # the same product, its weight kept under another name
+        def __init__(self, linear):
+            super().__init__()
+            self.kept = linear
+
+        def forward(self, x):
+            return self.kept(x)
+
+    class ReplacesLMHead:
+        @hookimpl
+        def post_load(self, config, model):
+            model.lm_head = Wrapped(model.lm_head)
+
+    replaced = LLM(str(tiny_opt), load_installed_plugins=False, device="cpu", plugins=[ReplacesLMHead()])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in replaced.generate(PROMPTS, params)] == [
+        o.token_ids for o in llm.generate(PROMPTS, params)
+    ]
+
+
 @pytest.mark.parametrize("hook", ["register_models", "modify_config", "pre_load", "post_load"])
 def test_exception_in_any_hook_aborts_the_build_and_the_next_build_works(tiny_opt, hook):
     def fail():
