@@ -120,7 +120,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every block, on the model's device and dtype."""
-        weight = self.lm_head.weight
+        weight = self.transformer.wte.weight  # not lm_head's: a post_load plugin may replace the head (int8_quant does)
         for block in self.transformer.h:
             attn = block.attn
             attn.kv_cache = KVCache(

@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every layer, on the model's device and dtype."""
-        weight = self.lm_head.weight
+        weight = self.model.embed_tokens.weight  # not lm_head's: a plugin may replace the head (int8_quant)
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.kv_cache = KVCache(
