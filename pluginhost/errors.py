@@ -22,6 +22,7 @@ __all__ = [
     "PluginhostError",
     "RegistryError",
     "RequestRefusedError",
+    "TensorParallelError",
     "UnknownArchitectureError",
 ]
 
@@ -69,6 +70,10 @@ class ModelClassError(RegistryError):
 
 class ModelRunError(PluginhostError, RuntimeError):
     """The model raised while generating (its forward pass or logits)."""
+
+
+class TensorParallelError(PluginhostError, RuntimeError):
+    """A rank of a tensor-parallel engine failed, died, disagreed with the others or did not answer in time."""
 
 
 class EngineOverloadedError(PluginhostError):

@@ -155,6 +155,33 @@ class PluginHost:
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
 
+    # -- other processes (tensor-parallel ranks) -------------------------------
+
+    def replica_args(self) -> dict[str, Any]:
+        """Picklable arguments that build an equal host in another process (``from_replica_args``).
+
+        That process loads its plugins itself: installed ones with this host's
+        selection, in-process ones by importable name. An in-process plugin
+        that has no such name is a ``ConfigError`` saying what would work.
+        """
+        return {
+            "plugins": [_importable_name(i, plugin) for i, plugin in enumerate(self._in_process)],
+            "load_installed": self._load_installed,
+            "selection": self._selection or PluginSelection.from_env(),
+            "skip_broken": self._skip_broken,
+        }
+
+    @classmethod
+    def from_replica_args(cls, args: dict[str, Any]) -> PluginHost:
+        """The host ``replica_args`` describes; importing the in-process plugins (any error is theirs)."""
+        plugins = [_import_by_name(name) for name in args["plugins"]]
+        return cls(
+            plugins=plugins,
+            load_installed=args["load_installed"],
+            selection=args["selection"],
+            skip_broken=args["skip_broken"],
+        )
+
     # -- loading ---------------------------------------------------------------
 
     @property
@@ -551,6 +578,48 @@ def _checked_in_process(plugins: Sequence[object]) -> list[object]:
                 "name with PLUGINHOST_PLUGINS or --plugins instead"
             )
     return list(plugins)
+
+
+def _importable_name(index: int, plugin: object) -> str:
+    """``"module"`` or ``"module:qualified.name"`` that imports to ``plugin`` in another process."""
+    import types
+
+    main = sys.modules.get("__main__")
+    main_is_a_file = getattr(main, "__file__", None) is not None  # spawned processes import the script again
+    name: str | None = None
+    if isinstance(plugin, types.ModuleType):
+        name = plugin.__name__
+    elif getattr(plugin, "__qualname__", None) and getattr(plugin, "__module__", None):
+        if "<locals>" not in plugin.__qualname__:
+            name = f"{plugin.__module__}:{plugin.__qualname__}"
+    else:  # an instance: a module-level name bound to it
+        for module_name, module in list(sys.modules.items()):
+            found = next((attr for attr, value in list(vars(module).items()) if value is plugin), None)
+            if found is not None and module_name != "__mp_main__":
+                name = f"{module_name}:{found}"
+                break
+    if name is not None and (not name.startswith("__main__") or main_is_a_file):
+        try:
+            if _import_by_name(name) is plugin:
+                return name
+        except Exception:  # noqa: BLE001, S110 - not importable: said below
+            pass
+    raise ConfigError(
+        f"plugins[{index}] ({_in_process_name(plugin)}) cannot be loaded by the other processes of a tensor-parallel "
+        "engine: each process loads its plugins itself, so an in-process plugin must be importable by name (a "
+        "module, or a class, function or object defined at the top level of a module or script, not inside a "
+        "function). Move it to the top level of a module, or install it as a plugin."
+    )
+
+
+def _import_by_name(name: str) -> object:
+    import importlib
+
+    module_name, _, attrs = name.partition(":")
+    target: object = importlib.import_module(module_name)
+    for attr in filter(None, attrs.split(".")):
+        target = getattr(target, attr)
+    return target
 
 
 def _in_process_name(plugin: object) -> str:

@@ -24,7 +24,6 @@ from typing import Any
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt
-from pluginhost.engine.loader import load_model
 from pluginhost.engine.request import EngineRequest
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
@@ -50,17 +49,17 @@ class AsyncLLM(EngineFrontend):
         **settings: Any,
     ) -> None:
         host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
-        self._start_loop(load_model(host, {"model": model, **settings}))
+        self._build(host, {"model": model, **settings})
 
     @classmethod
     def _from_host(cls, host: PluginHost, **settings: Any) -> AsyncLLM:
         """An engine on a host the caller configured (the CLI's plugin selection)."""
         engine = cls.__new__(cls)
-        engine._start_loop(load_model(host, settings))
+        engine._build(host, settings)
         return engine
 
-    def _start_loop(self, loaded) -> None:  # noqa: ANN001 - a LoadedModel
-        self._start(loaded)
+    def _start(self, loaded, ranks=None) -> None:  # noqa: ANN001 - a LoadedModel and its Ranks
+        super()._start(loaded, ranks)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, name="pluginhost-engine", daemon=True)
         self._thread.start()
@@ -106,6 +105,7 @@ class AsyncLLM(EngineFrontend):
 
         Must be called from the event loop that will consume the stream.
         """
+        self._check_generates()
         if self._stopping.is_set():
             raise RuntimeError("this AsyncLLM was shut down")
         stream = RequestStream(self.engine, asyncio.get_running_loop())
@@ -128,6 +128,7 @@ class AsyncLLM(EngineFrontend):
         self.engine.step()  # hand the aborts out
         self._stopping.set()
         self._thread.join(timeout)
+        self.close()
 
 
 class RequestStream:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +32,11 @@ from pluginhost.engine.request import EngineRequest
 from pluginhost.engine.runner import ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
-from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginHookError
+from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginHookError, PluginhostError
 from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor
+
+if TYPE_CHECKING:
+    from pluginhost.engine.parallel import Ranks
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -59,7 +63,7 @@ class EngineStats:
 class EngineCore:
     """Scheduler, model runner and sampler, stepped by whoever drives."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, ranks: Ranks | None = None) -> None:
         config = loaded.config
         self.loaded = loaded
         self.scheduler = Scheduler(
@@ -67,9 +71,13 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting_seqs,
         )
-        self.runner = ModelRunner(
-            loaded.model, loaded.device, max_num_seqs=config.max_num_seqs, max_model_len=loaded.max_model_len
-        )
+        limits = {"max_num_seqs": config.max_num_seqs, "max_model_len": loaded.max_model_len}
+        if ranks is None:
+            self.runner = ModelRunner(loaded.model, loaded.device, **limits)
+        else:  # tensor parallelism: every step also runs on the other ranks
+            from pluginhost.engine.parallel import DistributedRunner
+
+            self.runner = DistributedRunner(ranks, loaded.model, loaded.device, **limits)
         self._step_lock = threading.RLock()
         self._inbox_lock = threading.Lock()
         self._inbox: list[EngineRequest] = []
@@ -327,6 +335,8 @@ class EngineCore:
 
     def _blame(self, exc: Exception) -> BaseException:
         """The model's failure as a ``ModelRunError`` naming it; the engine's own as it is."""
+        if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
+            return exc
         if not _raised_in(exc.__traceback__, self.loaded.code_files):
             logger.error("internal error in an engine step", exc_info=exc)
             return exc

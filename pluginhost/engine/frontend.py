@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pluginhost.config import EngineConfig
+from pluginhost.device import resolve_device
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.inputs import InputProcessor
-from pluginhost.engine.loader import LoadedModel
+from pluginhost.engine.loader import LoadedModel, load_model, validated_config
+from pluginhost.engine.runner import ModelRunner
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.registry import Registration
+
+if TYPE_CHECKING:
+    from pluginhost.engine.parallel import Ranks
 
 __all__ = ["EngineFrontend"]
 
@@ -21,13 +27,60 @@ __all__ = ["EngineFrontend"]
 class EngineFrontend:
     """A built model with its engine loop; subclasses say how requests come in."""
 
-    engine: EngineCore
+    engine: EngineCore | None = None
 
-    def _start(self, loaded: LoadedModel) -> None:
+    def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:
+        """Build the model (on every rank, with tensor parallelism) and start the engine on it.
+
+        On a rank other than 0 (under torchrun) this serves rank 0's steps until rank 0's engine
+        closes, and the frontend is left unable to generate.
+        """
+        config = validated_config(settings)
+        if config.tensor_parallel_size == 1:
+            self._start(load_model(host, settings))
+            return
+        from pluginhost.engine.parallel import build_parallel, serve_steps
+
+        loaded, ranks = build_parallel(host, settings, config.tensor_parallel_size, resolve_device(config.device))
+        if ranks.rank == 0:
+            self._start(loaded, ranks)
+            return
+        self._loaded, self._ranks = loaded, ranks
+        runner = ModelRunner(
+            loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
+        )
+        try:
+            serve_steps(runner, ranks)
+        finally:
+            ranks.close()
+
+    def _start(self, loaded: LoadedModel, ranks: Ranks | None = None) -> None:
         self._loaded = loaded
-        self.engine = EngineCore(loaded)
+        self._ranks = ranks
+        self.engine = EngineCore(loaded, ranks)
         self._inputs = InputProcessor(loaded)
         self._request_ids = itertools.count()
+        if ranks is not None:  # the other ranks end with this engine, or with the interpreter at the latest
+            self._finalizer = weakref.finalize(self, ranks.close)
+
+    def close(self) -> None:
+        """End the engine's other processes (tensor parallelism); nothing to do otherwise. Idempotent."""
+        ranks = getattr(self, "_ranks", None)
+        if ranks is not None:
+            ranks.close()
+
+    def _check_generates(self) -> None:
+        if getattr(self, "engine", None) is None:
+            raise RuntimeError(
+                f"this is rank {self.rank} of a tensor-parallel engine, whose rank 0 has closed it: only rank 0 "
+                "generates (check pluginhost.distributed.get_rank() == 0 before generating)"
+            )
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without tensor parallelism; only rank 0 generates)."""
+        ranks = getattr(self, "_ranks", None)
+        return ranks.rank if ranks is not None else 0
 
     def _new_request_id(self) -> str:
         return f"{type(self).__name__.lower()}-{next(self._request_ids)}"

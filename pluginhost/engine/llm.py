@@ -17,7 +17,6 @@ from typing import Any
 
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt, as_prompt_list
-from pluginhost.engine.loader import load_model
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams
@@ -42,13 +41,13 @@ class LLM(EngineFrontend):
         **settings: Any,
     ) -> None:
         host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
-        self._start(load_model(host, {"model": model, **settings}))
+        self._build(host, {"model": model, **settings})
 
     @classmethod
     def _from_host(cls, host: PluginHost, **settings: Any) -> LLM:
         """An engine on a host the caller configured (the CLI's plugin selection)."""
         llm = cls.__new__(cls)
-        llm._start(load_model(host, settings))
+        llm._build(host, settings)
         return llm
 
     # -- generating ----------------------------------------------------------------
@@ -65,6 +64,7 @@ class LLM(EngineFrontend):
         ``ValueError`` before anything runs, and the engine stays usable. A
         model failure raises ``ModelRunError`` naming the model.
         """
+        self._check_generates()
         prompt_list = as_prompt_list(prompts)
         params_list = _params_for(prompt_list, sampling_params)
         requests = [

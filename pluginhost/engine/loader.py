@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,7 +27,10 @@ from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.registry import Registration
 from pluginhost.tokenizer import load_tokenizer
 
-__all__ = ["LoadedModel", "load_model"]
+if TYPE_CHECKING:
+    from pluginhost.engine.parallel import Agreement
+
+__all__ = ["LoadedModel", "load_model", "validated_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +72,62 @@ class LoadedModel:
         )
 
 
-def load_model(host: PluginHost, settings: dict[str, Any]) -> LoadedModel:
-    """Build the model ``settings`` describe, with the plugins of ``host``."""
+def validated_config(settings: dict[str, Any]) -> EngineConfig:
+    """The ``EngineConfig`` of these settings, or one ``ConfigError`` saying what is wrong."""
     try:
-        config = EngineConfig(**settings)
+        return EngineConfig(**settings)
     except ValueError as exc:
         raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
-    if config.tensor_parallel_size > 1:
-        raise ConfigError("tensor_parallel_size > 1 is not wired into the engine yet")
+
+
+def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreement | None = None) -> LoadedModel:
+    """Build the model ``settings`` describe, with the plugins of ``host``.
+
+    With tensor parallelism every rank calls this, with the ``agreement`` of its ranks:
+    the ranks compare what they loaded before building, and each builds its shard.
+    """
+    config = validated_config(settings)
     plan = plan_build(config, host)
+    ranks = agreement.ranks if agreement is not None else None
+    if config.tensor_parallel_size != (ranks.world_size if ranks is not None else 1):
+        raise ConfigError(
+            f"tensor_parallel_size is {config.tensor_parallel_size} after the modify_config hooks, but the engine "
+            f"was started with {ranks.world_size if ranks is not None else 1} process(es): it is fixed before plugins "
+            "load, so set it in the engine's settings, not in a plugin"
+        )
+    if agreement is not None:
+        from pluginhost.engine.parallel import fingerprint
+
+        agreement.reach("plan", fingerprint(config, plan, host))
     tokenizer = load_tokenizer(plan.model_dir)
     checkpoint = find_checkpoint(plan.model_dir, allow_external=config.allow_external_weights)
     model_class = plan.registry.resolve(plan.architecture)
     device = resolve_device(config.device)
+    if ranks is not None and device.type == "cuda":  # one device per rank (torchrun's LOCAL_RANK on several machines)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     dtype = resolve_dtype(config.dtype, plan.hf_config, device)
     config.settle(device=str(device), dtype=dtype_name(dtype), max_model_len=_max_model_len(config, plan.hf_config))
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
+    if ranks is not None:
+        from builtin_models.tp import shard_model
+
+        shard_model(model, ranks.rank, ranks.world_size)
     size = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     weights = checkpoint.tensors(
         dtype=dtype, device=device, max_numel=size, refuse_nonfinite=config.refuse_nonfinite_weights
     )
     loaded = model.load_weights(weights)
+    if ranks is not None:
+        from builtin_models.tp import unshard_tied
+
+        unshard_tied(model)
     _check_loaded(model, loaded, plan.model_dir)
     model.eval().requires_grad_(False)
     host.call("post_load", config=config, model=model)
+    if agreement is not None:
+        agreement.reach("built")
     logger.info(
         "built %s (%s) on %s as %s from %s",
         plan.architecture,

@@ -1,0 +1,492 @@
+"""Tensor parallelism: one model split over N processes (ranks), rank 0 scheduling.
+
+Rank 0 is the caller's process. It runs the engine loop (scheduler, sampler,
+runtime hooks) and, at every step, sends the step's ``StepInputs`` to the other
+ranks; every rank then runs the same forward passes on its shard of the model
+(``builtin_models.tp``), meeting the others in the model's all-reduces, and all
+end with the whole logits, which only rank 0 samples from.
+
+Processes: ``LLM(tensor_parallel_size=N)`` spawns ranks 1..N-1 on this machine
+(``multiprocessing``, spawn) with a rendezvous on 127.0.0.1; under ``torchrun``
+the ranks and the rendezvous come from its environment, so the same command
+runs over several machines. Communication is ``torch.distributed``: gloo on
+CPU, NCCL on CUDA, in two groups: the model's collectives, bounded by
+``PLUGINHOST_DIST_TIMEOUT`` seconds (60), and the control group that carries
+the steps (gloo, unbounded: an idle engine waits for work).
+
+Building: every rank builds its own engine through the whole hook pipeline,
+loading its plugins itself. The ranks compare notes twice (``Agreement``):
+once the plugins are loaded and the configuration settled (what was loaded,
+what registered which architecture, the configuration), and once the model
+is built. A failure on any rank, or a difference, stops every rank with one
+error naming the ranks and the plugin. A rank that dies or stops answering is
+named too, within the timeout, and every process of the engine is ended.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pluginhost import distributed
+from pluginhost.engine.runner import ModelRunner, StepInputs
+from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
+
+__all__ = ["TIMEOUT_ENV", "Agreement", "DistributedRunner", "Ranks", "build_parallel", "torchrun_rank"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a collective (or the rendezvous) may take before the ranks give up on each other.
+TIMEOUT_ENV = "PLUGINHOST_DIST_TIMEOUT"
+_DEFAULT_TIMEOUT_S = 60.0
+#: How long an idle rank waits for the next step: "forever", in practice.
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def dist_timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else _DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting RANK and WORLD_SIZE) started it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["RANK"])
+        except ValueError:
+            return None
+    return None
+
+
+# -- the ranks, from rank 0 ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a spawned rank needs to build the same engine (picklable)."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    backend: str
+    settings: dict[str, Any]
+    host_args: dict[str, Any]
+    parent_pid: int
+    num_threads: int
+    timeout_s: float
+
+
+class Ranks:
+    """The processes of one tensor-parallel engine and their groups, as this process sees them."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        processes: dict[int, multiprocessing.Process],
+        control: Any,
+        timeout_s: float,
+        threads_before: int | None,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.processes = processes  # rank -> the spawned process (rank 0 only, not under torchrun)
+        self.control = control
+        self.timeout_s = timeout_s
+        self._threads_before = threads_before
+        self.broken: TensorParallelError | None = None
+        self._closed = False
+
+    def check_alive(self) -> None:
+        """Raise ``TensorParallelError`` when a spawned rank has died (or an earlier failure broke the engine)."""
+        if self.broken is not None:
+            raise self.broken
+        dead = self.dead_ranks()
+        if dead:
+            raise self.fail(TensorParallelError(f"{dead}; the engine is stopped."))
+
+    def dead_ranks(self) -> str:
+        """``"rank 1 (pid 123) exited with status -9"`` for each spawned rank that is gone; empty if none."""
+        gone = [
+            f"rank {rank} (pid {process.pid}) exited with status {process.exitcode}"
+            for rank, process in sorted(self.processes.items())
+            if process.exitcode is not None
+        ]
+        return "; ".join(gone)
+
+    def send_step(self, inputs: StepInputs | None) -> None:
+        """Every other rank gets ``inputs`` (``None``: stop) and runs it."""
+        dist.broadcast_object_list([inputs], src=0, group=self.control)
+
+    def explain(self, exc: BaseException, doing: str) -> TensorParallelError:
+        """A failed collective, said in terms of ranks: which died, or that one did not answer in time."""
+        time.sleep(0.2)  # a rank that just died: let its exit status arrive
+        dead = self.dead_ranks()
+        if dead:
+            message = f"{dead} while {doing}"
+        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            message = (
+                f"a rank did not answer within {self.timeout_s:g} s while {doing} ({TIMEOUT_ENV} sets the limit): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+        else:
+            message = f"the ranks lost each other while {doing}: {type(exc).__name__}: {exc}"
+        error = TensorParallelError(f"Tensor parallelism failed: {message}. The engine is stopped.")
+        error.__cause__ = exc
+        return error
+
+    def fail(self, error: TensorParallelError) -> TensorParallelError:
+        """Mark the engine broken (the ranks are out of step) and end the other ranks; returns ``error``."""
+        if self.broken is None:
+            self.broken = error
+            logger.error("%s", error)
+            self.close()
+        return self.broken
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End every rank: a stop message when they are in step, else (or if they linger) signals. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank == 0 and self.broken is None:
+            try:
+                self.send_step(None)
+            except Exception:  # noqa: BLE001 - a rank already gone: the signals below
+                logger.debug("could not send the stop message", exc_info=True)
+        deadline = time.monotonic() + timeout
+        for process in self.processes.values():
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes.values():
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        if dist.is_initialized() and (self.processes or self.broken is None):
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort once the peers are gone
+                logger.debug("destroy_process_group failed", exc_info=True)
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+        distributed._set(0, 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any], host_args: dict[str, Any]) -> Ranks:
+    """Join (torchrun) or start (spawn) the ranks; this process is rank 0 when it spawns them."""
+    timeout_s = dist_timeout()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = _backend(device)
+    rank = torchrun_rank()
+    processes: dict[int, multiprocessing.Process] = {}
+    threads_before = None
+    if rank is not None:  # torchrun: every rank runs this same code
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world_size:
+            raise ConfigError(
+                f"tensor_parallel_size={world_size}, but the launcher started {launched} processes (WORLD_SIZE); "
+                "make them equal (torchrun --nproc-per-node N ... --tensor-parallel-size N)"
+            )
+        if not dist.is_initialized():
+            _init(backend, "env://", rank, world_size, timeout, timeout_s, processes)
+    else:
+        if dist.is_initialized():
+            raise ConfigError(
+                "this process already belongs to a torch.distributed group (another tensor-parallel engine?): "
+                "close that engine first, or run one engine per process"
+            )
+        rank = 0
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
+            threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, threads_before // world_size))
+        context = multiprocessing.get_context("spawn")
+        for r in range(1, world_size):
+            spec = RankSpec(
+                r,
+                world_size,
+                init_method,
+                backend,
+                settings,
+                host_args,
+                os.getpid(),
+                torch.get_num_threads(),
+                timeout_s,
+            )
+            process = context.Process(target=_rank_main, args=(spec,), name=f"pluginhost-rank-{r}", daemon=True)
+            process.start()
+            processes[r] = process
+        try:
+            _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
+        except BaseException:
+            for process in processes.values():
+                process.kill()
+                process.join(5.0)
+            if threads_before is not None:
+                torch.set_num_threads(threads_before)
+            raise
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    distributed._set(rank, world_size)
+    return Ranks(
+        rank, world_size, processes=processes, control=control, timeout_s=timeout_s, threads_before=threads_before
+    )
+
+
+def _init(
+    backend: str,
+    init_method: str,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    timeout_s: float,
+    processes: dict[int, multiprocessing.Process],
+) -> None:
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    except Exception as exc:
+        dead = [f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in processes.items() if p.exitcode]
+        why = "; ".join(dead) if dead else f"not every rank joined within {timeout_s:g} s ({TIMEOUT_ENV} sets it)"
+        raise TensorParallelError(
+            f"Tensor parallelism could not start: the {world_size} ranks did not meet ({why}). "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
+
+
+# -- building on every rank ---------------------------------------------------------------------
+
+
+class Agreement:
+    """The two points of the build where the ranks compare notes; each rank calls both, in order.
+
+    ``reach("plan", fingerprint)``: every rank loaded its plugins and settled its configuration;
+    ``reach("built")``: every rank built its shard. A rank that failed before reaching a point
+    still joins it (``abandon``) with its error, so the others are never left waiting.
+    """
+
+    PHASES = ("plan", "built")
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self._next = 0
+
+    def reach(self, phase: str, fingerprint: dict[str, Any] | None = None) -> None:
+        assert self.PHASES[self._next] == phase, f"agreement phase {phase!r} out of order"
+        reports = self._exchange({"rank": self.ranks.rank, "error": None, "fingerprint": fingerprint})
+        failed = [r for r in reports if r["error"] is not None]
+        if failed:
+            raise TensorParallelError(
+                "Building the model failed on "
+                + "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+                + ". No rank was built."
+            )
+        if phase == "plan":
+            problems = _differences([r["fingerprint"] for r in reports])
+            if problems:
+                raise TensorParallelError(
+                    "The ranks did not load the same plugins, architectures or configuration, so they would build "
+                    "different models: " + "; ".join(problems) + ". Install the same plugins for every rank, with "
+                    "the same selection (environment and flags)."
+                )
+
+    def abandon(self, error: BaseException) -> None:
+        """Join the next exchange with ``error`` (this rank failed), without raising."""
+        if self._next >= len(self.PHASES):
+            return
+        try:
+            self._exchange({"rank": self.ranks.rank, "error": _describe(error), "fingerprint": None})
+        except Exception:  # noqa: BLE001 - the others may be gone too; this rank's own error is what matters
+            logger.debug("the other ranks could not be told of this rank's failure", exc_info=True)
+
+    def _exchange(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        phase = self.PHASES[self._next]
+        self._next += 1
+        reports: list[Any] = [None] * self.ranks.world_size
+        try:
+            dist.all_gather_object(reports, mine)
+        except Exception as exc:
+            raise self.ranks.explain(exc, f"building the model ({phase})") from exc
+        return reports
+
+
+def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
+    """What must be the same on every rank before the model is built."""
+    return {
+        "plugins": {
+            r.name: {"status": r.status, "distribution": r.distribution, "version": r.version, "hooks": list(r.hooks)}
+            for r in host.records
+        },
+        "architectures": {
+            e.architecture: f"{e.implementation} (registered by {e.registered_by.name})"
+            for e in plan.registry.entries()
+        },
+        "config": config.model_dump(mode="json"),
+    }
+
+
+def _differences(prints: list[dict[str, Any]]) -> list[str]:
+    """Each way a rank's fingerprint differs from rank 0's, naming the plugin (or architecture, or field)."""
+    base, problems = prints[0], []
+    for rank, other in enumerate(prints[1:], start=1):
+        for name in sorted(set(base["plugins"]) | set(other["plugins"])):
+            mine, theirs = base["plugins"].get(name), other["plugins"].get(name)
+            if mine == theirs:
+                continue
+            if theirs is None or mine is None:
+                where, missing = (0, rank) if theirs is None else (rank, 0)
+                problems.append(f"plugin {name!r} is loaded on rank {where} but not on rank {missing}")
+            else:
+                changed = ", ".join(
+                    f"{k} {mine[k]!r} on rank 0, {theirs[k]!r} on rank {rank}" for k in mine if mine[k] != theirs[k]
+                )
+                problems.append(f"plugin {name!r} differs: {changed}")
+        for arch in sorted(set(base["architectures"]) | set(other["architectures"])):
+            mine, theirs = base["architectures"].get(arch), other["architectures"].get(arch)
+            if mine != theirs:
+                problems.append(
+                    f"architecture {arch!r} is {mine or 'not registered'} on rank 0, "
+                    f"{theirs or 'not registered'} on rank {rank}"
+                )
+        for key in sorted(set(base["config"]) | set(other["config"])):
+            if base["config"].get(key) != other["config"].get(key):
+                problems.append(
+                    f"the configuration's {key} is {base['config'].get(key)!r} on rank 0, "
+                    f"{other['config'].get(key)!r} on rank {rank} (a modify_config hook?)"
+                )
+    return problems
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, PluginhostError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def build_parallel(host: Any, settings: dict[str, Any], world_size: int, device: torch.device) -> tuple[Any, Ranks]:
+    """Start the ranks and build this rank's engine (``LoadedModel``) with them."""
+    from pluginhost.engine.loader import load_model
+
+    ranks = start_ranks(world_size, device, settings, host.replica_args())
+    agreement = Agreement(ranks)
+    try:
+        loaded = load_model(host, settings, agreement=agreement)
+    except BaseException as exc:
+        agreement.abandon(exc)
+        ranks.broken = ranks.broken or TensorParallelError("the build failed")
+        ranks.close()
+        raise
+    return loaded, ranks
+
+
+# -- a rank other than 0 ------------------------------------------------------------------------
+
+
+def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
+    """Run the steps rank 0 sends until it says stop."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=ranks.control)
+        inputs = message[0]
+        if inputs is None:
+            return
+        runner.run(inputs)
+
+
+def _rank_main(spec: RankSpec) -> None:
+    """A spawned rank: build the same engine, then run rank 0's steps until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the others
+    _exit_with(spec.parent_pid)
+    logging.basicConfig(level=logging.WARNING, format=f"pluginhost rank {spec.rank}: %(levelname)s: %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    os.environ[TIMEOUT_ENV] = str(spec.timeout_s)
+    from pluginhost.engine.loader import load_model
+    from pluginhost.host import PluginHost
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        dist.init_process_group(
+            spec.backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+        )
+    except Exception:  # noqa: BLE001 - rank 0 reports that the ranks did not meet
+        os._exit(3)
+    ranks = Ranks(spec.rank, spec.world_size, processes={}, control=None, timeout_s=spec.timeout_s, threads_before=None)
+    ranks.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    distributed._set(spec.rank, spec.world_size)
+    agreement = Agreement(ranks)
+    try:
+        host = PluginHost.from_replica_args(spec.host_args)
+        loaded = load_model(host, spec.settings, agreement=agreement)
+    except BaseException as exc:  # noqa: BLE001 - reported through the agreement, by rank 0
+        agreement.abandon(exc)
+        os._exit(1)
+    runner = ModelRunner(
+        loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
+    )
+    try:
+        serve_steps(runner, ranks)
+    except BaseException:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
+        logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def _exit_with(parent_pid: int) -> None:
+    """End this process when its parent (rank 0) is gone, however it went."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pluginhost-parent-watch", daemon=True).start()
+
+
+class DistributedRunner(ModelRunner):
+    """Rank 0's runner: each step goes to every rank, then runs here; a failure stops the engine."""
+
+    def __init__(self, ranks: Ranks, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ranks = ranks
+
+    def run(self, inputs: StepInputs):  # noqa: ANN201 - a Tensor
+        self.ranks.check_alive()
+        try:
+            self.ranks.send_step(inputs)
+            return super().run(inputs)
+        except BaseException as exc:
+            if isinstance(exc, TensorParallelError):
+                raise
+            if isinstance(exc, KeyboardInterrupt):  # the others may be mid-collective: end them
+                self.ranks.fail(TensorParallelError("interrupted in a step"))
+                raise
+            error = self.ranks.explain(exc, "running a step")
+            raise self.ranks.fail(error) from exc
