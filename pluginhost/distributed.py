@@ -11,7 +11,9 @@ Cheap: nothing here imports torch.
 
 from __future__ import annotations
 
-__all__ = ["get_rank", "get_world_size"]
+import os
+
+__all__ = ["get_rank", "get_world_size", "launched_world_size", "torchrun_rank"]
 
 _rank, _world_size = 0, 1
 
@@ -30,3 +32,23 @@ def _set(rank: int, world_size: int) -> None:
     """Set by the engine as it starts its processes (and back to 0 of 1 when they stop)."""
     global _rank, _world_size
     _rank, _world_size = rank, world_size
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting ``RANK`` and ``WORLD_SIZE``) started it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["RANK"])
+        except ValueError:
+            return None
+    return None
+
+
+def launched_world_size() -> int | None:
+    """``WORLD_SIZE`` as the launcher set it (``None`` without a launcher)."""
+    if torchrun_rank() is None:
+        return None
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return None

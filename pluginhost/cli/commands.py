@@ -14,6 +14,7 @@ from typing import Any
 from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
 from pluginhost.cli.output import ResultStream
 from pluginhost.cli.tables import format_table
+from pluginhost.distributed import launched_world_size, torchrun_rank
 
 __all__ = ["generate", "list_models", "list_plugins", "serve", "show_config"]
 
@@ -148,8 +149,14 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     host = make_host(args)
     from pluginhost.engine import LLM
 
+    _check_launcher(settings)
     llm = LLM._from_host(host, **settings)
-    outputs = llm.generate(list(args.prompt), params)
+    if llm.rank != 0:  # a torchrun rank: it served rank 0's steps until rank 0 was done
+        return EXIT_OK
+    try:
+        outputs = llm.generate(list(args.prompt), params)
+    finally:
+        llm.close()  # the other ranks of a tensor-parallel engine end with it
     if args.json:
         _print_json(
             out,
@@ -170,6 +177,17 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         out.print(f"output: {result.text!r}")
         out.print(f"tokens: {result.token_ids} ({result.finish_reason})\n")
     return EXIT_OK
+
+
+def _check_launcher(settings: dict[str, Any]) -> None:
+    # Under torchrun every process runs this command: without tensor parallelism each would
+    # build a whole engine, print the same output (or take the same port).
+    launched = launched_world_size()
+    if launched is not None and launched > 1 and settings.get("tensor_parallel_size", 1) != launched:
+        raise UsageError(
+            f"torchrun started {launched} processes, but --tensor-parallel-size is "
+            f"{settings.get('tensor_parallel_size', 1)}: pass --tensor-parallel-size {launched}"
+        )
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -207,6 +225,12 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
         settings["model"] = str(ensure_demo_model())
     served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
     api_key = args.api_key or os.environ.get("PLUGINHOST_API_KEY") or None
+    _check_launcher(settings)
+    if torchrun_rank() not in (None, 0):  # a torchrun rank other than 0 runs steps; rank 0 serves
+        from pluginhost.engine.async_llm import AsyncLLM
+
+        AsyncLLM._from_host(make_host(args), **settings)  # returns when rank 0's engine closes
+        return EXIT_OK
     sock = bind(args.host, args.port)  # a busy port fails before the model loads
     try:
         from pluginhost.engine.async_llm import AsyncLLM

@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pluginhost import distributed
+from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.runner import ModelRunner, StepInputs
 from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
 
@@ -61,16 +63,6 @@ def dist_timeout() -> float:
         return float(value) if value else _DEFAULT_TIMEOUT_S
     except ValueError:
         raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-
-
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun (or another launcher setting RANK and WORLD_SIZE) started it."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return int(os.environ["RANK"])
-        except ValueError:
-            return None
-    return None
 
 
 # -- the ranks, from rank 0 ---------------------------------------------------------------------
@@ -116,6 +108,8 @@ class Ranks:
         """Raise ``TensorParallelError`` when a spawned rank has died (or an earlier failure broke the engine)."""
         if self.broken is not None:
             raise self.broken
+        if self._closed:
+            raise TensorParallelError("this tensor-parallel engine was closed, and its other ranks ended with it")
         dead = self.dead_ranks()
         if dead:
             raise self.fail(TensorParallelError(f"{dead}; the engine is stopped."))
@@ -434,7 +428,7 @@ def _rank_main(spec: RankSpec) -> None:
             spec.backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
     except Exception:  # noqa: BLE001 - rank 0 reports that the ranks did not meet
-        os._exit(3)
+        sys.exit(3)
     ranks = Ranks(spec.rank, spec.world_size, processes={}, control=None, timeout_s=spec.timeout_s, threads_before=None)
     ranks.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     distributed._set(spec.rank, spec.world_size)
@@ -444,7 +438,7 @@ def _rank_main(spec: RankSpec) -> None:
         loaded = load_model(host, spec.settings, agreement=agreement)
     except BaseException as exc:  # noqa: BLE001 - reported through the agreement, by rank 0
         agreement.abandon(exc)
-        os._exit(1)
+        sys.exit(1)
     runner = ModelRunner(
         loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
     )
@@ -452,11 +446,9 @@ def _rank_main(spec: RankSpec) -> None:
         serve_steps(runner, ranks)
     except BaseException:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
-        os._exit(1)
-    try:
-        dist.destroy_process_group()
-    finally:
-        os._exit(0)
+        sys.exit(1)
+    dist.destroy_process_group()
+    # Returning ends the process through multiprocessing, which cleans up (os._exit would leak its semaphores).
 
 
 def _exit_with(parent_pid: int) -> None:
