@@ -470,6 +470,13 @@ def test_logprobs_are_capped_by_max_logprobs(tiny_opt, llm):
     assert len(out.logprobs[0]) >= 50
 
 
+def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_waiting_seqs=3, max_num_seqs=2)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    outputs = llm.generate([[2, 10 + i] for i in range(10)], params)
+    assert [len(o.token_ids) for o in outputs] == [2] * 10
+
+
 def test_the_model_may_be_a_path(tiny_opt, llm):
     by_path = LLM(Path(tiny_opt), load_installed_plugins=False)
     assert by_path.config.model == str(tiny_opt)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pluginhost import LLM, SamplingParams, hookimpl
-from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
+from pluginhost.errors import ConfigError, TensorParallelError
 from pluginhost.testing import make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -92,3 +92,302 @@ def test_two_ranks_generate_what_one_process_does(tiny_models, model):
         two.close()
     with pytest.raises(TensorParallelError, match="closed|stopped"):
         two.generate(PROMPTS, GREEDY)
+
+
+# -- plugins on every rank ---------------------------------------------------------------------
+
+EVERY_RANK = """
+from pathlib import Path
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank, get_world_size
+
+@hookimpl
+def post_load(config, model):
+    Path({out!r}, f"rank-{{get_rank()}}-of-{{get_world_size()}}").write_text(str(model.lm_head.weight.shape[0]))
+"""
+
+
+def test_every_rank_loads_the_installed_plugins_itself(install_plugin, tiny_opt, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    install_plugin("every_rank", EVERY_RANK.format(out=str(marks)), dist="every-rank-dist")
+    llm = LLM(str(tiny_opt), tensor_parallel_size=2)
+    try:
+        assert next(r for r in llm.plugins if r.name == "every_rank").status == "loaded"
+        # Each rank ran post_load on its own shard: half the vocabulary of the head each.
+        assert sorted(p.name for p in marks.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
+        assert {p.read_text() for p in marks.iterdir()} == {str(llm.vocab_size // 2)}
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    finally:
+        llm.close()
+
+
+class CountsBuilds:
+    """An in-process plugin defined at module level: the other rank imports it by name."""
+
+    @hookimpl
+    def modify_config(self, config):
+        config.max_num_seqs = 5
+
+
+COUNTS_BUILDS = CountsBuilds()
+
+
+def test_an_in_process_plugin_travels_by_importable_name(tiny_opt):
+    llm = LLM(str(tiny_opt), plugins=[COUNTS_BUILDS], load_installed_plugins=False, tensor_parallel_size=2)
+    try:
+        assert llm.config.max_num_seqs == 5 and llm.generate(PROMPTS[:2], GREEDY)
+    finally:
+        llm.close()
+
+
+def test_an_in_process_plugin_without_a_name_is_refused_before_anything_starts(tiny_opt):
+    class Local:
+        @hookimpl
+        def modify_config(self, config):
+            pass
+
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(Local\) cannot be loaded by the other processes"):
+        LLM(str(tiny_opt), plugins=[Local()], load_installed_plugins=False, tensor_parallel_size=2)
+
+
+DIFFERS_BY_RANK = """
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank
+
+@hookimpl
+def register_models(registry):
+    if get_rank() == 1:
+        registry.register_model("OPTForCausalLM", "builtin_models.gpt2:GPT2LMHeadModel")
+
+@hookimpl
+def modify_config(config):
+    if get_rank() == 1:
+        config.max_num_seqs = 3
+"""
+
+
+def test_ranks_that_loaded_different_things_stop_before_building(install_plugin, tiny_opt):
+    install_plugin("by_rank", DIFFERS_BY_RANK, dist="by-rank-dist")
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError) as info:
+        LLM(str(tiny_opt), tensor_parallel_size=2)
+    message = str(info.value)
+    assert "did not load the same plugins, architectures or configuration" in message
+    assert (
+        "architecture 'OPTForCausalLM' is builtin_models.opt:OPTForCausalLM (registered by builtin_models) on rank 0, "
+        "builtin_models.gpt2:GPT2LMHeadModel (registered by by_rank) on rank 1" in message
+    )
+    assert "the configuration's max_num_seqs is 32 on rank 0, 3 on rank 1" in message
+    assert time.monotonic() - start < 60
+
+
+RAISES_ON_RANK_1 = """
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank
+
+@hookimpl
+def pre_load(config, model_class):
+    if get_rank() == 1:
+        raise RuntimeError("no licence on this host")
+"""
+
+
+def test_a_rank_failing_in_a_hook_is_one_error_naming_the_rank_and_plugin(install_plugin, tiny_opt, run_pluginhost):
+    install_plugin("picky", RAISES_ON_RANK_1, dist="picky-dist", version="2.0")
+    with pytest.raises(TensorParallelError) as info:
+        LLM(str(tiny_opt), tensor_parallel_size=2)
+    assert (
+        "Building the model failed on rank 1: plugin 'picky' (distribution picky-dist 2.0) failed in its pre_load "
+        "hook: RuntimeError: no licence on this host" in str(info.value)
+    )
+    # The same through the CLI: exit 2, one message, no traceback.
+    result = run_pluginhost("generate", "--model", str(tiny_opt), "--prompt", "Hi", "--tensor-parallel-size", "2")
+    assert result.returncode == 2 and result.stderr.startswith("error: Building the model failed on rank 1")
+    assert "Traceback" not in result.stderr
+
+
+def test_a_rank_that_dies_is_named_and_the_engine_stops(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    try:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        process = llm._ranks.processes[1]
+        process.kill()
+        process.join(10)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {process.pid}\) exited with status -9"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 60
+        with pytest.raises(TensorParallelError, match="exited with status -9"):  # and stays stopped
+            llm.generate(PROMPTS[:1], GREEDY)
+    finally:
+        llm.close()
+
+
+DIES_MID_STEP = """
+import os
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank
+
+@hookimpl
+def post_load(config, model):
+    calls = []
+
+    def die_on_the_third_forward(module, args, output):
+        calls.append(1)
+        if get_rank() == 1 and len(calls) == 3:
+            os._exit(7)
+
+    model.register_forward_hook(die_on_the_third_forward)
+"""
+
+
+def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, tiny_opt):
+    install_plugin("crashy", DIES_MID_STEP, dist="crashy-dist")
+    llm = LLM(str(tiny_opt), tensor_parallel_size=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with status 7"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 60
+    finally:
+        llm.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_rank_that_never_joins_is_a_timeout_naming_the_limit(run_pluginhost, tiny_opt):
+    # torchrun's environment for rank 0 of 2, with no rank 1 started.
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PLUGINHOST_DIST_TIMEOUT": "3",
+    }
+    start = time.monotonic()
+    result = run_pluginhost(
+        "generate", "--model", str(tiny_opt), "--prompt", "Hi", "--tensor-parallel-size", "2", "--no-plugins", env=env
+    )
+    assert result.returncode == 2, result.stderr
+    assert "the 2 ranks did not meet (not every rank joined within 3 s" in result.stderr
+    assert time.monotonic() - start < 45
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_the_cli_splits_the_model_and_prints_once(run_pluginhost, tiny_opt):
+    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello there", "--max-tokens", "6", "--json"]
+    one = run_pluginhost(*argv, "--no-plugins")
+    two = run_pluginhost(*argv, "--no-plugins", "--tensor-parallel-size", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert json.loads(two.stdout) == json.loads(one.stdout)
+
+
+def test_torchrun_ranks_come_from_its_environment(run_pluginhost, tiny_opt):
+    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello there", "--max-tokens", "6", "--json"]
+    one = run_pluginhost(*argv, "--no-plugins")
+    port = str(free_port())
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "-m",
+            "pluginhost",
+            *argv,
+            "--no-plugins",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == json.loads(one.stdout)  # rank 0 alone printed
+
+
+def test_torchrun_with_another_world_size_is_one_clear_error(run_pluginhost, tiny_opt):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    result = run_pluginhost("generate", "--model", str(tiny_opt), "--prompt", "Hi", "--no-plugins", env=env)
+    assert result.returncode == 2
+    assert "torchrun started 2 processes, but --tensor-parallel-size is 1" in result.stderr
+
+
+@pytest.mark.parametrize("when", [0.5, 2.0, 8.0], ids=["starting", "building", "generating"])
+def test_ctrl_c_ends_every_rank(tiny_opt, when):
+    # 2,000 prompts of 100 tokens: far longer than the test waits.
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pluginhost",
+            "generate",
+            "--model",
+            str(tiny_opt),
+            "--no-plugins",
+            "--tensor-parallel-size",
+            "2",
+            "--max-tokens",
+            "100",
+            "--ignore-eos",
+            "--prompt",
+            "Hi",
+        ]
+        + ["--prompt", "Hello"] * 2000,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        ranks: set[int] = set()
+        deadline = time.monotonic() + 60
+        while not ranks and time.monotonic() < deadline:  # rank 1 is up once rank 0 has a child
+            ranks = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == process.pid}
+            time.sleep(0.2)
+        assert ranks, "rank 1 never started"
+        time.sleep(when)
+        assert process.poll() is None, process.stderr.read()  # still at work when interrupted
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        process.wait(30)
+        assert process.returncode == 130, process.stderr.read()
+        deadline = time.monotonic() + 20
+        while (
+            any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in ranks) and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in ranks)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

@@ -93,13 +93,17 @@ class EngineCore:
 
     # -- callers ----------------------------------------------------------------------
 
-    def submit(self, requests: Iterable[EngineRequest]) -> None:
-        """Queue requests for the next step, all or none (a full queue refuses them all)."""
+    def submit(self, requests: Iterable[EngineRequest], *, bounded: bool = True) -> None:
+        """Queue requests for the next step, all or none (a full queue refuses them all).
+
+        ``bounded=False`` (offline ``LLM.generate``, whose caller holds the whole list already)
+        queues them whatever the queue holds: ``max_waiting_seqs`` protects a server.
+        """
         requests = list(requests)
         with self._inbox_lock:
             queued = self.scheduler.num_waiting + sum(len(r.sequences) for r in self._inbox)
             wanted = sum(len(r.sequences) for r in requests)
-            if queued + wanted > self.scheduler.max_waiting:
+            if bounded and queued + wanted > self.scheduler.max_waiting:
                 raise EngineOverloadedError(
                     f"the engine's queue is full ({queued} sequences waiting, at most {self.scheduler.max_waiting}); "
                     "try again later, or raise max_waiting_seqs"

@@ -71,7 +71,7 @@ class LLM(EngineFrontend):
             self._inputs.make_request(self._new_request_id(), prompt, params, index=i)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        self.engine.submit(requests)
+        self.engine.submit(requests, bounded=False)
         try:
             self.engine.run_until(lambda: all(r.finished for r in requests))
         except BaseException:

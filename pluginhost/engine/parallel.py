@@ -162,6 +162,8 @@ class Ranks:
                 self.send_step(None)
             except Exception:  # noqa: BLE001 - a rank already gone: the signals below
                 logger.debug("could not send the stop message", exc_info=True)
+        else:  # no stop message: the ranks end by themselves after a failed build, or are stuck
+            timeout = min(timeout, 2.0)
         deadline = time.monotonic() + timeout
         for process in self.processes.values():
             process.join(max(0.0, deadline - time.monotonic()))
@@ -222,6 +224,10 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
         context = multiprocessing.get_context("spawn")
+        # The ranks ignore Ctrl-C from their first instruction (a terminal sends it to the whole group;
+        # rank 0 ends them): an ignored signal stays ignored in the spawned interpreter.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
         for r in range(1, world_size):
             spec = RankSpec(
                 r,
@@ -235,7 +241,11 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 timeout_s,
             )
             process = context.Process(target=_rank_main, args=(spec,), name=f"pluginhost-rank-{r}", daemon=True)
-            process.start()
+            try:
+                process.start()
+            finally:
+                if r == world_size - 1 and in_main_thread:
+                    signal.signal(signal.SIGINT, previous)
             processes[r] = process
         try:
             _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
@@ -262,8 +272,27 @@ def _init(
     timeout_s: float,
     processes: dict[int, multiprocessing.Process],
 ) -> None:
+    # In a thread, so that this one can see a spawned rank die (or Ctrl-C) instead of waiting out the timeout.
+    outcome: list[BaseException | None] = []
+
+    def meet() -> None:
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=meet, name="pluginhost-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        dead = {r: p for r, p in processes.items() if p.exitcode is not None}
+        if dead and thread.is_alive():
+            gone = "; ".join(f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in dead.items())
+            raise TensorParallelError(f"Tensor parallelism could not start: {gone} before the ranks met.")
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+        if outcome[0] is not None:
+            raise outcome[0]
     except Exception as exc:
         dead = [f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in processes.items() if p.exitcode]
         why = "; ".join(dead) if dead else f"not every rank joined within {timeout_s:g} s ({TIMEOUT_ENV} sets it)"
@@ -294,6 +323,8 @@ class Agreement:
         assert self.PHASES[self._next] == phase, f"agreement phase {phase!r} out of order"
         reports = self._exchange({"rank": self.ranks.rank, "error": None, "fingerprint": fingerprint})
         failed = [r for r in reports if r["error"] is not None]
+        if failed or (phase == "plan" and _differences([r["fingerprint"] for r in reports])):
+            self._next = len(self.PHASES)  # every rank stops here: no later exchange
         if failed:
             raise TensorParallelError(
                 "Building the model failed on "
@@ -325,6 +356,7 @@ class Agreement:
         try:
             dist.all_gather_object(reports, mine)
         except Exception as exc:
+            self._next = len(self.PHASES)
             raise self.ranks.explain(exc, f"building the model ({phase})") from exc
         return reports
 

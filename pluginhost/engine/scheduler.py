@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pluginhost.engine.request import Sequence
-from pluginhost.errors import EngineOverloadedError
 from pluginhost.logits_processors import AddedRequest, BatchUpdate, MoveDirectionality
 
 __all__ = ["ScheduledStep", "Scheduler"]
@@ -80,13 +79,7 @@ class Scheduler:
         return [s for s in self._rows if s is not None]
 
     def add(self, sequences: Iterable[Sequence]) -> None:
-        """Queue sequences; refuse them all when the queue cannot take them."""
-        sequences = list(sequences)
-        if len(self.waiting) + len(sequences) > self.max_waiting:
-            raise EngineOverloadedError(
-                f"the engine's queue is full ({len(self.waiting)} sequences waiting, at most {self.max_waiting}); "
-                "try again later, or raise max_waiting_seqs"
-            )
+        """Queue sequences (``EngineCore.submit`` has decided that the queue takes them)."""
         self.waiting.extend(sequences)
 
     def free(self, sequence: Sequence) -> None:
