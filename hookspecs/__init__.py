@@ -26,6 +26,14 @@ thread that submits the request (the server's event loop, or the caller of
 ``LLM.generate``), so it must be quick; ``on_output`` and ``record_stats`` in
 the thread that steps the engine; logits processors inside the engine step.
 
+With tensor parallelism (``tensor_parallel_size`` N > 1) the engine is N
+processes, and each loads its plugins itself. Every build hook runs on every
+rank, each on its own rank's engine: ``post_load`` sees that rank's shard of
+the model (``pluginhost.distributed.get_rank()`` says which). The runtime hooks
+and logits processors run on rank 0 only, the process that schedules and
+samples: requests, outputs and statistics exist there alone, and every rank
+runs the same tokens, the ones rank 0 chose.
+
 Within one hook, implementations run builtin first, then installed plugins in
 alphabetical order of entry-point name, then in-process plugins in the order
 given; a later implementation sees, and may override, what an earlier one did.
@@ -168,7 +176,11 @@ def post_load(config: EngineConfig, model: torch.nn.Module) -> None:
     submodules, check parameters); raise to refuse the model.
 
     Must not: replace the object (the engine keeps the one it built), move it
-    to another device, or change its dtype.
+    to another device, or change the dtype it computes in (storing weights
+    differently, as a quantizer does, is fine: activations, outputs and the KV
+    cache stay in the engine's dtype). With tensor parallelism it runs on every
+    rank with that rank's shard, and a change must give every rank the same
+    outputs as the others expect (patch every rank alike).
 
     Example::
 

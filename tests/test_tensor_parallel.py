@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pluginhost import LLM, SamplingParams, hookimpl
-from pluginhost.errors import ConfigError, TensorParallelError
+from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
 from pluginhost.testing import make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -391,3 +391,29 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
+
+
+def test_the_server_splits_the_model_and_its_sigterm_ends_every_rank(tiny_opt):
+    import httpx
+    from test_serve_cli import TIMEOUT, serving
+
+    body = {"prompt": [2, 17, 200, 31], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    expected = LLM(str(tiny_opt), load_installed_plugins=False).generate([body["prompt"]], GREEDY)[0].token_ids[:8]
+    with serving("--model", str(tiny_opt), "--tensor-parallel-size", "2") as (process, url):
+        rank_1 = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == process.pid}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
+        assert answer["usage"]["completion_tokens"] == 8
+        assert answer["choices"][0]["text"] == LLM(str(tiny_opt), load_installed_plugins=False).get_tokenizer().decode(
+            expected
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(TIMEOUT) == 0
+    deadline = time.monotonic() + 20
+    while any(_state(pid) not in ("Z", "gone") for pid in rank_1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_state(pid) in ("Z", "gone") for pid in rank_1)
+
+
+def test_a_model_without_a_plan_is_not_split(tiny_opt):
+    with pytest.raises(PluginhostError, match="has no tensor-parallel plan"):
+        LLM(str(tiny_opt), load_installed_plugins=False, model_impl="transformers", tensor_parallel_size=2)
