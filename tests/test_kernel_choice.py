@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import builtin_models.kernel_choice as kernel_choice
 import builtin_models.linear as linear_module
 from builtin_models.kernel_choice import (
     CALIBRATION_ENV,
@@ -126,13 +127,29 @@ def _write_choices(args) -> None:
         table.kernel(torch.randn(8 + n, 8), None, rows)
 
 
+def test_few_rows_are_timed_with_the_weight_coming_from_memory(tmp_path):
+    """Decoding streams every layer's weights: a kernel is timed on weights overflowing the cache, not on a hot one."""
+    seen: dict[int, set[int]] = {}
+
+    def recording(x, weight, bias):
+        seen.setdefault(x.shape[0], set()).add(id(weight))
+        return F.linear(x, weight, bias)
+
+    table = KernelTable({F_LINEAR: recording}, timer=lambda fn: (fn(), 1.0)[1])
+    weight = torch.randn(512, 256)  # 512 KiB
+    table.kernel(weight, None, 1), table.kernel(weight, None, 512)
+    read_per_pass = len(seen[1]) * weight.numel() * weight.element_size()
+    assert read_per_pass >= min(2 * kernel_choice._last_level_cache_bytes(), 64 * 512 * 1024)
+    assert seen[512] == {id(weight)}  # many rows are bound by arithmetic: the weight itself suffices
+
+
 @needs_onednn
 def test_concurrent_writers_never_leave_a_broken_file(tmp_path):
     path = tmp_path / "kernels.json"
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         pool.map(_write_choices, [(path, n) for n in range(8)], chunksize=1)
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and all(k in KERNELS for k in data["choices"].values())
+    assert data["version"] == kernel_choice._CACHE_VERSION and all(k in KERNELS for k in data["choices"].values())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".linear-kernels-")]  # no temporary left
 
 
