@@ -292,7 +292,7 @@ def _fallback(weight: Tensor, bias: Tensor | None, rows: int) -> str:
 
 
 def _cold_copies(weight: Tensor) -> list[Tensor]:
-    """``weight`` and enough copies of it to overflow the last-level cache: each product reads its weight from memory."""
+    """``weight`` and enough copies of it to overflow the last-level cache: each product reads it from memory."""
     size = weight.numel() * weight.element_size()
     return [weight] + [weight.clone() for _ in range(min(64, -(-2 * _last_level_cache_bytes() // size)) - 1)]
 
