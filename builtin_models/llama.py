@@ -47,6 +47,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        # float32 throughout: F.rms_norm does the arithmetic below, bit for bit, in one call.
+        if x.dtype is torch.float32 and self.weight.dtype is torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -74,11 +77,11 @@ class LlamaAttention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor
     ) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rotary(q, k, cos, sin)
+        Hq, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim).transpose(1, 2)  # (B, Hq + 2 Hkv, T, D)
+        # Queries and keys are adjacent heads of the stacked product: rotated together, one pass per layer.
+        qk = apply_rotary(qkv[:, : Hq + Hkv], cos, sin)  # (B, Hq + Hkv, T, D)
+        q, k, v = qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv :]  # (B, Hq, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, Hkv, S, D)

@@ -89,7 +89,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) by cos and sin (B, T, D)."""
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate every head of x (B, H, T, D) by cos and sin (B, T, D): queries and keys alike, in one pass."""
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
