@@ -139,3 +139,17 @@ def run_pluginhost() -> RunPluginhost:
         )
 
     return run
+
+
+@pytest.fixture(params=["f_linear", "onednn", "onednn_swapped"])
+def forced_kernel(request):
+    """Every product through one kernel, each of ``builtin_models.kernel_choice.KERNELS`` in turn.
+
+    A parity test using it holds whatever a calibration chooses on any machine (an unknown name
+    here would fail: ``make_kernel_table`` accepts only the kernels it has).
+    """
+    import builtin_models.linear
+
+    builtin_models.linear.use_kernel_table(builtin_models.linear.make_kernel_table(mode=request.param))
+    yield request.param
+    builtin_models.linear.use_kernel_table(None)

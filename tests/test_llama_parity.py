@@ -110,6 +110,15 @@ def test_cached_batched_decoding_matches_transformers_at_every_step(variant):
     assert_steps_match(outs, PROMPTS, hf(variant))
 
 
+@pytest.mark.parametrize("name", ["llama, grouped-query (4 heads, 2 kv)", "qwen2, q/k/v biases, tied"])
+def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel, name):
+    model_type, config = VARIANTS[name]
+    path = make_tiny_model(tmp_path, model_type, seed=1, **config)
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
+    assert_steps_match(outs, PROMPTS, hf(path))
+
+
 def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path):
     model_type, config = DYNAMIC
     path = make_tiny_model(tmp_path, model_type, seed=2, **config)

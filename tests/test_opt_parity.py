@@ -13,8 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import OPTForCausalLM as HFOPTForCausalLM
 
-import builtin_models.linear
-from builtin_models.kernel_choice import KERNELS
 from pluginhost import LLM, SamplingParams
 from pluginhost.testing import make_tiny_opt
 
@@ -87,14 +85,6 @@ def test_greedy_tokens_equal_transformers_generate(variant_dir):
             torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=1
         )[0, len(prompt) :].tolist()
     assert ours == theirs
-
-
-@pytest.fixture(params=KERNELS)
-def forced_kernel(request):
-    """Every product through one kernel: whatever a calibration chooses, parity holds."""
-    builtin_models.linear.use_kernel_table(builtin_models.linear.make_kernel_table(mode=request.param))
-    yield request.param
-    builtin_models.linear.use_kernel_table(None)
 
 
 @pytest.mark.parametrize("batch, length", [(1, 1), (3, 7), (2, 40), (1, 200)])
