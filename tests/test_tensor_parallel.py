@@ -207,6 +207,34 @@ def test_a_rank_failing_in_a_hook_is_one_error_naming_the_rank_and_plugin(instal
     assert "Traceback" not in result.stderr
 
 
+FAILS_TO_IMPORT_ON_RANK_1 = """
+from pluginhost.distributed import get_rank
+
+if get_rank() == 1:
+    raise ImportError("libfoo.so.1: cannot open shared object file")
+
+from pluginhost import hookimpl
+
+@hookimpl
+def modify_config(config):
+    pass
+"""
+
+
+def test_a_rank_that_cannot_load_a_plugin_is_named_with_the_plugin(install_plugin, tiny_opt):
+    install_plugin("needs_lib", FAILS_TO_IMPORT_ON_RANK_1, dist="needs-lib-dist")
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError) as info:
+        LLM(str(tiny_opt), tensor_parallel_size=2)
+    message = str(info.value)
+    assert message.startswith(
+        "Building the model failed on rank 1: Cannot start: plugin 'needs_lib' (distribution needs-lib-dist 1.0) is "
+        "broken: import of needs_lib failed: ImportError: libfoo.so.1: cannot open shared object file."
+    )
+    assert message.endswith("skip broken plugins. No rank was built.")
+    assert time.monotonic() - start < 60
+
+
 def test_a_rank_that_dies_is_named_and_the_engine_stops(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
     try:

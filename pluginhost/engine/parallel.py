@@ -328,7 +328,7 @@ class Agreement:
         if failed:
             raise TensorParallelError(
                 "Building the model failed on "
-                + "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+                + "; ".join(f"rank {r['rank']}: {str(r['error']).rstrip('.')}" for r in failed)
                 + ". No rank was built."
             )
         if phase == "plan":
