@@ -58,12 +58,22 @@ class HookOwners:
         # Code object -> (bound instance or None, plugin). Methods of one class
         # share their code: the instance tells two in-process plugins apart.
         self._owners: dict[CodeType, list[tuple[object | None, PluginRef]]] = {}
+        # Source file -> the plugins with hook implementations in it (several for in-process plugins
+        # written side by side): code a plugin installs (a forward hook, a patched method) lives there too.
+        self._files: dict[str, list[PluginRef]] = {}
 
     def add(self, function: Any, plugin: PluginRef) -> None:
         instance = getattr(function, "__self__", None)
         code = getattr(getattr(function, "__func__", function), "__code__", None)
         if isinstance(code, CodeType):
             self._owners.setdefault(code, []).append((instance, plugin))
+            plugins = self._files.setdefault(code.co_filename, [])
+            if plugin not in plugins:
+                plugins.append(plugin)
+
+    def plugins_of_file(self, filename: str) -> list[PluginRef]:
+        """The plugins whose hook implementations are in ``filename`` (none for other files)."""
+        return self._files.get(filename, [])
 
     def _owner(self, frame: FrameType) -> PluginRef | None:
         candidates = self._owners.get(frame.f_code)

@@ -459,6 +459,10 @@ class PluginHost:
 
     # -- runtime hooks ---------------------------------------------------------------
 
+    def plugins_of_file(self, filename: str) -> list[PluginRef]:
+        """The loaded plugins whose hook implementations are in ``filename``: what runs code from it."""
+        return self._owners.plugins_of_file(filename)
+
     def has_implementations(self, hook: str) -> bool:
         """Whether any loaded plugin implements ``hook`` (so the engine can skip calling it)."""
         return bool(getattr(self.plugin_manager.hook, hook).get_hookimpls())

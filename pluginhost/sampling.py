@@ -40,7 +40,8 @@ class SamplingParams:
       temperature and filtering) of the chosen token and of the k most likely.
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string).
-    * ``stop_token_ids``: token ids that end generation (the token is kept).
+    * ``stop_token_ids``: token ids that end generation; the token is kept in
+      ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
     """
@@ -109,6 +110,10 @@ class SamplingParams:
             f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
         )
         check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        check(
+            self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,
+            f"seed must be in [-2**63, 2**64 - n] (sample i draws from seed + i), got {self.seed!r}",
+        )
         check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",

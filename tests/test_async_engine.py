@@ -218,3 +218,20 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
+
+
+def test_a_request_id_in_use_is_refused_at_once_and_the_running_request_is_untouched(engine, offline):
+    async def scenario():
+        first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="request id\\(s\\) 'dup' already running"):
+            engine.add_request(PROMPTS[1], greedy(3), "dup")
+        engine.abort("dup")  # the id is free at once: abort, then the same id again, in that order
+        again = [out async for out in engine.generate(PROMPTS[1], greedy(3), "dup")]
+        rest = [out async for out in first]
+        return rest, again
+
+    rest, again = run(scenario())
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < 40
+    assert again[-1].outputs[0].token_ids == offline.generate([PROMPTS[1]], greedy(3))[0].token_ids

@@ -119,6 +119,9 @@ def test_stop_token_ids_end_generation_and_are_included(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at]))[0]
     assert out.token_ids == free[: free.index(stop_at) + 1]
     assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", stop_at)
+    # As in vLLM: the stop token is in token_ids, its text is not in the text.
+    before = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=free.index(stop_at), temperature=0))[0]
+    assert before.text and out.text == before.text
 
 
 class AlwaysPicks(OPTForCausalLM):
@@ -184,6 +187,53 @@ def test_a_model_without_setup_caches_is_recomputed_each_step_with_the_same_resu
     for a, b in zip(recomputed, cached, strict=True):
         assert a.token_ids == b.token_ids
         assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True) for k in x)
+
+
+class ChecksActivations:
+    """Installs a forward hook on the model in post_load; the hook fails once, while generating."""
+
+    failures = 1
+
+    @hookimpl
+    def post_load(self, config, model):
+        model.decoder.layers[0].register_forward_hook(self.check)
+
+    def check(self, module, args, output):
+        if ChecksActivations.failures:
+            ChecksActivations.failures -= 1
+            raise RuntimeError("activations out of range")
+
+
+def test_code_a_plugin_installed_failing_while_generating_is_named_with_the_plugin(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ChecksActivations()])
+    with pytest.raises(ModelRunError) as info:
+        llm.generate([[2, 5]], SamplingParams(max_tokens=3))
+    assert str(info.value).startswith(
+        f"Code of plugin 'ChecksActivations' (in {__file__}) failed while the model builtin_models.opt:OPTForCausalLM"
+    )
+    assert "(a forward hook, a replaced method): RuntimeError: activations out of range." in str(info.value)
+    assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_step_interrupted_in_its_forward_pass_changes_nothing_for_the_others(llm):
+    """Ctrl-C in a thread's generate ends its requests; a request of another caller in the same step goes on."""
+    ours, theirs = (llm._inputs.make_request(f"interrupted-{i}", p, GREEDY_8) for i, p in enumerate(PROMPTS[:2]))
+    llm.engine.submit([ours, theirs])
+
+    def interrupt(module, args, output):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = llm.model.decoder.layers[1].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.engine.step()  # prefills both: interrupted half-way
+    llm.engine.abort_request(ours)
+    llm.engine.run_until(lambda: theirs.finished)
+    assert theirs.error is None and ours.aborted
+    assert theirs.output().outputs[0].token_ids == llm.generate([PROMPTS[1]], GREEDY_8)[0].token_ids
+
+
+GREEDY_8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt):
@@ -408,6 +458,8 @@ def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
     ):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5))
     assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"prompt 0 has 12 tokens, which leaves no room to generate within max_model"):
+        llm.generate([[2, *range(10, 21)]], SamplingParams(max_tokens=None))
     with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=4096)
 
@@ -422,6 +474,11 @@ def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
         ([[2, 5.0]], None, "must hold only int token ids"),
         ([], None, "no prompts given"),
         ([[2, 5]], [SamplingParams(), SamplingParams()], "one per prompt"),
+        (
+            [[2, 5], [2, 6]],
+            [SamplingParams(stop_token_ids=[100000], min_tokens=2), SamplingParams()],
+            r"prompt 0 has stop_token_ids \[100000\] outside the vocabulary \[0, 384\)",
+        ),
         # Once taken as token ids, a list of keys, or a TypeError.
         (b"hello", None, "prompts must be a string, a list of token ids, or a list of prompts, got bytes"),
         ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),
@@ -447,6 +504,9 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
         ({"logprobs": -2}, "logprobs must be None or an integer >= 0"),
         ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of token ids >= 0"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids >= 0, got 5"),
+        ({"seed": 2**64}, r"seed must be in \[-2\*\*63, 2\*\*64 - n\]"),
+        ({"seed": 2**64 - 1, "n": 2}, r"sample i draws from seed \+ i\), got 18446744073709551615"),
+        ({"seed": -(2**63) - 1}, "seed must be in"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error(kwargs, message):

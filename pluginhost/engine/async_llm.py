@@ -117,7 +117,10 @@ class AsyncLLM(EngineFrontend):
         return stream
 
     def abort(self, request_id: str) -> None:
-        """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``."""
+        """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``.
+
+        The id is free at once: a new request may take it before the old one's stream has ended.
+        """
         self.engine.abort([request_id])
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -177,4 +180,4 @@ class RequestStream:
     def abort(self) -> None:
         """End the request at the next step, unless it has finished."""
         if not self.request.finished:
-            self._engine.abort([self.request.request_id])
+            self._engine.abort_request(self.request)

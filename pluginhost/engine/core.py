@@ -7,7 +7,11 @@ changed its cumulative output. Requests join the running batch at the next
 step and leave it when they finish.
 
 Callers never touch the scheduler: ``submit`` and ``abort`` leave their
-requests in an inbox, under a lock of their own, which the next step empties.
+requests in an inbox, under a lock of their own, which the next step empties
+in the order things happened (an abort and a new request of the same id are
+taken in that order). A request id is taken from ``submit`` until the request
+ends or ``abort`` is called: a second request with an id still taken is refused
+at once, and never disturbs the first.
 Steps themselves are serialised by a second lock, so any thread may drive the
 loop (``LLM.generate`` steps in its caller's thread, ``AsyncLLM`` in a thread
 of its own), and requests of several callers share every step. A step only
@@ -80,8 +84,11 @@ class EngineCore:
             self.runner = DistributedRunner(ranks, loaded.model, loaded.device, **limits)
         self._step_lock = threading.RLock()
         self._inbox_lock = threading.Lock()
-        self._inbox: list[EngineRequest] = []
-        self._aborts: set[str] = set()
+        #: What callers did since the last step, in order: a request to add, or one to abort.
+        self._inbox: list[tuple[str, EngineRequest]] = []
+        #: Request ids taken (submitted, not yet ended or aborted), under the inbox lock.
+        self._live: dict[str, EngineRequest] = {}
+        #: The requests the engine loop has taken in and not yet ended (the loop's own).
         self._requests: dict[str, EngineRequest] = {}
         self._work = threading.Condition(self._inbox_lock)
         self.last_stats: EngineStats | None = None
@@ -97,31 +104,55 @@ class EngineCore:
         """Queue requests for the next step, all or none (a full queue refuses them all).
 
         ``bounded=False`` (offline ``LLM.generate``, whose caller holds the whole list already)
-        queues them whatever the queue holds: ``max_waiting_seqs`` protects a server.
+        queues them whatever the queue holds: ``max_waiting_seqs`` protects a server. A
+        request id still taken by a running request (or repeated) is a ``ValueError``.
         """
         requests = list(requests)
         with self._inbox_lock:
-            queued = self.scheduler.num_waiting + sum(len(r.sequences) for r in self._inbox)
+            ids = [r.request_id for r in requests]
+            taken = sorted({i for i in ids if i in self._live} | {i for i in ids if ids.count(i) > 1})
+            if taken:
+                raise ValueError(
+                    f"request id(s) {', '.join(map(repr, taken[:5]))} already running; give each request its own id "
+                    "(or abort the running one first)"
+                )
+            queued = self.scheduler.num_waiting + sum(len(r.sequences) for what, r in self._inbox if what == "add")
             wanted = sum(len(r.sequences) for r in requests)
             if bounded and queued + wanted > self.scheduler.max_waiting:
                 raise EngineOverloadedError(
                     f"the engine's queue is full ({queued} sequences waiting, at most {self.scheduler.max_waiting}); "
                     "try again later, or raise max_waiting_seqs"
                 )
-            self._inbox.extend(requests)
+            for request in requests:
+                self._live[request.request_id] = request
+                self._inbox.append(("add", request))
             self._work.notify_all()
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """End these requests at the next step (unknown or finished ones are ignored)."""
+        """End the requests running under these ids at the next step (unknown or finished ones are ignored).
+
+        The ids are free again at once: a new request may take one before the step ends the old one.
+        """
         with self._inbox_lock:
-            self._aborts.update(request_ids)
+            for request_id in request_ids:
+                request = self._live.pop(request_id, None)
+                if request is not None:
+                    self._inbox.append(("abort", request))
             self._work.notify_all()
+
+    def abort_request(self, request: EngineRequest) -> None:
+        """End this request at the next step, unless it has ended (never another request with its id)."""
+        with self._inbox_lock:
+            if self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
+                self._inbox.append(("abort", request))
+                self._work.notify_all()
 
     def abort_all(self) -> None:
         """End every request at the next step."""
         with self._inbox_lock:
-            self._aborts.update(self._requests)
-            self._aborts.update(r.request_id for r in self._inbox)
+            self._inbox.extend(("abort", request) for request in self._live.values())
+            self._live.clear()
             self._work.notify_all()
 
     def fail_all(self, error: BaseException) -> None:
@@ -133,14 +164,14 @@ class EngineCore:
 
     def has_work(self) -> bool:
         with self._inbox_lock:
-            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+            return bool(self._inbox) or self.scheduler.has_work()
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until something was submitted or aborted (or ``timeout``); whether there is work."""
         with self._inbox_lock:
-            if not (self._inbox or self._aborts or self.scheduler.has_work()):
+            if not (self._inbox or self.scheduler.has_work()):
                 self._work.wait(timeout)
-            return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+            return bool(self._inbox) or self.scheduler.has_work()
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step until ``done()``; other threads' requests are served by the same steps."""
@@ -280,7 +311,7 @@ class EngineCore:
         for request in changed.values():
             error = None
             if request.finished:
-                self._requests.pop(request.request_id, None)
+                self._forget(request)
                 error = self._finish(request)
             if request.on_output is not None:
                 deliveries.append((request.on_output, None if error else request.output(), error))
@@ -302,17 +333,14 @@ class EngineCore:
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:
-            arrived, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
-        for request in arrived:
-            if request.request_id in self._requests:
-                self._end(request, ValueError(f"request id {request.request_id!r} is already running"))
+            events, self._inbox = self._inbox, []
+        for what, request in events:
+            if what == "add":
+                self._requests[request.request_id] = request
+                self.scheduler.add(request.sequences)
                 continue
-            self._requests[request.request_id] = request
-            self.scheduler.add(request.sequences)
-        for request_id in aborts:
-            request = self._requests.pop(request_id, None)
-            if request is not None and not request.finished:
+            if self._requests.get(request.request_id) is request and not request.finished:
+                del self._requests[request.request_id]
                 request.aborted = True
                 for sequence in request.sequences:
                     if not sequence.finished:
@@ -333,30 +361,55 @@ class EngineCore:
         request.error = error
         for sequence in request.sequences:
             self.scheduler.free(sequence)
-        self._requests.pop(request.request_id, None)
+        self._forget(request)
         if request.on_output is not None:
             request.on_output(None, error)
 
+    def _forget(self, request: EngineRequest) -> None:
+        """The request has ended: its id is free (unless a newer request has it already)."""
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        with self._inbox_lock:
+            if self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
+
     def _blame(self, exc: Exception) -> BaseException:
-        """The model's failure as a ``ModelRunError`` naming it; the engine's own as it is."""
+        """A failure in the model's code, or in code a plugin installed, as a ``ModelRunError`` naming it.
+
+        The innermost frame that is the model's or a plugin's decides: a plugin's forward hook or patched
+        method raising inside the model's forward is the plugin's fault. The engine's own errors stay as
+        they are (and are logged as internal).
+        """
         if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
             return exc
-        if not _raised_in(exc.__traceback__, self.loaded.code_files):
+        what = f"{type(exc).__name__}: {exc}"
+        for filename in reversed(_traceback_files(exc.__traceback__)):
+            if filename in self.loaded.code_files:
+                error = ModelRunError(f"The model {self.loaded.describe()} failed while generating: {what}")
+                break
+            plugins = self._host.plugins_of_file(filename)
+            if plugins:
+                names = " or ".join(p.describe() for p in plugins)
+                error = ModelRunError(
+                    f"Code of {names} (in {filename}) failed while the model {self.loaded.describe()} was generating, "
+                    f"code the plugin installed (a forward hook, a replaced method): {what}. The requests of the step "
+                    f"were ended. {plugins[0].remedy() if len(plugins) == 1 else 'Fix the plugin, or disable it.'}"
+                )
+                break
+        else:
             logger.error("internal error in an engine step", exc_info=exc)
             return exc
-        error = ModelRunError(
-            f"The model {self.loaded.describe()} failed while generating: {type(exc).__name__}: {exc}"
-        )
         error.__cause__ = exc
         return error
 
 
-def _raised_in(tb: TracebackType | None, files: frozenset[str]) -> bool:
+def _traceback_files(tb: TracebackType | None) -> list[str]:
+    """The source file of every frame of a traceback, outermost first."""
+    files = []
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename in files:
-            return True
+        files.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
-    return False
+    return files
 
 
 class _LiveProcessor:

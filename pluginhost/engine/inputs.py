@@ -81,6 +81,11 @@ class InputProcessor:
                     hook="register_logits_processors",
                 ) from exc
         token_ids = request.prompt_token_ids
+        if params.max_tokens is None and len(token_ids) >= loaded.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={loaded.max_model_len}. Shorten the prompt."
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
         total = len(token_ids) + max_tokens
         if total > loaded.max_model_len or max_tokens < 1:
@@ -92,6 +97,11 @@ class InputProcessor:
             raise ValueError(
                 f"prompt {index} asks for stop strings, but {loaded.config.model} has no tokenizer to find them in "
                 "the text; use stop_token_ids instead"
+            )
+        outside = [t for t in params.stop_token_ids or () if t >= loaded.vocab_size]
+        if outside:
+            raise ValueError(
+                f"prompt {index} has stop_token_ids {outside[:5]} outside the vocabulary [0, {loaded.vocab_size})"
             )
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
         for sample in range(params.n):

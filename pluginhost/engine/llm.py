@@ -75,7 +75,8 @@ class LLM(EngineFrontend):
         try:
             self.engine.run_until(lambda: all(r.finished for r in requests))
         except BaseException:
-            self.engine.abort(r.request_id for r in requests)  # Ctrl-C or an engine bug: end ours, keep the rest
+            for request in requests:  # Ctrl-C or an engine bug: end ours, keep the rest
+                self.engine.abort_request(request)
             raise
         for request in requests:
             if request.error is not None:

@@ -78,14 +78,18 @@ class Sequence:
             self.logprobs.append(step)
             self.cumulative_logprob += step[token]
         may_stop = len(self.token_ids) >= self.params.min_tokens
+        if may_stop and token in self.sampling.stop_ids:
+            # End-of-sequence or a stop token id: kept in token_ids, left out of the text (as vLLM does).
+            self.finish_reason = "stop"
+            self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
+            if self.detokenizer is not None:
+                self.detokenizer.flush()
+            return
         stop_string = None
         if self.detokenizer is not None:
             stop_string = self.detokenizer.push(token, check_stop=may_stop)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
-        elif may_stop and token in self.sampling.stop_ids:
-            self.finish_reason = "stop"
-            self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finished and self.detokenizer is not None and stop_string is None:

@@ -78,8 +78,8 @@ def sample(
         logits = logits.clone()  # the model's own tensor stays as it returned it
     for processor in changing:
         logits = processor.apply(logits)
-    for i, state in masked:
-        logits[i, list(state.stop_ids)] = float("-inf")
+    for i, state in masked:  # an end-of-sequence id a config puts beyond the vocabulary cannot be sampled anyway
+        logits[i, [t for t in state.stop_ids if t < logits.shape[-1]]] = float("-inf")
     for i, state in penalized:
         _apply_penalties(logits[i], state)
     tokens: list[int | None] = [None] * len(states)

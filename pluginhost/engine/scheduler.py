@@ -99,11 +99,12 @@ class Scheduler:
         """Admit, place and compact; ``None`` when nothing runs."""
         # While sequences run, a prefill step is followed by a decoding one.
         may_admit = not (self._last_prefilled and self.num_running > 0)
-        prefill_rows = self._admit() if may_admit else []
-        self._last_prefilled = bool(prefill_rows)
+        if may_admit:
+            self._admit()
         moves = self._compact()
         if not self._rows:
             self._free.clear()
+            self._last_prefilled = False
             return None
         rows: list[Sequence] = list(self._rows)  # type: ignore[arg-type]  # compact: no free row is left
         update = None
@@ -111,13 +112,15 @@ class Scheduler:
             moved = [(a, b, MoveDirectionality.UNIDIRECTIONAL) for a, b in moves]
             update = BatchUpdate(len(rows), self._added, sorted(self._removed), moved)
         self._added, self._removed = [], set()
-        moved_to = dict(moves)
-        prefill = sorted(moved_to.get(r, r) for r in prefill_rows)
+        # Prefilled: the sequences whose prompts are not in the cache yet. Those just admitted, and any
+        # whose prefill step was interrupted (Ctrl-C in the forward pass): that step changed no sequence.
+        prefill = [row for row, sequence in enumerate(rows) if sequence.num_computed == 0]
+        self._last_prefilled = bool(prefill)
         return ScheduledStep(rows, prefill, update, moves)
 
     # -- placement -------------------------------------------------------------------
 
-    def _admit(self) -> list[int]:
+    def _admit(self) -> None:
         """Move waiting sequences into free rows (lowest first), then onto the end."""
         admitted: list[int] = []
         longest = 0
@@ -139,7 +142,6 @@ class Scheduler:
             sequence.row = row
             admitted.append(row)
             self._added.append((row, sequence.params, sequence.prompt_token_ids, sequence.token_ids))
-        return admitted
 
     def _compact(self) -> list[tuple[int, int]]:
         """Move the last rows into free ones until rows 0 .. B-1 are all taken; drop empty trailing rows."""
