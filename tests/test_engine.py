@@ -479,6 +479,7 @@ def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
             [SamplingParams(stop_token_ids=[100000], min_tokens=2), SamplingParams()],
             r"prompt 0 has stop_token_ids \[100000\] outside the vocabulary \[0, 384\)",
         ),
+        ([[2, 5]], SamplingParams(n=10**7), r"n=10000000 samples are more than the engine ever queues at once"),
         # Once taken as token ids, a list of keys, or a TypeError.
         (b"hello", None, "prompts must be a string, a list of token ids, or a list of prompts, got bytes"),
         ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),

@@ -108,6 +108,18 @@ def test_a_busy_port_is_one_clear_error():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_one_clear_error(port):
+    result = subprocess.run(
+        [sys.executable, "-m", "pluginhost", "serve", "--port", port, "--no-plugins"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"Cannot listen on 127.0.0.1:{port}: a port is a number from 0 to 65535" in result.stderr
+
+
 def test_served_name_and_api_key(tiny_opt):
     with serving("--model", str(tiny_opt), env={"PLUGINHOST_API_KEY": "k1"}) as (process, url):
         assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT).status_code == 401

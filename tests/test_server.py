@@ -137,6 +137,30 @@ def test_stop_strings_n_seed_and_logprobs(client, offline):
     assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_text_with_stop_strings_adds_up_to_the_whole(client, offline, chat):
+    """Stop strings longer than the text so far: what is held back is never sent, then cut."""
+    free = offline.generate([PROMPTS[0]], greedy(24))[0].text
+    stops = [free[9:25], free[5:9] + "never"]  # the first ends the text; the second starts like its text
+    if chat:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        ids = chat_ids(offline, messages)
+        expected = offline.generate([ids], greedy(24, stop=stops))[0]
+        chunks = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=24, temperature=0, stop=stops, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        expected = offline.generate([PROMPTS[0]], greedy(24, stop=stops))[0]
+        chunks = client.completions.create(
+            model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stops, stream=True
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text
+    if not chat:
+        assert text == free[:9] and expected.finish_reason == "stop"
+
+
 def test_vllm_extras_through_extra_body(client, offline):
     answer = client.completions.create(
         model="demo",
@@ -280,6 +304,13 @@ def test_sse_framing_is_exact(url):
         ("/v1/completions", {"model": "demo", "prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1]"),
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**6}, 400, "more than max_model_len=256"),
         ("/v1/completions", {"model": "demo", "prompt": [10**7]}, 400, "outside the vocabulary"),
+        (
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "n": 10**7},
+            400,
+            "1 prompt(s) x n=10000000 samples are more than the server ever queues at once (1024, --max-waiting-seqs)",
+        ),
+        ("/v1/completions", {"model": "demo", "prompt": ["x"] * 600, "n": 2}, 400, "600 prompt(s) x n=2 samples"),
         ("/v1/completions", {"model": "demo", "prompt": []}, 400, "prompt is empty"),
         ("/v1/completions", {"model": "demo"}, 400, "prompt: Field required"),
         (
@@ -355,14 +386,19 @@ def test_the_api_key_is_checked_on_every_route(engine):
             ("GET", "/metrics"),
             ("GET", "/v1/models"),
             ("POST", "/v1/completions"),
+            ("GET", "/no/such/path/31871"),
         ]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 response = httpx.request(method, f"{base}{path}", headers=headers, json={}, timeout=TIMEOUT)
                 assert response.status_code == 401, (path, headers)
                 assert response.json()["error"]["code"] == "invalid_api_key"
-        assert (
-            httpx.get(f"{base}/health", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).status_code == 200
-        )
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive
+            headers = {"Authorization": f"{scheme} s3cret"}
+            assert httpx.get(f"{base}/health", headers=headers, timeout=TIMEOUT).status_code == 200
+        # Refused requests are counted by route: paths of a caller's choosing never become metric labels.
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT).text
+        assert "31871" not in metrics
+        assert 'route="unmatched",status="401"' in metrics and 'route="/v1/completions",status="401"' in metrics
         keyed = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", timeout=TIMEOUT, max_retries=0)
         assert keyed.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):

@@ -58,6 +58,9 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")
     group.add_argument(
+        "--max-waiting-seqs", type=int, metavar="N", help="most sequences a server queues; beyond, 503 (default 1024)"
+    )
+    group.add_argument(
         "--tensor-parallel-size",
         type=int,
         metavar="N",
@@ -167,6 +170,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "device",
         "max_model_len",
         "max_num_seqs",
+        "max_waiting_seqs",
         "tensor_parallel_size",
         "seed",
         "model_architecture_override",

@@ -59,6 +59,11 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n > loaded.config.max_waiting_seqs:  # checked before n sequences are built
+            raise ValueError(
+                f"n={params.n} samples are more than the engine ever queues at once "
+                f"(max_waiting_seqs={loaded.config.max_waiting_seqs}): ask for fewer, or raise max_waiting_seqs"
+            )
         if params.logprobs is not None and params.logprobs > loaded.config.max_logprobs:
             raise ValueError(
                 f"logprobs={params.logprobs} is more than this engine allows ({loaded.config.max_logprobs}): "

@@ -105,7 +105,7 @@ class Sequence:
         if self.detokenizer is not None:
             text = self.detokenizer.text
             held = self.detokenizer.stop_buffer if streaming and not self.finished else 0
-            text = text[: len(text) - held] if held else text
+            text = text[: max(0, len(text) - held)] if held else text
         return CompletionOutput(
             index=self.index,
             text=text,

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
 from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginhostError
@@ -140,25 +141,35 @@ def _install_errors(app: FastAPI) -> None:
 
 
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = api_key.encode() if api_key else None
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if expected is not None:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)):
                 response: Response = APIError(
                     401,
                     "Missing or wrong API key: send the key given to --api-key as 'Authorization: Bearer KEY'.",
                     type="invalid_request_error",
                     code="invalid_api_key",
                 ).response()
-                metrics.record_http(request.url.path, 401)
+                # Counted under the route the path would reach: a path of the caller's choosing is no label.
+                metrics.record_http(_route_path(app, request.scope), 401)
                 return response
         response = await call_next(request)
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
+
+
+def _route_path(app: FastAPI, scope: dict[str, Any]) -> str:
+    """The path template of the route a request would reach, or "unmatched"."""
+    for route in app.router.routes:
+        if route.matches(scope)[0] is Match.FULL:
+            return getattr(route, "path", "unmatched")
+    return "unmatched"
 
 
 def _describe_validation(errors: Sequence[Any]) -> str:
@@ -222,6 +233,12 @@ class _API:
     def _start(self, prompts: Sequence[Any], params: SamplingParams, request_id: str) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
         streams: list[RequestStream] = []
+        most = self.engine.config.max_waiting_seqs
+        if len(prompts) * params.n > most:  # more than the queue ever holds: retrying cannot help (not a 503)
+            raise bad_request(
+                f"{len(prompts)} prompt(s) x n={params.n} samples are more than the server ever queues at once "
+                f"({most}, --max-waiting-seqs): send fewer prompts or samples per request"
+            )
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}"))

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host``:``port`` (``ConfigError`` saying why when it cannot be had)."""
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap 99999 round to another port, or blame the host
+        raise ConfigError(f"Cannot listen on {host}:{port}: a port is a number from 0 to 65535 (0: any free one).")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
