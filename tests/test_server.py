@@ -232,12 +232,15 @@ def test_a_short_request_sent_while_a_long_one_streams_finishes_first(url, clien
     assert order == ["short", "long"]
 
 
-def aborted(url: str) -> float:
+def metric(url: str, sample: str) -> float:
+    """The value of the first /metrics sample line starting with ``sample`` (0 when there is none)."""
     text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-    line = next(
-        (x for x in text.splitlines() if x.startswith('pluginhost_request_success_total{finish_reason="abort"')), ""
-    )
+    line = next((x for x in text.splitlines() if x.startswith(sample)), "")
     return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def aborted(url: str) -> float:
+    return metric(url, 'pluginhost_request_success_total{finish_reason="abort"')
 
 
 def test_a_client_killed_mid_stream_changes_nothing_for_the_others(url, engine, offline):
@@ -272,8 +275,10 @@ def test_a_client_gone_before_a_whole_answer_aborts_it(url, engine):
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         assert wait_until(lambda: engine.engine.scheduler.num_running > 0)
+        assert metric(url, "pluginhost_num_requests_running{") == 1
     assert wait_until(lambda: aborted(url) == before + 1)
     assert wait_until(lambda: engine.engine.scheduler.num_running == 0 and not engine.engine.has_work())
+    assert metric(url, "pluginhost_num_requests_running{") == 0  # idle now: no step follows, the gauge says so
 
 
 def test_sse_framing_is_exact(url):
@@ -295,6 +300,10 @@ def test_sse_framing_is_exact(url):
     [
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokenz": 5}, 400, "max_tokenz: unknown field"),
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        # Strict types, as OpenAI's API: no string for a number, no boolean for a float, no floats as token ids.
+        ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens: Input should be"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "temperature": True}, 400, "temperature: Input should"),
+        ("/v1/completions", {"model": "demo", "prompt": [1.0, 2.0]}, 400, "prompt"),
         (
             "/v1/completions",
             {"model": "demo", "prompt": "x", "max_tokens": 0},

@@ -110,6 +110,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        scheduler = engine.engine.scheduler
+        metrics.record_queue(scheduler.num_running, scheduler.num_waiting)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     engine.plugin_host.register_routes(app, engine, BUILTIN_ROUTES)  # plugins' routes, after the builtin ones

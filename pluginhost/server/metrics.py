@@ -85,6 +85,11 @@ class ServerMetrics:
             if tokens > 1:
                 self.itl.labels(self._model).observe((end - first_token) / (tokens - 1))
 
+    def record_queue(self, running: int, waiting: int) -> None:
+        """The batch and the queue as they are now (at a scrape: no step may follow an abort)."""
+        self.running.labels(self._model).set(running)
+        self.waiting.labels(self._model).set(waiting)
+
     def record_http(self, route: str, status: int) -> None:
         self.http_requests.labels(self._model, route, str(status)).inc()
 
