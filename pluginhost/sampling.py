@@ -92,7 +92,7 @@ class SamplingParams:
         )
         check(
             _is_number(self.temperature) and self.temperature >= 0,
-            f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}",
+            f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}",
         )
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         check(
@@ -107,7 +107,7 @@ class SamplingParams:
             check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         check(
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
+            f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty!r}",
         )
         check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         check(

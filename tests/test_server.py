@@ -351,6 +351,7 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
 def test_a_body_that_is_not_json_is_a_400(url):
     response = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] is None  # not the character offset of the error
 
 
 def test_the_client_sees_openai_exceptions(client):

@@ -188,7 +188,7 @@ def _describe_validation(errors: Sequence[Any]) -> str:
 def _first_param(errors: Sequence[Any]) -> str | None:
     for error in errors:
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        if loc:
+        if loc and error.get("type") != "json_invalid":  # a JSON error's location is a character offset
             return loc[0]
     return None
 
