@@ -529,10 +529,10 @@ class PluginHost:
         """
         pm = self.plugin_manager  # load first: registrations made at import are process-wide
         while True:
-            registry = ArchitectureRegistry()
+            hooked = ArchitectureRegistry()
             try:
-                with collecting_into(registry):
-                    self.call("register_models", registry=registry)
+                with collecting_into(hooked):
+                    self.call("register_models", registry=hooked)
             except PluginHookError as exc:
                 if strict or exc.plugin == BUILTIN_PLUGIN:
                     raise
@@ -544,14 +544,18 @@ class PluginHost:
                 continue
             # Direct ModelRegistry registrations: from your own code (always), or from an
             # installed plugin's code (only where that plugin is loaded). The builtins
-            # came through the hook already.
+            # came through the hook already. Every registration takes its plugin's place in
+            # call order (your own code's last): the plugin called later wins, however it registered.
             active = {(r.name, r.distribution) for r in self._records if r.kind == "installed" and r.status == "loaded"}
-            registry.update(
-                ModelRegistry,
-                include=lambda ref, active=active: ref.distribution is None or (ref.name, ref.distribution) in active,
+            order = {r.ref: i for i, r in enumerate(self._records)}
+            return ArchitectureRegistry.merged(
+                [
+                    (hooked, lambda ref: True),
+                    (ModelRegistry, lambda r, a=active: r.distribution is None or (r.name, r.distribution) in a),
+                    (self._in_process_registrations, lambda ref: True),
+                ],
+                rank=lambda ref, o=order: o.get(ref, len(o)),
             )
-            registry.update(self._in_process_registrations)
-            return registry
 
 
 def _describe_exception(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ import importlib
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -184,12 +184,29 @@ class ArchitectureRegistry:
                 previous.registered_by.describe(),
             )
 
-    def update(self, other: ArchitectureRegistry, include: Callable[[PluginRef], bool] = lambda ref: True) -> None:
-        """Replay ``other``'s registrations (each entry's history, oldest first) whose source ``include`` accepts."""
-        for latest in other.entries():
-            for entry in reversed([latest, *latest.overrides]):
-                if include(entry.registered_by):
-                    self._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
+    @classmethod
+    def merged(
+        cls,
+        sources: Iterable[tuple[ArchitectureRegistry, Callable[[PluginRef], bool]]],
+        rank: Callable[[PluginRef], int],
+    ) -> ArchitectureRegistry:
+        """One registry replaying the registrations of ``sources`` that each one's filter accepts.
+
+        Every registration (each entry's whole history) is replayed in the ``rank`` of its source,
+        stably: a plugin's registrations keep their own order, and of two plugins registering one
+        name, the one ranked later wins, whether it used a hook or ``ModelRegistry`` directly.
+        """
+        replay = [
+            entry
+            for registry, include in sources
+            for latest in registry.entries()
+            for entry in reversed([latest, *latest.overrides])
+            if include(entry.registered_by)
+        ]
+        merged = cls()
+        for entry in sorted(replay, key=lambda e: rank(e.registered_by)):
+            merged._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
+        return merged
 
     def get_supported_archs(self) -> list[str]:
         """Registered architecture names, sorted."""

@@ -65,6 +65,30 @@ def test_two_installed_plugins_registering_one_architecture_later_name_wins(inst
     )
 
 
+HOOK_REGISTERS = (
+    "from pluginhost import hookimpl\n"
+    "@hookimpl\n"
+    "def register_models(registry):\n"
+    "    registry.register_model('Shared', '{0}_impl:Model')\n"
+)
+FUNCTION_REGISTERS = (
+    "from pluginhost import ModelRegistry\n"
+    "def register():\n"
+    "    ModelRegistry.register_model('Shared', '{0}_impl:Model')\n"
+)
+
+
+@pytest.mark.parametrize("first_style, second_style", [("function", "hook"), ("hook", "function")])
+def test_the_later_name_wins_however_each_plugin_registers(install_plugin, first_style, second_style):
+    """A register() function (ModelRegistry) and a register_models hook take their plugins' places in order."""
+    for name, style in (("aaa", first_style), ("zzz", second_style)):
+        code = (FUNCTION_REGISTERS if style == "function" else HOOK_REGISTERS).format(name)
+        install_plugin(name, code, dist=f"{name}-dist", target=f"{name}:register" if style == "function" else None)
+    entry = PluginHost().collect_models().get("Shared")
+    assert entry.implementation == "zzz_impl:Model"
+    assert [o.registered_by.name for o in entry.overrides] == ["aaa"]
+
+
 def test_vllm_style_register_function_is_called_attributed_and_wins(install_plugin):
     install_plugin(
         "vllm_style",
