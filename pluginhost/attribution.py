@@ -41,13 +41,15 @@ class PluginRef:
             return f"plugin {self.name!r} (distribution {self.distribution} {self.version or '?'})"
         return f"plugin {self.name!r}"
 
-    def remedy(self) -> str:
-        """How to get going again, for messages about this plugin's faults."""
+    def remedy(self, *, by_distribution: bool = False) -> str:
+        """How to get going again, for messages about this plugin's faults.
+
+        ``by_distribution``: name it by its distribution (when another plugin has the same name).
+        """
         if self.distribution:
-            return (
-                f"Fix or uninstall it, or disable it with --disable-plugin {self.name} "
-                f"or PLUGINHOST_DISABLED_PLUGINS={self.name}."
-            )
+            name = self.distribution if by_distribution else self.name
+            flag, variable = f"--disable-plugin {name}", f"PLUGINHOST_DISABLED_PLUGINS={name}"
+            return f"Fix or uninstall it, or disable it with {flag} or {variable}."
         return f"Fix {self.name}, or stop passing or calling it."
 
 

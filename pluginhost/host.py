@@ -99,12 +99,12 @@ class PluginRecord:
         return asdict(self) | {"hooks": list(self.hooks)}
 
 
-def _remedy(record: PluginRecord, *, broken: bool = False) -> str:
+def _remedy(record: PluginRecord, *, broken: bool = False, by_distribution: bool = False) -> str:
     """What the user can do; ``broken`` (failed to load) adds the skip-broken switch."""
     if record.kind == "in-process":
         return "Fix it, or leave it out of LLM(plugins=...)."
     skip = f" Or set {SKIP_BROKEN_ENV}=1 to skip broken plugins." if broken else ""
-    return record.ref.remedy() + skip
+    return record.ref.remedy(by_distribution=by_distribution) + skip
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,15 @@ def _hookimpls_of(pm: pluggy.PluginManager, plugin: object) -> list[_Impl]:
         if opts is not None:
             found.append(_Impl(opts.get("specname") or attr, getattr(plugin, attr)))
     return found
+
+
+def _methods_needing_an_instance(pm: pluggy.PluginManager, cls: type) -> list[str]:
+    """The hook implementations of a class that are plain methods (pluggy would call them without ``self``)."""
+    return sorted(
+        attr
+        for attr in dir(cls)
+        if pm.parse_hookimpl_opts(cls, attr) is not None and inspect.isfunction(inspect.getattr_static(cls, attr, None))
+    )
 
 
 def _spec_signature(pm: pluggy.PluginManager, hook: str) -> str:
@@ -216,9 +225,11 @@ class PluginHost:
                 logger.warning("skipping broken %s: %s", record.ref.describe(), record.reason)
         return self.records
 
-    @staticmethod
-    def _failure_message(record: PluginRecord) -> str:
-        return f"Cannot start: {record.ref.describe()} is broken: {record.reason}. {_remedy(record, broken=True)}"
+    def _failure_message(self, record: PluginRecord) -> str:
+        # Two plugins of one name: only the distribution name tells them apart on the command line.
+        shared = any(r.name == record.name and r is not record for r in self._records)
+        remedy = _remedy(record, broken=True, by_distribution=shared)
+        return f"Cannot start: {record.ref.describe()} is broken: {record.reason}. {remedy}"
 
     def _load(self) -> pluggy.PluginManager:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -268,11 +279,18 @@ class PluginHost:
             logger.warning("%r is disabled but no installed plugin has that name", name)
 
         out: list[tuple[PluginRecord, object | None]] = []
+        decisions = [selection.decide(p.name, p.distribution) for p in installed]
+        selected_names = {p.name for p, blocked in zip(installed, decisions, strict=True) if not blocked}
         seen: dict[str, InstalledPlugin] = {}
-        for plugin in installed:
+        for plugin, blocked in zip(installed, decisions, strict=True):
             base = PluginRecord(
                 plugin.name, "installed", "loaded", plugin.distribution, plugin.version, target=plugin.value
             )
+            if blocked:  # a blocked plugin takes no name: it cannot clash with one that loads
+                if plugin.name not in selected_names and plugin.name != BUILTIN_PLUGIN:
+                    pm.set_blocked(plugin.name)
+                out.append((replace(base, status="blocked", reason=blocked), None))
+                continue
             if plugin.name == BUILTIN_PLUGIN or plugin.name in seen:
                 other = seen.get(plugin.name)
                 owner = f"distribution {other.distribution}" if other else "pluginhost itself"
@@ -280,11 +298,6 @@ class PluginHost:
                 out.append((replace(base, status="failed", reason=reason), None))
                 continue
             seen[plugin.name] = plugin
-            blocked = selection.decide(plugin.name, plugin.distribution)
-            if blocked:
-                pm.set_blocked(plugin.name)
-                out.append((replace(base, status="blocked", reason=blocked), None))
-                continue
             start = time.perf_counter()
             try:
                 with acting_as(base.ref):
@@ -309,7 +322,20 @@ class PluginHost:
         Returns the record and what is left to register with pluggy (``None``
         for a function plugin, which has no hooks, or a failed one).
         """
-        if plugin is None or _hookimpls_of(pm, plugin):
+        if plugin is None:
+            return record, plugin
+        if inspect.isclass(plugin):
+            methods = _methods_needing_an_instance(pm, plugin)
+            if methods:
+                name = plugin.__name__
+                reason = (
+                    f"{f'{record.target} is' if record.target else 'it is'} the class {name}, whose hook "
+                    f"implementations ({', '.join(methods)}) are methods: register an instance of it "
+                    f"(LLM(plugins=[{name}()]); an entry point names a module-level instance, such as "
+                    f"`plugin = {name}()`)"
+                )
+                return replace(record, status="failed", reason=reason), None
+        if _hookimpls_of(pm, plugin):
             return record, plugin
         if not inspect.isroutine(plugin):
             what = "module" if inspect.ismodule(plugin) else type(plugin).__name__
@@ -320,6 +346,9 @@ class PluginHost:
             )
             return replace(record, status="failed", reason=reason), None
         function = getattr(plugin, "__qualname__", repr(plugin))
+        if inspect.iscoroutinefunction(plugin) or inspect.isasyncgenfunction(plugin):
+            reason = f"its register function {function}() is async: plugin functions are called, not awaited; use def"
+            return replace(record, status="failed", reason=reason), None
         required = _required_parameters(plugin)
         if required:
             reason = (

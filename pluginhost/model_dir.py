@@ -181,7 +181,14 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
     for key, value in overrides.items():
         if not hasattr(hf_config, key):
             logger.warning("hf_overrides sets %r, which %s does not define", key, type(hf_config).__name__)
-        setattr(hf_config, key, value)
+        try:
+            setattr(hf_config, key, value)
+        except Exception as exc:  # noqa: BLE001 - transformers' typed configs raise their validators' own errors
+            raise ConfigError(
+                f"The model config does not describe a model that can be built: hf_overrides sets {key} to "
+                f"{value!r}, which {type(hf_config).__name__} refuses ({str(exc).splitlines()[-1].strip()}). "
+                "Fix the value in hf_overrides (--hf-overrides)."
+            ) from None
     if architecture is not None:
         hf_config.architectures = [architecture]
     architectures = getattr(hf_config, "architectures", None)

@@ -155,6 +155,11 @@ def test_config_table(capsys, tiny_opt):
         (["config", "--model", "/nonexistent/dir"], "does not exist"),
         (["config", "--model", "{tiny}", "--hf-overrides", "{bad"], "--hf-overrides is not valid JSON"),
         (["config", "--model", "{tiny}", "--hf-overrides", "[1]"], "--hf-overrides must be a JSON object"),
+        (
+            ["generate", "--model", "{tiny}", "--prompt", "hi", "--hf-overrides", '{"vocab_size": "300"}'],
+            "hf_overrides sets vocab_size to '300', which OPTConfig refuses (TypeError: Field 'vocab_size' expected",
+        ),
+        (["config", "--model", "{tiny}", "--hf-overrides", '{"num_hidden_layers": 2.0}'], "sets num_hidden_layers"),
         (["config", "--model", "{tiny}", "--device", "tpu"], "unknown device 'tpu'"),
         (
             ["config", "--model", "{tiny}", "--model-architecture-override", "OPTForCausalLm"],

@@ -287,6 +287,34 @@ def test_two_plugins_with_the_same_entry_point_name_conflict(install_plugin):
     assert "already taken by distribution first-dist" in records[1].reason
 
 
+def test_a_name_clash_follows_the_selection_and_names_the_way_out(install_plugin, monkeypatch):
+    install_plugin("same", RECORDING_PLUGIN.format(digit=1), dist="first-dist", module="same_a")
+    install_plugin("same", RECORDING_PLUGIN.format(digit=2), dist="second-dist", module="same_b")
+    install_plugin("builtin_models", RECORDING_PLUGIN.format(digit=3), dist="squatter-dist", module="same_c")
+    with pytest.raises(PluginLoadError) as info:
+        PluginHost().load()
+    # The message's way out names the distribution: both clashing plugins share the entry-point name.
+    assert "disable it with --disable-plugin second-dist or PLUGINHOST_DISABLED_PLUGINS=second-dist" in str(info.value)
+    assert "disable it with --disable-plugin squatter-dist" in str(info.value)
+    # Following it works: a plugin left out by the selection clashes with nothing, and the builtins still load.
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "second-dist,squatter-dist")
+    host = PluginHost()
+    records = {(r.name, r.distribution): r.status for r in host.load()}
+    assert records[("same", "first-dist")] == "loaded" and records[("same", "second-dist")] == "blocked"
+    assert records[("builtin_models", "squatter-dist")] == "blocked"
+    assert "OPTForCausalLM" in host.collect_models()
+
+
+def test_a_plugin_class_passed_in_process_is_refused_with_the_fix():
+    class ShortContext:
+        @hookimpl
+        def modify_config(self, config):
+            config.max_model_len = 64
+
+    with pytest.raises(PluginError, match=r"register an instance of it \(LLM\(plugins=\[ShortContext\(\)\]\)"):
+        PluginHost(plugins=[ShortContext], load_installed=False).load()
+
+
 def test_wrapper_implementations_work_and_are_attributed():
     class Plain:
         @hookimpl
@@ -423,8 +451,23 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         ("def register(registry):\n    pass\n", "fn:register", "takes argument(s) registry"),
         ("def register():\n    raise RuntimeError('no licence')\n", "fn:register", "failed: RuntimeError: no licence"),
         ("class Thing:\n    pass\nTHING = Thing()\n", "fn:THING", "is a Thing that holds no hook implementation"),
+        (
+            "from pluginhost import hookimpl\nclass Hooks:\n    @hookimpl\n    def modify_config(self, config):\n"
+            "        pass\n",
+            "fn:Hooks",
+            "fn:Hooks is the class Hooks, whose hook implementations (modify_config) are methods: register an "
+            "instance of it",
+        ),
+        ("async def register():\n    pass\n", "fn:register", "is async: plugin functions are called, not awaited"),
     ],
-    ids=["module-without-hooks", "function-with-arguments", "function-raising", "object-without-hooks"],
+    ids=[
+        "module-without-hooks",
+        "function-with-arguments",
+        "function-raising",
+        "object-without-hooks",
+        "class-instead-of-instance",
+        "async-function",
+    ],
 )
 def test_an_entry_point_with_no_hook_implementation_is_a_broken_plugin(install_plugin, code, target, reason):
     install_plugin("fn", code, target=target)
