@@ -158,6 +158,7 @@ class PluginHost:
         self._pm: pluggy.PluginManager | None = None
         self._records: list[PluginRecord] = []
         self._owners = HookOwners()
+        self._warned_returns: set[str] = set()
         # What in-process register() functions registered: this host's alone.
         self._in_process_registrations = ArchitectureRegistry()
         # record_stats: the caller without the plugins whose implementation raised.
@@ -463,7 +464,10 @@ class PluginHost:
     def _dispatch(self, caller: Any, hook: str, consequence: str, kwargs: dict[str, Any]) -> Any:
         token = start_dispatch(self._owners)
         try:
-            return caller(**kwargs)
+            results = caller(**kwargs)
+            if results:  # pluggy leaves out the None every hook of this project returns
+                self._warn_returned(caller, hook, results)
+            return results
         except PluginHookError:
             raise
         except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything, exit included
@@ -475,6 +479,21 @@ class PluginHost:
             raise self._hook_error(plugin, hook, exc, consequence) from exc
         finally:
             end_dispatch(token)
+
+    def _warn_returned(self, caller: Any, hook: str, results: list[Any]) -> None:
+        """Once per hook: an implementation returned a value, which nothing reads (a porting slip, usually)."""
+        if hook in self._warned_returns:
+            return
+        self._warned_returns.add(hook)
+        names = [impl.plugin_name for impl in caller.get_hookimpls() if impl.plugin_name != BUILTIN_PLUGIN]
+        who = f"plugin {names[0]!r}" if len(names) == 1 else f"one of the plugins {', '.join(map(repr, names))}"
+        logger.warning(
+            "%s returned %s from its %s hook; the value is ignored: hooks change what they are given in place "
+            "(the config, the model, the request) and return None",
+            who,
+            type(results[0]).__name__,
+            hook,
+        )
 
     def _hook_error(self, plugin: PluginRef, hook: str, exc: BaseException, consequence: str) -> PluginHookError:
         record = next((r for r in self._records if r.name == plugin.name), None)

@@ -315,6 +315,23 @@ def test_a_plugin_class_passed_in_process_is_refused_with_the_fix():
         PluginHost(plugins=[ShortContext], load_installed=False).load()
 
 
+def test_a_hook_returning_a_value_is_warned_about_once_naming_the_plugin(caplog):
+    class ReturnsACopy:  # a porting slip: hooks change what they are given and return None
+        @hookimpl
+        def modify_config(self, config):
+            return config.model_copy(update={"seed": 5})
+
+    host = PluginHost(plugins=[ReturnsACopy()], load_installed=False)
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        for _ in range(2):
+            host.call("modify_config", config=EngineConfig(model="m"))
+    warnings = [r.getMessage() for r in caplog.records if "the value is ignored" in r.getMessage()]
+    assert warnings == [
+        "plugin 'ReturnsACopy' returned EngineConfig from its modify_config hook; the value is ignored: hooks change "
+        "what they are given in place (the config, the model, the request) and return None"
+    ]
+
+
 def test_wrapper_implementations_work_and_are_attributed():
     class Plain:
         @hookimpl
