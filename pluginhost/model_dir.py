@@ -103,7 +103,13 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of the model directory, checked to be a JSON object."""
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: a model directory needs a Hugging Face config.json.")
+        if path.is_symlink() and not path.exists():
+            what = "a broken symbolic link (or a loop of them)"
+        elif path.exists():
+            what = "a directory" if path.is_dir() else "not a regular file"
+        else:
+            what = "missing"
+        raise ConfigError(f"{path} is {what}: a model directory needs a Hugging Face config.json file.")
     data = read_json(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}.")

@@ -70,6 +70,16 @@ def remove_config(d: Path) -> None:
     (d / "config.json").unlink()
 
 
+def config_is_a_directory(d: Path) -> None:
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+
+
+def config_is_a_link_loop(d: Path) -> None:
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to("config.json")
+
+
 def invalid_json(d: Path) -> None:
     (d / "config.json").write_text('{"architectures": ["OPTForCausalLM"],')
 
@@ -185,6 +195,8 @@ FAULTS = {
     "truncated safetensors": (truncate, "it is not a valid safetensors file"),
     "corrupt safetensors": (garbage, "it is not a valid safetensors file"),
     "missing config.json": (remove_config, "config.json is missing"),
+    "config.json a directory": (config_is_a_directory, "config.json is a directory"),
+    "config.json a link loop": (config_is_a_link_loop, "config.json is a broken symbolic link (or a loop of them)"),
     "invalid JSON": (invalid_json, "config.json is not valid JSON"),
     "no architectures": (no_architectures, "config.json names no architecture"),
     "unknown architecture": (unknown_architecture, "Did you mean 'OPTForCausalLM'"),
