@@ -74,7 +74,16 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
-    registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
+    try:
+        registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
+    except UnknownArchitectureError as exc:
+        blocked = [r for r in host.records if r.status == "blocked"]
+        if not blocked:
+            raise
+        left_out = ", ".join(f"{r.name} ({r.distribution}: {r.reason})" for r in blocked)
+        raise UnknownArchitectureError(
+            f"{exc} Installed plugins left out by the selection, one of which may register it: {left_out}."
+        ) from None
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
 
 

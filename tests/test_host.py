@@ -8,8 +8,14 @@ import re
 
 import pytest
 
-from pluginhost import EngineConfig, hookimpl
-from pluginhost.errors import PluginError, PluginHookError, PluginLoadError, PluginSelectionError
+from pluginhost import LLM, EngineConfig, hookimpl
+from pluginhost.errors import (
+    PluginError,
+    PluginHookError,
+    PluginLoadError,
+    PluginSelectionError,
+    UnknownArchitectureError,
+)
 from pluginhost.host import PluginHost
 from pluginhost.selection import PluginSelection
 
@@ -313,6 +319,23 @@ def test_a_plugin_class_passed_in_process_is_refused_with_the_fix():
 
     with pytest.raises(PluginError, match=r"register an instance of it \(LLM\(plugins=\[ShortContext\(\)\]\)"):
         PluginHost(plugins=[ShortContext], load_installed=False).load()
+
+
+def test_an_unknown_architecture_names_the_plugins_the_selection_left_out(install_plugin, tiny_opt, monkeypatch):
+    install_plugin(
+        "good",
+        "from pluginhost import hookimpl\n@hookimpl\ndef register_models(registry):\n"
+        "    registry.register_model('GoodOPT', 'good_model:GoodOPT')\n",
+        dist="good-dist",
+    )
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "good")
+    with pytest.raises(UnknownArchitectureError) as info:
+        LLM(str(tiny_opt), model_architecture_override="GoodOPT")
+    assert str(info.value).startswith("Architecture 'GoodOPT' is not registered.")
+    assert str(info.value).endswith(
+        "Installed plugins left out by the selection, one of which may register it: good (good-dist: disabled by "
+        "PLUGINHOST_DISABLED_PLUGINS)."
+    )
 
 
 def test_a_hook_returning_a_value_is_warned_about_once_naming_the_plugin(caplog):
