@@ -42,7 +42,8 @@ from pathlib import Path
 import httpx
 from common import OPT_125M, checkpoint_dir, machine
 
-HERE = Path(__file__).resolve().parent
+from pluginhost.engine.parallel import free_port
+
 MAX_MODEL_LEN = 512
 START_TIMEOUT = 300
 
@@ -67,14 +68,6 @@ def bench_model() -> Path:
 
 
 # -- the systems --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

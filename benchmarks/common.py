@@ -10,6 +10,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "LLAMA_12L",
+    "MODELS",
+    "OPT_125M",
+    "checkpoint_dir",
+    "machine",
+    "median_alternating",
+    "pluginhost_tokens_per_second",
+    "report",
+    "setup_threads",
+    "timed",
+    "transformers_tokens_per_second",
+]
+
 #: facebook/opt-125m's shape, with random weights (nothing can be downloaded).
 OPT_125M = {
     "vocab_size": 50272,

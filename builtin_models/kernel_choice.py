@@ -117,7 +117,7 @@ def machine_key() -> str:
     return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__} | {platform.machine()}"
 
 
-def bucket(rows: int) -> int:
+def _bucket(rows: int) -> int:
     """Row counts that share a kernel choice: 1, 2-3, 4-7, 8-15, ..."""
     return min(rows, _MAX_TIMED_ROWS).bit_length()
 
@@ -172,7 +172,7 @@ class KernelTable:
 
     def kernel(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
         """The kernel for ``rows`` rows through ``weight``: looked up, or decided now (once)."""
-        key = (weight.shape[0], weight.shape[1], bias is not None, bucket(rows))
+        key = (weight.shape[0], weight.shape[1], bias is not None, _bucket(rows))
         choice = self._choices.get(key)
         if choice is None:
             with self._lock:

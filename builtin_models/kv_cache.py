@@ -52,9 +52,9 @@ class KVCache(nn.Module):
             k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
             batch = torch.arange(B, device=k.device)[:, None]  # (B, 1)
             k_rows[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
-            v_rows[batch, :, positions] = v.transpose(1, 2)
-            return k_rows[:, :, :n_slots], v_rows[:, :, :n_slots]
-        self.k[rows[:, None], :, positions] = k.transpose(1, 2)
+            v_rows[batch, :, positions] = v.transpose(1, 2)  # likewise
+            return k_rows[:, :, :n_slots], v_rows[:, :, :n_slots]  # (B, H, S, D) views
+        self.k[rows[:, None], :, positions] = k.transpose(1, 2)  # (B, T, H, D) into rows (B,), T slots each
         self.v[rows[:, None], :, positions] = v.transpose(1, 2)
         return self.k[rows, :, :n_slots], self.v[rows, :, :n_slots]  # (B, H, S, D) gathered
 

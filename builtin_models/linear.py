@@ -139,6 +139,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if kernel == F_LINEAR:
         return F.linear(x, weight, bias)
     # oneDNN takes a strided operand (say, the last position of a batch) at a crawl: copy it.
-    x2d = x.reshape(rows, in_features).contiguous()
-    y = (_run_swapped if kernel == ONEDNN_SWAPPED else _run_onednn)(x2d, weight, bias)
-    return y.view(x.shape[:-1] + (out_features,))
+    x2d = x.reshape(rows, in_features).contiguous()  # (rows, in)
+    y = (_run_swapped if kernel == ONEDNN_SWAPPED else _run_onednn)(x2d, weight, bias)  # (rows, out)
+    return y.view(x.shape[:-1] + (out_features,))  # (..., out)

@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
         )  # (B, Hq, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, Hq*D) -> (B, T, E)
 
 
 class LlamaMLP(nn.Module):

@@ -227,7 +227,7 @@ class TransformersForCausalLM(nn.Module):
                 del decoder.forward  # the class's forward again
             else:
                 decoder.forward = own
-        return logits.reshape(*shape[:-1], logits.shape[-1])
+        return logits.reshape(*shape[:-1], logits.shape[-1])  # (..., V)
 
     # -- masks -----------------------------------------------------------------------
 

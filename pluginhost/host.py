@@ -570,7 +570,7 @@ class PluginHost:
                 taken.update({(path, m): plugin.name for m in route_methods})
 
     def collect_models(self, *, strict: bool = True) -> ArchitectureRegistry:
-        """A fresh registry: the ``register_models`` hook, then direct ``ModelRegistry`` registrations.
+        """A fresh registry: the ``register_models`` hooks and direct ``ModelRegistry`` registrations, in call order.
 
         Not ``strict`` (listings): a plugin whose hook raises is marked failed,
         unregistered, and the collection starts again without it.

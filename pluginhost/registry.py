@@ -11,10 +11,11 @@ at import, in a ``register()`` function, or in a hook) work too:
   into that engine's registry, so two engines never see each other's hooks;
 * called anywhere else, it keeps the registration, attributed to the installed
   plugin whose code made it (or, for code that belongs to no installed plugin,
-  to the calling module). An engine applies it after the ``register_models``
-  hook, but only while that plugin is selected: disabling a plugin removes its
+  to the calling module). An engine applies it in its plugin's place in call
+  order, beside the ``register_models`` hooks (``ArchitectureRegistry.merged``),
+  but only while that plugin is selected: disabling a plugin removes its
   registrations even when its module was imported earlier. Registrations by
-  code that belongs to no installed plugin (your own script) always apply.
+  code that belongs to no installed plugin (your own script) always apply, last.
 
 Registering a name that exists replaces the entry; the entry remembers what it
 replaced. Registering the same model again from the same source is silent.
@@ -46,6 +47,7 @@ __all__ = [
     "Registration",
     "RegistrySnapshot",
     "builtin_ref",
+    "collecting_into",
 ]
 
 logger = logging.getLogger(__name__)

@@ -92,9 +92,9 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 
 @pytest.fixture(scope="session")
-def tiny_opt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A pre-LayerNorm OPT (opt-125m-like) with a tokenizer, as safetensors."""
-    return make_tiny_opt(tmp_path_factory.mktemp("tiny-opt"))
+def tiny_opt(tiny_opt_dir: Path) -> Path:
+    """A pre-LayerNorm OPT (opt-125m-like) with a tokenizer, as safetensors: the kit's ``tiny_opt_dir``."""
+    return tiny_opt_dir
 
 
 @pytest.fixture(scope="session")
@@ -153,3 +153,21 @@ def forced_kernel(request):
     builtin_models.linear.use_kernel_table(builtin_models.linear.make_kernel_table(mode=request.param))
     yield request.param
     builtin_models.linear.use_kernel_table(None)
+
+
+@pytest.fixture
+def greedy_tokens() -> Callable[[Path], list[list[int]]]:
+    """Greedy tokens (6 each, end-of-sequence ignored) on three prompts of a model directory, in float32.
+
+    Two layouts of one checkpoint (sharded, legacy .bin, renamed tensors) must give the same.
+    """
+    from pluginhost import LLM, SamplingParams
+
+    prompts = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8]]
+
+    def tokens(path: Path) -> list[list[int]]:
+        llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        return [o.token_ids for o in outputs]
+
+    return tokens

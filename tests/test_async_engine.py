@@ -12,6 +12,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, AsyncLLM, SamplingParams
 from pluginhost.errors import ModelRunError
 from pluginhost.testing import RegistersModel
+from pluginhost.testing.server import wait_until
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
 TIMEOUT = 60
@@ -209,15 +210,6 @@ def test_streamed_text_never_shows_half_a_character(tiny_opt):
         assert len({o.outputs[0].text for o in outs}) < len(outs)  # some steps waited for a character's rest
     finally:
         engine.shutdown()
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_a_request_id_in_use_is_refused_at_once_and_the_running_request_is_untouched(engine, offline):

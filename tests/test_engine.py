@@ -264,7 +264,7 @@ class BigramLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, cache_slots=None, mask=None):
+    def forward(self, input_ids, positions, cache_rows=None, mask=None):
         return self.embed(input_ids)
 
     def compute_logits(self, hidden_states):

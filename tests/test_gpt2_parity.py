@@ -69,17 +69,12 @@ def test_cached_batched_decoding_matches_transformers_at_every_step(variant):
             assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= TOLERANCE
 
 
-def greedy(path: Path) -> list[list[int]]:
-    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
-    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
-
-
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gpt2-ref"), "gpt2", seed=4)
 
 
-def test_the_original_checkpoint_layout(tmp_path, reference_dir):
+def test_the_original_checkpoint_layout(tmp_path, reference_dir, greedy_tokens):
     """OpenAI's GPT-2 checkpoints: no ``transformer.`` prefix, causal-mask buffers, a ``.bin`` file."""
     state = load_file(str(reference_dir / "model.safetensors"))
     old = {name.removeprefix("transformer."): tensor for name, tensor in state.items()}
@@ -88,14 +83,14 @@ def test_the_original_checkpoint_layout(tmp_path, reference_dir):
         old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(old, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text((reference_dir / "config.json").read_text())
-    assert greedy(tmp_path) == greedy(reference_dir)
+    assert greedy_tokens(tmp_path) == greedy_tokens(reference_dir)
 
 
-def test_sharded_checkpoint_with_an_index(tmp_path):
+def test_sharded_checkpoint_with_an_index(tmp_path, greedy_tokens):
     sharded = make_tiny_model(tmp_path / "sharded", "gpt2", seed=4, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     whole = make_tiny_model(tmp_path / "whole", "gpt2", seed=4)
-    assert greedy(sharded) == greedy(whole)
+    assert greedy_tokens(sharded) == greedy_tokens(whole)
 
 
 def test_conv1d_weights_are_transposed_into_contiguous_linear_weights(reference_dir):

@@ -193,24 +193,6 @@ def test_the_fallback_is_the_fixed_thresholds():
     assert table.kernel(torch.randn(64, 64), None, 1) == F_LINEAR  # small weights: oneDNN's fixed cost
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 3, 24, 100, 300])
-def test_every_kernel_forced_matches_float64(kernel, rows):
-    use_kernel_table(make_kernel_table(mode=kernel))
-    generator = torch.Generator().manual_seed(rows)
-    x, weight, bias = (
-        torch.randn(rows, 96, generator=generator),
-        torch.randn(200, 96, generator=generator),
-        torch.randn(200, generator=generator),
-    )
-    for b in (bias, None):
-        with torch.inference_mode():
-            y = linear(x, weight, b)
-        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        scale = F.linear(x.double().abs(), weight.double().abs()).max().item() + 1
-        assert y.is_contiguous() and (y.double() - expected).abs().max().item() <= 1e-6 * scale
-
-
 def test_engine_kernels_run_through_the_real_measurement(tmp_path):
     """No fake timer: the real kernels are timed and one of them is chosen for each bucket met."""
     use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json"))

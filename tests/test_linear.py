@@ -13,16 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import builtin_models.linear as linear_module
-from builtin_models.kernel_choice import KERNELS
-from builtin_models.linear import Linear, linear, make_kernel_table, use_kernel_table
+from builtin_models.linear import Linear, linear
 
-
-@pytest.fixture(autouse=True, params=KERNELS)
-def kernel(request):
-    """Every test, through every kernel (a calibration may choose any of them)."""
-    use_kernel_table(make_kernel_table(mode=request.param))
-    yield request.param
-    use_kernel_table(None)
+#: Every test, through every kernel (a calibration may choose any of them).
+pytestmark = pytest.mark.usefixtures("forced_kernel")
 
 
 ROWS = [1, 2, 24, 25, 128, 129, 300]

@@ -153,18 +153,13 @@ def test_half_precision_stays_close_to_transformers(tmp_path, dtype):
 # -- checkpoint layouts -------------------------------------------------------------------------
 
 
-def greedy(path: Path) -> list[list[int]]:
-    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
-    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
-
-
-def test_sharded_checkpoint_with_an_index(tmp_path):
+def test_sharded_checkpoint_with_an_index(tmp_path, greedy_tokens):
     sharded = make_tiny_model(tmp_path / "sharded", "llama", seed=5, max_shard_size="100KB")
     assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
-    assert greedy(sharded) == greedy(make_tiny_model(tmp_path / "whole", "llama", seed=5))
+    assert greedy_tokens(sharded) == greedy_tokens(make_tiny_model(tmp_path / "whole", "llama", seed=5))
 
 
-def test_names_without_the_model_prefix_and_a_stored_rotary_buffer(tmp_path):
+def test_names_without_the_model_prefix_and_a_stored_rotary_buffer(tmp_path, greedy_tokens):
     from safetensors.torch import load_file, save_file
 
     original = make_tiny_model(tmp_path / "original", "llama", seed=6)
@@ -175,7 +170,7 @@ def test_names_without_the_model_prefix_and_a_stored_rotary_buffer(tmp_path):
     bare.mkdir()
     save_file(renamed, str(bare / "model.safetensors"))
     (bare / "config.json").write_text((original / "config.json").read_text())
-    assert greedy(bare) == greedy(original)
+    assert greedy_tokens(bare) == greedy_tokens(original)
 
 
 def test_tied_embeddings_need_no_lm_head_and_untied_ones_do(tmp_path):

@@ -121,31 +121,26 @@ def reference_dir(tmp_path_factory) -> Path:
     return make_tiny_opt(tmp_path_factory.mktemp("reference"), tokenizer=False, seed=2)
 
 
-def greedy(path: Path) -> list[list[int]]:
-    llm = LLM(str(path), load_installed_plugins=False, device="cpu")
-    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
-
-
-def test_sharded_safetensors_with_index(tmp_path, reference_dir):
+def test_sharded_safetensors_with_index(tmp_path, reference_dir, greedy_tokens):
     sharded = make_tiny_opt(tmp_path / "sharded", tokenizer=False, seed=2, max_shard_size="20KB")
     shards = sorted(p.name for p in sharded.glob("*.safetensors"))
     assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
-    assert greedy(sharded) == greedy(reference_dir)
+    assert greedy_tokens(sharded) == greedy_tokens(reference_dir)
 
 
-def test_legacy_pytorch_model_bin(tmp_path, reference_dir):
+def test_legacy_pytorch_model_bin(tmp_path, reference_dir, greedy_tokens):
     legacy = make_tiny_opt(tmp_path / "bin", tokenizer=False, seed=2, weights="bin")
     assert (legacy / "pytorch_model.bin").is_file() and not list(legacy.glob("*.safetensors"))
-    assert greedy(legacy) == greedy(reference_dir)
+    assert greedy_tokens(legacy) == greedy_tokens(reference_dir)
 
 
-def test_names_without_the_model_prefix(tmp_path, reference_dir):
+def test_names_without_the_model_prefix(tmp_path, reference_dir, greedy_tokens):
     stripped = tmp_path / "stripped"
     stripped.mkdir()
     (stripped / "config.json").write_text((reference_dir / "config.json").read_text())
     tensors = load_file(str(reference_dir / "model.safetensors"))
     save_file({k.removeprefix("model."): v for k, v in tensors.items()}, str(stripped / "model.safetensors"))
-    assert greedy(stripped) == greedy(reference_dir)
+    assert greedy_tokens(stripped) == greedy_tokens(reference_dir)
 
 
 def test_half_precision_checkpoint_runs_in_float32_on_cpu_unless_asked(tmp_path, reference_dir):

@@ -27,7 +27,7 @@ class NotAModule:
     pass
 
 class NoComputeLogits(torch.nn.Module):
-    def forward(self, input_ids, positions, cache_slots=None, mask=None):
+    def forward(self, input_ids, positions, cache_rows=None, mask=None):
         return input_ids
 
     def load_weights(self, weights):

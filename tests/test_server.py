@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ import pytest
 from pluginhost import LLM, AsyncLLM, SamplingParams
 from pluginhost.demo import ensure_demo_model
 from pluginhost.server.app import build_app
-from pluginhost.testing.server import running_server
+from pluginhost.testing.server import running_server, wait_until
 
 TIMEOUT = 60
 PROMPTS = [
@@ -433,15 +432,6 @@ def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path):
             assert ok.status_code == 200
     finally:
         engine.shutdown()
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_a_model_failure_is_a_500_or_an_error_event_and_later_requests_are_served(tiny_opt):

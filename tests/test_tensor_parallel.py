@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pluginhost import LLM, SamplingParams, hookimpl
+from pluginhost.engine.parallel import free_port
 from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
 from pluginhost.testing import make_tiny_model
 
@@ -280,12 +280,6 @@ def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, 
         assert time.monotonic() - start < 60
     finally:
         llm.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_rank_that_never_joins_is_a_timeout_naming_the_limit(run_pluginhost, tiny_opt):

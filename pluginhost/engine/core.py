@@ -2,7 +2,8 @@
 
 ``EngineCore.step`` takes what was submitted since the last step, lets the
 scheduler admit, place and compact, runs the model once (``ModelRunner``),
-samples one token for every running sequence, and hands each request that
+samples one token for every active row (the prefilled rows on a prefill step,
+else every running sequence), and hands each request that
 changed its cumulative output. Requests join the running batch at the next
 step and leave it when they finish.
 
@@ -54,7 +55,7 @@ class EngineStats:
     #: Sequences in the running batch during the step, and still waiting after it.
     num_running: int
     num_waiting: int
-    #: Tokens sampled this step (one per running sequence), and prompt tokens prefilled.
+    #: Tokens sampled this step (one per active row), and prompt tokens prefilled.
     num_generated_tokens: int
     num_prompt_tokens: int
     #: Sequences (and requests) that finished this step.
@@ -91,7 +92,6 @@ class EngineCore:
         #: The requests the engine loop has taken in and not yet ended (the loop's own).
         self._requests: dict[str, EngineRequest] = {}
         self._work = threading.Condition(self._inbox_lock)
-        self.last_stats: EngineStats | None = None
         #: Called after every step with its stats (by the thread that stepped).
         self.stats_listeners: list[Callable[[EngineStats], None]] = []
         self._host = loaded.host
@@ -135,25 +135,29 @@ class EngineCore:
         """
         with self._inbox_lock:
             for request_id in request_ids:
-                request = self._live.pop(request_id, None)
+                request = self._live.get(request_id)
                 if request is not None:
-                    self._inbox.append(("abort", request))
+                    self._abort_locked(request)
             self._work.notify_all()
 
     def abort_request(self, request: EngineRequest) -> None:
         """End this request at the next step, unless it has ended (never another request with its id)."""
         with self._inbox_lock:
             if self._live.get(request.request_id) is request:
-                del self._live[request.request_id]
-                self._inbox.append(("abort", request))
+                self._abort_locked(request)
                 self._work.notify_all()
 
     def abort_all(self) -> None:
         """End every request at the next step."""
         with self._inbox_lock:
-            self._inbox.extend(("abort", request) for request in self._live.values())
-            self._live.clear()
+            for request in list(self._live.values()):
+                self._abort_locked(request)
             self._work.notify_all()
+
+    def _abort_locked(self, request: EngineRequest) -> None:
+        """Free the request's id now and queue its end for the next step (the inbox lock is held)."""
+        del self._live[request.request_id]
+        self._inbox.append(("abort", request))
 
     def fail_all(self, error: BaseException) -> None:
         """End every request now with ``error`` (after a failure of the loop itself)."""
@@ -212,7 +216,6 @@ class EngineCore:
                 step_time_s=time.perf_counter() - start,
                 cache_shape=self.runner.cache_shape,
             )
-            self.last_stats = stats
         for callback, output, error in deliveries:
             callback(output, error)
         for listener in self.stats_listeners:

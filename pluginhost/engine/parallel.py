@@ -46,7 +46,18 @@ from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.runner import ModelRunner, StepInputs
 from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
 
-__all__ = ["TIMEOUT_ENV", "Agreement", "DistributedRunner", "Ranks", "build_parallel", "torchrun_rank"]
+__all__ = [
+    "TIMEOUT_ENV",
+    "Agreement",
+    "DistributedRunner",
+    "Ranks",
+    "build_parallel",
+    "fingerprint",
+    "free_port",
+    "serve_steps",
+    "start_ranks",
+    "torchrun_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +196,8 @@ class Ranks:
         distributed._set(0, 1)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous, or a test's server)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -219,7 +231,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 "close that engine first, or run one engine per process"
             )
         rank = 0
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
@@ -470,7 +482,7 @@ def _rank_main(spec: RankSpec) -> None:
         loaded = load_model(host, spec.settings, agreement=agreement)
     except BaseException as exc:  # noqa: BLE001 - reported through the agreement, by rank 0
         agreement.abandon(exc)
-        sys.exit(1)
+        _leave(1)
     runner = ModelRunner(
         loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
     )
@@ -478,9 +490,21 @@ def _rank_main(spec: RankSpec) -> None:
         serve_steps(runner, ranks)
     except BaseException:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
-        sys.exit(1)
-    dist.destroy_process_group()
-    # Returning ends the process through multiprocessing, which cleans up (os._exit would leak its semaphores).
+        _leave(1)
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """End a spawned rank with ``code``: its process groups first, then through multiprocessing.
+
+    A gloo group left to the interpreter's exit may abort the process with "terminate called without
+    an active exception"; ``os._exit`` would leak multiprocessing's semaphores.
+    """
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort: the other ranks may be gone
+        pass
+    sys.exit(code)
 
 
 def _exit_with(parent_pid: int) -> None:

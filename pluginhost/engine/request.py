@@ -61,11 +61,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def max_length(self) -> int:
-        """Prompt plus the most tokens it may generate: the KV cache slots it may need."""
-        return len(self.request.prompt_token_ids) + self.max_tokens
-
     def append(self, token: int, logprobs: Tensor | None) -> None:
         """Take the next token (and the step's log-probabilities (V,), when asked for); decide whether to stop."""
         self.token_ids.append(token)

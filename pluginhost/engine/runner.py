@@ -1,8 +1,8 @@
 """Running one engine step on the model: the forward passes, the KV cache, the logits.
 
 A step either decodes one token for every running sequence, rows ``0 .. B-1``
-of the cache (one contiguous block), or prefills the prompts of the sequences
-joining the batch, right-padded, in passes of similar length. Either way the
+of the cache (one contiguous block), or prefills the prompts not yet in the
+cache, right-padded, in passes of similar length. Either way the
 logits of the step's active rows come out as one tensor, in row order.
 
 A model without ``setup_caches`` (a minimal plugin model) is run over every
@@ -40,7 +40,7 @@ class StepInputs:
     forward passes on its shard.
     """
 
-    #: "decode" (one token per row), "prefill" (joining rows' prompts) or "recompute" (no cache).
+    #: "decode" (one token per row), "prefill" (prompts not cached yet) or "recompute" (no cache).
     kind: str
     #: Rows of the batch, and cache slots the step needs (the cache grows to hold them).
     num_rows: int = 0
@@ -50,7 +50,7 @@ class StepInputs:
     #: decode: each row's last token and its position.
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    #: prefill: the joining rows and their prompts; recompute: the active rows' whole texts.
+    #: prefill: the rows prefilled and their prompts; recompute: the active rows' whole texts.
     rows: list[int] = field(default_factory=list)
     texts: list[list[int]] = field(default_factory=list)
 
@@ -124,32 +124,29 @@ class ModelRunner:
         hidden = self.model(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
-    def _prefill(self, prompts: list[list[int]], rows_joining: list[int]) -> Tensor:
-        """The prompts of these joining rows, right-padded; the hidden state of each one's last token."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        T = int(lengths.max())
-        ids = torch.zeros(len(prompts), T, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, : len(prompt)] = torch.tensor(prompt)
-        ids = ids.to(self.device)  # (k, T)
-        positions = torch.arange(T, device=self.device).expand(len(prompts), T)  # padding continues the count
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]  # (1, 1, T, T) causal
-        rows = torch.tensor(rows_joining, device=self.device)
-        hidden = self.model(ids, positions, rows, mask.expand(len(prompts), 1, T, T))  # (k, T, W)
-        return hidden[torch.arange(len(prompts), device=self.device), lengths - 1]  # (k, W)
+    def _prefill(self, prompts: list[list[int]], cache_rows: list[int]) -> Tensor:
+        """The prompts of these cache rows, right-padded; the hidden state of each one's last token."""
+        ids, positions, mask, last = self._padded(prompts)
+        rows = torch.tensor(cache_rows, device=self.device)
+        hidden = self.model(ids, positions, rows, mask)  # (k, T, W)
+        return hidden[torch.arange(len(prompts), device=self.device), last]  # (k, W)
 
     def _recompute(self, texts: list[list[int]]) -> Tensor:
         """The active sequences' whole texts, right-padded, for a model without a cache."""
-        lengths = torch.tensor([len(t) for t in texts], device=self.device)
-        T = int(lengths.max())
-        ids = torch.zeros(len(texts), T, dtype=torch.long)
+        ids, positions, mask, last = self._padded(texts)
+        hidden = self.model(ids, positions, None, mask)  # (B, T, W)
+        return self.model.compute_logits(hidden[torch.arange(len(texts), device=self.device), last]).float()  # (B, V)
+
+    def _padded(self, texts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Token ids (B, T) right-padded with 0, positions (B, T), the causal mask (B, 1, T, T), last indices (B,)."""
+        lengths = torch.tensor([len(t) for t in texts])
+        B, T = len(texts), int(lengths.max())
+        ids = torch.zeros(B, T, dtype=torch.long)
         for i, text in enumerate(texts):
             ids[i, : len(text)] = torch.tensor(text)
-        positions = torch.arange(T, device=self.device).expand(len(texts), T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(len(texts), 1, T, T)
-        hidden = self.model(ids.to(self.device), positions, None, mask)  # (B, T, W)
-        last = hidden[torch.arange(len(texts), device=self.device), lengths - 1]  # (B, W)
-        return self.model.compute_logits(last).float()
+        positions = torch.arange(T, device=self.device).expand(B, T)  # padding continues the count
+        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
+        return ids.to(self.device), positions, mask, (lengths - 1).to(self.device)
 
     def _ensure_capacity(self, rows: int, slots: int) -> None:
         if rows <= self._rows and slots <= self._slots:
@@ -176,7 +173,7 @@ _MAX_PADDING = 0.25
 
 
 def _similar_lengths(rows: list[int], lengths: list[int]) -> list[list[int]]:
-    """The joining rows in groups of similar prompt length (``lengths``, in ``rows`` order), each one prefill pass.
+    """The rows to prefill in groups of similar prompt length (``lengths``, in ``rows`` order), each one prefill pass.
 
     A prefill pass is mostly large matrix products, whose cost grows with the
     padded tokens: one pass over prompts of 16 and 256 tokens pays for 512.

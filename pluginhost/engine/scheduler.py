@@ -7,8 +7,9 @@ still free, so the running sequences always hold rows ``0 .. B-1`` and a
 decoding step reads one contiguous block of the KV cache. Each change is
 recorded in a ``BatchUpdate`` for the logits processors.
 
-A step either prefills the prompts of the sequences joining it, or decodes
-one token for every running sequence: prefilling first gets a newcomer its
+A step either prefills the prompts not yet in the cache (of the sequences
+joining it, or of any whose prefill step was interrupted), or decodes one token
+for every running sequence: prefilling first gets a newcomer its
 first token soonest, and admitting at most every other step while others run
 keeps their decoding going however fast requests arrive. New sequences join
 while their prompts fit a token budget (``max_num_batched_tokens`` prompt
@@ -35,7 +36,7 @@ class ScheduledStep:
 
     #: The running batch, row by row.
     rows: list[Sequence]
-    #: Rows whose prompts are prefilled this step; when there are any, the other rows wait.
+    #: Rows whose prompts are prefilled this step (not in the cache yet); when there are any, the others wait.
     prefill_rows: list[int]
     #: How the batch changed since the last step (``None``: it did not).
     batch_update: BatchUpdate | None
@@ -44,7 +45,7 @@ class ScheduledStep:
 
     @property
     def active_rows(self) -> list[int]:
-        """The rows that get a token this step: the joining ones, or else every row."""
+        """The rows that get a token this step: those prefilled, or else every row."""
         return self.prefill_rows if self.prefill_rows else list(range(len(self.rows)))
 
 
@@ -74,9 +75,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.num_running > 0
-
-    def running(self) -> list[Sequence]:
-        return [s for s in self._rows if s is not None]
 
     def add(self, sequences: Iterable[Sequence]) -> None:
         """Queue sequences (``EngineCore.submit`` has decided that the queue takes them)."""

@@ -44,7 +44,7 @@ from pluginhost.server.protocol import (
     random_id,
 )
 
-__all__ = ["APIError", "BUILTIN_ROUTES", "build_app"]
+__all__ = ["APIError", "BUILTIN_ROUTES", "bad_request", "build_app"]
 
 logger = logging.getLogger(__name__)
 

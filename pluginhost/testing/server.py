@@ -1,13 +1,26 @@
-"""Running an app (``pluginhost.server.app.build_app``) on 127.0.0.1 for tests, always stopped afterwards."""
+"""Running an app (``pluginhost.server.app.build_app``) on 127.0.0.1 for tests, always stopped afterwards.
+
+``wait_until`` bounds the waits such tests make for something the engine loop or the server does.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["running_server"]
+__all__ = ["running_server", "wait_until"]
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return bool(condition())
 
 
 @contextmanager

@@ -19,8 +19,9 @@ computes ``x @ (q * scale).T + bias`` by one of three kernels:
 
 Which one runs is measured on first use for each (weight shape, bias, dtype,
 device, row count rounded to a power of two), among the kernels that give the
-right result here, as ``builtin_models.kernel_choice`` does for float weights;
-``PLUGINHOST_INT8_KERNEL=int8pack|dequant_bf16|dequant`` forces one.
+right result here (below 8 rows, memory-bound, ``int8pack`` is taken untimed),
+and kept for the process; ``PLUGINHOST_INT8_KERNEL=int8pack|dequant_bf16|dequant``
+forces one.
 """
 
 from __future__ import annotations
