@@ -106,7 +106,7 @@ def onednn_op() -> Callable[..., Tensor] | None:
 
 def machine_key() -> str:
     """What a measurement depends on: CPU model, threads, torch version, architecture."""
-    cpu = platform.processor() or platform.machine()
+    cpu = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -114,6 +114,8 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
+    if cpu is None:  # not Linux: platform.processor() may run `uname -p`, so only when needed
+        cpu = platform.processor() or platform.machine()
     return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__} | {platform.machine()}"
 
 
