@@ -15,6 +15,8 @@ Importing this module does not import torch: the processor lives in
 
 from pluginhost import hookimpl
 
+__all__ = ["OPTION", "register_logits_processors"]
+
 #: The key in ``SamplingParams.extra_args``.
 OPTION = "banned_words"
 

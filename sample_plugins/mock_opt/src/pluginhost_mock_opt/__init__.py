@@ -8,6 +8,8 @@ string, so listing plugins and models does not import torch.
 
 from pluginhost import hookimpl
 
+__all__ = ["ARCHITECTURE", "register_models"]
+
 ARCHITECTURE = "MockOPTForCausalLM"
 
 

@@ -4,6 +4,8 @@ import torch
 
 from builtin_models.opt import OPTForCausalLM
 
+__all__ = ["DEFAULT_TOKEN_ID", "MockOPTForCausalLM"]
+
 #: The token the mock predicts unless the HF config sets ``mock_token_id``.
 DEFAULT_TOKEN_ID = 7
 

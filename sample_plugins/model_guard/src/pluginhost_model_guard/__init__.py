@@ -12,6 +12,8 @@ import os
 
 from pluginhost import hookimpl
 
+__all__ = ["denied", "post_load", "pre_load"]
+
 logger = logging.getLogger(__name__)
 
 

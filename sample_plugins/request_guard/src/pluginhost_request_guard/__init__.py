@@ -29,6 +29,20 @@ from dataclasses import dataclass
 
 from pluginhost import hookimpl
 
+__all__ = [
+    "BLOCKED_WORDS",
+    "GuardSettingsError",
+    "Limits",
+    "MAX_N",
+    "MAX_PROMPT_TOKENS",
+    "MAX_TOKENS",
+    "MAX_TOKENS_ACTION",
+    "VARIABLES",
+    "current_limits",
+    "on_request",
+    "pre_load",
+]
+
 MAX_PROMPT_TOKENS = "PLUGINHOST_GUARD_MAX_PROMPT_TOKENS"
 MAX_TOKENS = "PLUGINHOST_GUARD_MAX_TOKENS"
 MAX_TOKENS_ACTION = "PLUGINHOST_GUARD_MAX_TOKENS_ACTION"

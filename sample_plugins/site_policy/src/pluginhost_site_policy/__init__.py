@@ -16,6 +16,8 @@ import os
 
 from pluginhost import hookimpl
 
+__all__ = ["DEFAULT_MAX_NUM_SEQS", "modify_config"]
+
 DEFAULT_MAX_NUM_SEQS = 8
 
 

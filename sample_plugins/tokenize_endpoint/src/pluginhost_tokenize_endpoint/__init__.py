@@ -13,6 +13,8 @@ neither FastAPI nor the tokenizer: the routes are built inside the hook.
 
 from pluginhost import hookimpl
 
+__all__ = ["PATHS", "register_routes"]
+
 #: The paths this plugin adds.
 PATHS = ("/tokenize", "/detokenize")
 

@@ -14,6 +14,8 @@ are never generated.
 
 from pluginhost import ModelRegistry
 
+__all__ = ["register"]
+
 
 def register():
     ModelRegistry.register_model("OPTForCausalLM", "pluginhost_vllm_style.model:BannedTokensOPT")

@@ -4,6 +4,8 @@ import torch
 
 from builtin_models.opt import OPTForCausalLM
 
+__all__ = ["BannedTokensOPT"]
+
 
 class BannedTokensOPT(OPTForCausalLM):
     def __init__(self, config):
