@@ -145,7 +145,7 @@ def serve_static(path: str, port: int, max_num_seqs: int) -> None:
             return super()._admit() if self.num_running == 0 else []
 
     # The old loop left-padded a batch's prompts to the longest: one prefill pass.
-    pluginhost.engine.runner._similar_lengths = lambda step, rows: [sorted(rows)]
+    pluginhost.engine.runner._similar_lengths = lambda rows, lengths: [sorted(rows)]
 
     engine = AsyncLLM(path, load_installed_plugins=False, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
     old = engine.engine.scheduler
