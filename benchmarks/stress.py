@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from pluginhost.testing.server import served_url
+
 REQUEST_TIMEOUT = 60.0
 START_TIMEOUT = 120.0
 LOGPROB_TOLERANCE = 1e-4
@@ -167,24 +169,11 @@ def server(model: str | None) -> Iterator[str]:
     if model:
         args += ["--model", model]
     process = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    url: list[str] = []
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in process.stderr:  # type: ignore[union-attr]
-            lines.append(line)
-            found = re.search(r"at (http://\S+)", line)
-            if found:
-                url.append(found.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
     try:
-        if not (ready.wait(START_TIMEOUT) and url):
+        url, lines = served_url(process, START_TIMEOUT)
+        if not url:
             raise SystemExit("the server did not start:\n" + "".join(lines))
-        yield url[0]
+        yield url
     finally:
         process.terminate()
         try:

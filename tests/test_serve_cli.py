@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 import pytest
+
+from pluginhost.testing.server import served_url
 
 TIMEOUT = 60
 
@@ -36,22 +36,10 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[sub
         env={**os.environ, **(env or {})},
     )
     lines: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in process.stderr:
-            lines.append(line)
-            found = re.search(r"at (http://\S+)", line)
-            if found:
-                url.append(found.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert ready.wait(TIMEOUT) and url, "".join(lines)
-        yield process, url[0]
+        url, lines = served_url(process, TIMEOUT)
+        assert url, "".join(lines)
+        yield process, url
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,16 +1,44 @@
 """Running an app (``pluginhost.server.app.build_app``) on 127.0.0.1 for tests, always stopped afterwards.
 
-``wait_until`` bounds the waits such tests make for something the engine loop or the server does.
+``served_url`` reads the URL a ``pluginhost serve`` process announces; ``wait_until`` bounds the
+waits such tests make for something the engine loop or the server does.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["running_server", "wait_until"]
+__all__ = ["running_server", "served_url", "wait_until"]
+
+
+def served_url(process: subprocess.Popen[str], timeout: float) -> tuple[str | None, list[str]]:
+    """The base URL a ``pluginhost serve`` process prints on stderr ("... at http://HOST:PORT"), and its lines.
+
+    ``None`` when no URL comes within ``timeout`` seconds or the process ends first. The lines are
+    every stderr line so far, and keep growing: a thread reads stderr to its end, so the server never
+    blocks on a full pipe.
+    """
+    url: list[str] = []
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            found = re.search(r"at (http://\S+)", line)
+            if found and not url:
+                url.append(found.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, name="pluginhost-serve-stderr", daemon=True).start()
+    ready.wait(timeout)
+    return (url[0] if url else None), lines
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
