@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,3 +172,33 @@ def greedy_tokens() -> Callable[[Path], list[list[int]]]:
         return [o.token_ids for o in outputs]
 
     return tokens
+
+
+@pytest.fixture
+def assert_decoding_matches() -> Callable[..., None]:
+    """Check pluginhost's outputs (greedy, with logprobs) against transformers' cached ``generate``.
+
+    ``check(outputs, prompts, reference, tolerance=1e-4)``: for each prompt, the same greedy tokens
+    as ``reference.generate`` over as many steps, and at every step each reported log-probability
+    within ``tolerance`` of transformers' own.
+    """
+    import torch
+
+    def check(outputs: Any, prompts: list[list[int]], reference: Any, tolerance: float = 1e-4) -> None:
+        for prompt, out in zip(prompts, outputs, strict=True):
+            with torch.no_grad():
+                generated = reference.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=len(out.token_ids),
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            assert out.token_ids == generated.sequences[0, len(prompt) :].tolist()
+            steps = torch.stack(generated.logits)[:, 0].float().log_softmax(-1)  # (steps, V)
+            for step, candidates in zip(steps, out.logprobs, strict=True):
+                assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= tolerance
+
+    return check

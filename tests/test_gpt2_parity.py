@@ -48,25 +48,10 @@ def test_full_forward_matches_transformers(variant):
         assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-@torch.no_grad()
-def test_cached_batched_decoding_matches_transformers_at_every_step(variant):
+def test_cached_batched_decoding_matches_transformers_at_every_step(variant, assert_decoding_matches):
     llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
-    reference = hf(variant)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        generated = reference.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=STEPS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert out.token_ids == generated.sequences[0, len(prompt) :].tolist()
-        steps = torch.stack(generated.logits)[:, 0].float().log_softmax(-1)
-        for step, candidates in zip(steps, out.logprobs, strict=True):
-            assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= TOLERANCE
+    assert_decoding_matches(outs, PROMPTS, hf(variant), TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -71,21 +71,6 @@ def hf(path: Path, dtype=torch.float32):
 
 
 @torch.no_grad()
-def hf_steps(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and per-step log-probabilities (steps, V), from its cached generate."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        eos_token_id=None,
-        pad_token_id=1,
-    )
-    return out.sequences[0, len(prompt) :].tolist(), torch.stack(out.logits)[:, 0].float().log_softmax(-1)
-
-
-@torch.no_grad()
 def test_full_forward_matches_transformers(variant):
     llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
     reference = hf(variant)
@@ -96,30 +81,24 @@ def test_full_forward_matches_transformers(variant):
         assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-def assert_steps_match(outs, prompts, reference) -> None:
-    for prompt, out in zip(prompts, outs, strict=True):
-        tokens, steps = hf_steps(reference, prompt, STEPS)
-        assert out.token_ids == tokens
-        for step, candidates in zip(steps, out.logprobs, strict=True):
-            assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= TOLERANCE
-
-
-def test_cached_batched_decoding_matches_transformers_at_every_step(variant):
+def test_cached_batched_decoding_matches_transformers_at_every_step(variant, assert_decoding_matches):
     llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
-    assert_steps_match(outs, PROMPTS, hf(variant))
+    assert_decoding_matches(outs, PROMPTS, hf(variant), TOLERANCE)
 
 
 @pytest.mark.parametrize("name", ["llama, grouped-query (4 heads, 2 kv)", "qwen2, q/k/v biases, tied"])
-def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel, name):
+def test_cached_decoding_through_every_kernel_matches_transformers(
+    tmp_path, forced_kernel, name, assert_decoding_matches
+):
     model_type, config = VARIANTS[name]
     path = make_tiny_model(tmp_path, model_type, seed=1, **config)
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
-    assert_steps_match(outs, PROMPTS, hf(path))
+    assert_decoding_matches(outs, PROMPTS, hf(path), TOLERANCE)
 
 
-def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path):
+def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path, assert_decoding_matches):
     model_type, config = DYNAMIC
     path = make_tiny_model(tmp_path, model_type, seed=2, **config)
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
@@ -127,7 +106,7 @@ def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path):
     reference = hf(path)
     params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True)
     for prompt in ([2, *range(10, 20)], [2, 5]):  # 11 + 10 tokens: past 16; 2 + 10: within
-        assert_steps_match(llm.generate([prompt], params), [prompt], reference)
+        assert_decoding_matches(llm.generate([prompt], params), [prompt], reference, TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
