@@ -176,28 +176,37 @@ def greedy_tokens() -> Callable[[Path], list[list[int]]]:
 
 @pytest.fixture
 def assert_decoding_matches() -> Callable[..., None]:
-    """Check pluginhost's outputs (greedy, with logprobs) against transformers' cached ``generate``.
+    """Check pluginhost's outputs (greedy, with logprobs) against a transformers model on the same weights.
 
-    ``check(outputs, prompts, reference, tolerance=1e-4)``: for each prompt, the same greedy tokens
-    as ``reference.generate`` over as many steps, and at every step each reported log-probability
-    within ``tolerance`` of transformers' own.
+    ``check(outputs, prompts, reference, tolerance=1e-4, against="generate")``: for each prompt, at
+    every step, the token transformers picks and each reported log-probability within ``tolerance``
+    of its own. ``against="generate"``: transformers' cached ``generate``; ``"forward"``: one full
+    forward over the prompt and pluginhost's tokens (no cache on transformers' side).
     """
     import torch
 
-    def check(outputs: Any, prompts: list[list[int]], reference: Any, tolerance: float = 1e-4) -> None:
+    def check(
+        outputs: Any, prompts: list[list[int]], reference: Any, tolerance: float = 1e-4, against: str = "generate"
+    ) -> None:
         for prompt, out in zip(prompts, outputs, strict=True):
             with torch.no_grad():
-                generated = reference.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=len(out.token_ids),
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            assert out.token_ids == generated.sequences[0, len(prompt) :].tolist()
-            steps = torch.stack(generated.logits)[:, 0].float().log_softmax(-1)  # (steps, V)
+                if against == "forward":
+                    logits = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+                    tokens = logits.argmax(-1).tolist()
+                else:
+                    generated = reference.generate(
+                        torch.tensor([prompt]),
+                        max_new_tokens=len(out.token_ids),
+                        do_sample=False,
+                        output_logits=True,
+                        return_dict_in_generate=True,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                    )
+                    logits = torch.stack(generated.logits)[:, 0]
+                    tokens = generated.sequences[0, len(prompt) :].tolist()
+            assert out.token_ids == tokens
+            steps = logits.float().log_softmax(-1)  # (steps, V): the distribution each token was drawn from
             for step, candidates in zip(steps, out.logprobs, strict=True):
                 assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= tolerance
 

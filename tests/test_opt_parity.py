@@ -60,19 +60,11 @@ def test_full_forward_matches_transformers(variant_dir):
         assert (ours - hf_logprobs(reference, ids)).abs().max().item() <= TOLERANCE
 
 
-def test_cached_decoding_matches_transformers_at_every_step(variant_dir):
+def test_cached_decoding_matches_transformers_at_every_step(variant_dir, assert_decoding_matches):
     """Batched, left-padded, cached greedy decoding: each step equals a full forward of transformers."""
     llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
-    reference = hf_model(variant_dir)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        sequence = prompt + out.token_ids
-        expected = hf_logprobs(reference, sequence)
-        for step, (token, step_logprobs) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            row = expected[len(prompt) + step - 1]
-            assert token == int(row.argmax())
-            for candidate, value in step_logprobs.items():
-                assert abs(value - float(row[candidate])) <= TOLERANCE
+    assert_decoding_matches(outs, PROMPTS, hf_model(variant_dir), TOLERANCE, against="forward")
 
 
 def test_greedy_tokens_equal_transformers_generate(variant_dir):
@@ -100,8 +92,10 @@ def test_every_cpu_kernel_matches_transformers(tmp_path, forced_kernel, batch, l
     assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel):
-    test_cached_decoding_matches_transformers_at_every_step(make_tiny_opt(tmp_path, tokenizer=False, seed=4))
+def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel, assert_decoding_matches):
+    test_cached_decoding_matches_transformers_at_every_step(
+        make_tiny_opt(tmp_path, tokenizer=False, seed=4), assert_decoding_matches
+    )
 
 
 def test_q_k_v_are_stacked_in_order(reference_dir):

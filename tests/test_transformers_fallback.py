@@ -152,19 +152,13 @@ def test_full_forward_matches_transformers(pair):
         assert (ours - hf_logprobs(reference, ids)).abs().max().item() <= TOLERANCE
 
 
-def test_cached_decoding_matches_transformers_at_every_step(pair):
+def test_cached_decoding_matches_transformers_at_every_step(pair, assert_decoding_matches):
     """A batch of prompts of different lengths, cached greedy decoding: each step equals transformers' full forward."""
     llm, reference = pair
     assert llm.model.cache_supported and llm.engine.runner.cached  # the engine's KVCache, not recomputation
     outs = llm.generate(PROMPTS, greedy(12, logprobs=5))
     assert llm.engine.runner.cache_shape[0] > 0
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        expected = hf_logprobs(reference, prompt + out.token_ids)
-        for step, (token, step_logprobs) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            row = expected[len(prompt) + step - 1]
-            assert token == int(row.argmax())
-            for candidate, value in step_logprobs.items():
-                assert abs(value - float(row[candidate])) <= TOLERANCE
+    assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
 
 
 def test_greedy_tokens_equal_transformers_generate(pair):
