@@ -141,8 +141,9 @@ def serve_static(path: str, port: int, max_num_seqs: int) -> None:
     from pluginhost.server.run import bind, run_server
 
     class StaticScheduler(Scheduler):
-        def _admit(self) -> list[int]:
-            return super()._admit() if self.num_running == 0 else []
+        def _admit(self) -> None:
+            if self.num_running == 0:
+                super()._admit()
 
     # The old loop left-padded a batch's prompts to the longest: one prefill pass.
     pluginhost.engine.runner._similar_lengths = lambda rows, lengths: [sorted(rows)]

@@ -120,12 +120,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting sequences into free rows (lowest first), then onto the end."""
-        admitted: list[int] = []
-        longest = 0
+        admitted = longest = 0
         while self.waiting and self.num_running < self.max_num_seqs:
             sequence = self.waiting[0]
             length = len(sequence.prompt_token_ids)
-            padded = (len(admitted) + 1) * max(longest, length)
+            padded = (admitted + 1) * max(longest, length)
             if admitted and padded > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
@@ -138,7 +137,7 @@ class Scheduler:
                 self._rows.append(sequence)
             self._removed.discard(row)  # a newcomer in a freed row: in ``added``, not in ``removed``
             sequence.row = row
-            admitted.append(row)
+            admitted += 1
             self._added.append((row, sequence.params, sequence.prompt_token_ids, sequence.token_ids))
 
     def _compact(self) -> list[tuple[int, int]]:
