@@ -29,6 +29,7 @@ cannot be read is ignored and replaced. Switches:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -299,6 +300,7 @@ def _cold_copies(weight: Tensor) -> list[Tensor]:
     return [weight] + [weight.clone() for _ in range(min(64, -(-2 * _last_level_cache_bytes() // size)) - 1)]
 
 
+@functools.cache
 def _last_level_cache_bytes() -> int:
     """The largest CPU cache this process sees (Linux's sysfs), else 32 MiB."""
     sizes = []
