@@ -12,11 +12,14 @@ Systems:
 
 * ``pluginhost``: ``pluginhost serve`` (continuous batching);
 * ``static``: pluginhost's previous static batching, rebuilt on today's engine
-  and server: a new batch is admitted only once the running one has finished
-  (a batch runs until its longest request ends; requests arriving meanwhile
-  wait), and its prompts are prefilled in one pass padded to the longest, as
-  the old loop did. Finished rows stop computing here, which the old loop did
-  not do: this static server is, if anything, faster than the old one;
+  and server with the old loop's costs: a new batch is admitted only once the
+  running one has finished (requests arriving meanwhile wait), its prompts are
+  prefilled in one pass padded to the longest, and every row of
+  the batch keeps computing until its longest request ends, finished or not,
+  as ``generate_batch`` did (its loop ran all B rows each step);
+* ``static-freed``: the same, except that finished rows stop computing (they
+  leave the batch, as in continuous batching): a static batching better than
+  pluginhost ever had, reported to show what continuous admission alone buys;
 * ``transformers``: ``transformers serve`` on the same directory (needs
   ``accelerate``), and ``transformers-cb``: the same with
   ``--continuous-batching``. Either one is reported as failed, with why,
@@ -122,18 +125,28 @@ def systems(path: Path, max_num_seqs: int) -> dict[str, Server]:
         "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "bench",
     ]  # fmt: skip
     static = [sys.executable, str(Path(__file__).resolve()), "--serve-static", str(path), "--port", "{port}"]
+    static += ["--max-num-seqs", str(max_num_seqs)]
     theirs = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(path), "--port", "{port}"]
     theirs += ["--device", "cpu", "--dtype", "float32"]
     return {
         "pluginhost": Server("pluginhost", ours, "bench"),
-        "static": Server("static", static + ["--max-num-seqs", str(max_num_seqs)], "bench"),
+        "static": Server("static", static, "bench"),
+        "static-freed": Server("static-freed", static + ["--free-finished"], "bench"),
         "transformers": Server("transformers", theirs, str(path)),
         "transformers-cb": Server("transformers-cb", theirs + ["--continuous-batching"], str(path)),
     }
 
 
-def serve_static(path: str, port: int, max_num_seqs: int) -> None:
-    """The ``static`` system: pluginhost's engine and server, admitting whole batches only."""
+def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool) -> None:
+    """The ``static`` systems: pluginhost's engine and server, admitting whole batches only.
+
+    Unless ``free_finished``, a decoding step also computes a row for every request of the batch
+    that has finished (the old loop ran all of its rows until the longest ended): the step is
+    padded back to the batch's size with rows at the batch's last position, whose logits are
+    dropped. Attention already spans the batch's longest sequence for every row, as it did.
+    """
+    import dataclasses
+
     import pluginhost.engine.runner
     from pluginhost import AsyncLLM
     from pluginhost.engine.scheduler import Scheduler
@@ -141,18 +154,38 @@ def serve_static(path: str, port: int, max_num_seqs: int) -> None:
     from pluginhost.server.run import bind, run_server
 
     class StaticScheduler(Scheduler):
+        batch_size = 0  # rows the running batch was admitted with
+
         def _admit(self) -> None:
             if self.num_running == 0:
                 super()._admit()
+                self.batch_size = self.num_running
 
     # The old loop left-padded a batch's prompts to the longest: one prefill pass.
     pluginhost.engine.runner._similar_lengths = lambda rows, lengths: [sorted(rows)]
 
     engine = AsyncLLM(path, load_installed_plugins=False, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
-    old = engine.engine.scheduler
-    engine.engine.scheduler = StaticScheduler(
-        max_num_seqs=old.max_num_seqs, max_num_batched_tokens=10**9, max_waiting=old.max_waiting
+    core = engine.engine
+    scheduler = core.scheduler = StaticScheduler(
+        max_num_seqs=core.scheduler.max_num_seqs, max_num_batched_tokens=10**9, max_waiting=core.scheduler.max_waiting
     )
+    if not free_finished:
+        run = core.runner.run
+
+        def run_every_row(inputs):  # (B, V) for the B running rows, computed with the finished ones
+            finished = scheduler.batch_size - inputs.num_rows
+            if inputs.kind != "decode" or finished <= 0:
+                return run(inputs)
+            last = max(inputs.positions)
+            padded = dataclasses.replace(
+                inputs,
+                num_rows=scheduler.batch_size,
+                tokens=inputs.tokens + [0] * finished,
+                positions=inputs.positions + [last] * finished,
+            )
+            return run(padded)[: inputs.num_rows]
+
+        core.runner.run = run_every_row
     run_server(build_app(engine, served_model_name="bench"), engine, bind("127.0.0.1", port), served_model_name="bench")
 
 
@@ -237,14 +270,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per system and client count")
-    parser.add_argument("--systems", default="pluginhost,static,transformers,transformers-cb")
+    parser.add_argument("--systems", default="pluginhost,static,static-freed,transformers,transformers-cb")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-static", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--free-finished", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_static:
-        serve_static(args.serve_static, args.port, args.max_num_seqs)
+        serve_static(args.serve_static, args.port, args.max_num_seqs, free_finished=args.free_finished)
         return
 
     path = bench_model()
@@ -291,7 +325,8 @@ def main() -> None:
     top = max(args.clients)
     ours = table.get(("pluginhost", top))
     if ours:
-        for other, target in (("static", ">= 2x"), ("transformers", "> 1x"), ("transformers-cb", "> 1x")):
+        targets = (("static", ">= 2x"), ("static-freed", "none"), ("transformers", "> 1x"), ("transformers-cb", "> 1x"))
+        for other, target in targets:
             if (other, top) in table:
                 ratio = ours["tok/s"] / table[(other, top)]["tok/s"]
                 print(f"throughput at {top} clients, pluginhost / {other}: {ratio:.2f}x (target {target})")
