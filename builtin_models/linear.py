@@ -130,6 +130,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # oneDNN has no backward
     ):
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():  # one opaque operation: the choice is made when the step runs
+        return _linear_op(x, weight, bias)
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     if rows == 0:
@@ -142,3 +144,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     x2d = x.reshape(rows, in_features).contiguous()  # (rows, in)
     y = (_run_swapped if kernel == ONEDNN_SWAPPED else _run_onednn)(x2d, weight, bias)  # (rows, out)
     return y.view(x.shape[:-1] + (out_features,))  # (..., out)
+
+
+@torch.library.custom_op("pluginhost::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`linear` as a PyTorch operator, for compiled code (``torch.compile`` cannot follow a kernel table)."""
+    return linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[:-1] + (weight.shape[0],))

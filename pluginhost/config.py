@@ -75,6 +75,11 @@ class EngineConfig(BaseModel):
         description="Processes the model is split over (tensor parallelism; gloo on CPU, NCCL on CUDA). Under "
         "torchrun, its world size.",
     )
+    compile_decode: bool = Field(
+        default=False,
+        description="Compile the decoding step with torch.compile (replayed as a CUDA graph on a GPU); the first "
+        "step at each batch size compiles (seconds), and decoding falls back to eager if compiling fails.",
+    )
     seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
     max_logprobs: int = Field(
         default=20,

@@ -67,6 +67,12 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         help="split the model over N processes on this machine (under torchrun: its world size)",
     )
     group.add_argument("--seed", type=int, metavar="S")
+    group.add_argument(
+        "--compile-decode",
+        action="store_true",
+        default=None,
+        help="compile the decoding step (torch.compile; CUDA graphs on a GPU): each new batch size compiles first",
+    )
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
     group.add_argument(
         "--model-impl",
@@ -173,6 +179,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_waiting_seqs",
         "tensor_parallel_size",
         "seed",
+        "compile_decode",
         "model_architecture_override",
         "model_impl",
     )

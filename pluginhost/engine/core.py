@@ -76,7 +76,11 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting_seqs,
         )
-        limits = {"max_num_seqs": config.max_num_seqs, "max_model_len": loaded.max_model_len}
+        limits = {
+            "max_num_seqs": config.max_num_seqs,
+            "max_model_len": loaded.max_model_len,
+            "compile_decode": config.compile_decode,
+        }
         if ranks is None:
             self.runner = ModelRunner(loaded.model, loaded.device, **limits)
         else:  # tensor parallelism: every step also runs on the other ranks

@@ -75,9 +75,21 @@ class LoadedModel:
 def validated_config(settings: dict[str, Any]) -> EngineConfig:
     """The ``EngineConfig`` of these settings, or one ``ConfigError`` saying what is wrong."""
     try:
-        return EngineConfig(**settings)
+        config = EngineConfig(**settings)
     except ValueError as exc:
         raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+    _check_combination(config)
+    return config
+
+
+def _check_combination(config: EngineConfig) -> None:
+    """Settings valid alone that the engine cannot run together (checked again after the plugins' changes)."""
+    if config.compile_decode and config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"compile_decode cannot be combined with tensor parallelism (tensor_parallel_size is "
+            f"{config.tensor_parallel_size}): the split model's collectives are not compiled yet. "
+            "Leave one of them out."
+        )
 
 
 def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreement | None = None) -> LoadedModel:
@@ -95,6 +107,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
             f"was started with {ranks.world_size if ranks is not None else 1} process(es): it is fixed before plugins "
             "load, so set it in the engine's settings, not in a plugin"
         )
+    _check_combination(config)
     if agreement is not None:
         from pluginhost.engine.parallel import fingerprint
 

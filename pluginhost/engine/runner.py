@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from builtin_models.kv_cache import KVCache
+from pluginhost.engine.compiled import CompiledDecode
 from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import ModelClassError
 
@@ -77,12 +78,22 @@ class StepInputs:
 class ModelRunner:
     """Turns a scheduled step into logits."""
 
-    def __init__(self, model: nn.Module, device: torch.device, *, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        compile_decode: bool = False,
+    ) -> None:
         self.model = model
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cached = callable(getattr(model, "setup_caches", None))
+        #: The compiled decoding step, when asked for (a model without a cache has no decoding step).
+        self.compiled = CompiledDecode(model, device) if compile_decode and self.cached else None
         self._caches: list[KVCache] = []
         self._rows = self._slots = 0
 
@@ -105,6 +116,12 @@ class ModelRunner:
             for cache in self._caches:
                 cache.move(src, dst, length)
         if inputs.kind == "decode":
+            if self.compiled is not None:
+                logits = self.compiled.logits(
+                    inputs.tokens, inputs.positions, cache_rows=self._rows, cache_slots=self._slots
+                )
+                if logits is not None:
+                    return logits  # (B, V)
             return self.model.compute_logits(self._decode(inputs.tokens, inputs.positions)).float()  # (B, V)
         hidden = None
         index = {row: i for i, row in enumerate(inputs.rows)}

@@ -1,0 +1,110 @@
+"""The compiled decoding step (``compile_decode``): same outputs as eager decoding, and a clean fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pluginhost import LLM, SamplingParams
+from pluginhost.engine.compiled import padded_rows
+from pluginhost.errors import ConfigError
+from pluginhost.testing import make_tiny_model
+
+PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8], [2, 9], [2, 50, 51, 52]]
+
+
+def compiled_llm(path, **settings) -> LLM:
+    return LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", compile_decode=True, **settings)
+
+
+def test_rows_are_padded_to_few_buckets():
+    assert [padded_rows(b, 32) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 25, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 32, 32]
+    assert padded_rows(5, 6) == 6  # never beyond the cache's rows
+    assert padded_rows(3, 3) == 3
+
+
+@pytest.mark.parametrize("model_type", ["opt", "llama"])
+@pytest.mark.parametrize("forced_kernel", ["f_linear", "onednn"], indirect=True)  # the operator's two paths
+def test_compiled_decoding_matches_transformers_at_every_step(
+    tmp_path, tiny_opt, model_type, forced_kernel, assert_decoding_matches
+):
+    path = tiny_opt if model_type == "opt" else make_tiny_model(tmp_path, "llama", seed=1)
+    llm = compiled_llm(path)
+    # Different lengths: rows finish one by one, so the batch shrinks through several padded sizes.
+    params = [SamplingParams(max_tokens=n, temperature=0, logprobs=3, ignore_eos=True) for n in (9, 3, 7, 1, 5)]
+    outs = llm.generate(PROMPTS, params)
+    compiled = llm.engine.runner.compiled
+    assert compiled.failure is None and compiled.compile_seconds > 0
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    assert_decoding_matches(outs, PROMPTS, reference)
+
+
+def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    llm = compiled_llm(tiny_opt, max_num_seqs=3)  # five requests through three rows: they join as others leave
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    for ours, theirs in zip(outs, eager, strict=True):
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert max(abs(a[t] - b[t]) for t in a) <= 1e-4
+
+
+def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny_opt, monkeypatch, caplog):
+    def no_compiler(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("Compiler: cc not found\nmore detail")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    llm = compiled_llm(tiny_opt)
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        outs = llm.generate(PROMPTS, params)
+        again = llm.generate(PROMPTS[:1], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    assert again[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+    warnings = [r.getMessage() for r in caplog.records if "compiling the decoding step" in r.getMessage()]
+    assert warnings == [
+        "compiling the decoding step of OPTForCausalLM failed (RuntimeError: Compiler: cc not found); "
+        "decoding without compiling from now on"
+    ]
+
+
+def test_a_model_failing_after_compiling_is_not_hidden_by_the_fallback(tiny_opt, monkeypatch):
+    from pluginhost.errors import ModelRunError
+
+    calls = []
+
+    def flaky_compile(fn, **options):
+        def compiled(ids, positions, mask):
+            calls.append(ids.shape)
+            if len(calls) > 1:  # the same shape again: an id beyond the vocabulary, so the model's code raises
+                ids = ids + 10**6
+            return fn(ids, positions, mask)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", flaky_compile)
+    llm = compiled_llm(tiny_opt)
+    with pytest.raises(ModelRunError, match="failed while generating: IndexError"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert llm.engine.runner.compiled.failure is None  # a failure of the model, not of compiling
+
+
+def test_compiling_with_tensor_parallelism_is_refused_before_anything_starts(tiny_opt):
+    with pytest.raises(ConfigError, match="compile_decode cannot be combined with tensor parallelism"):
+        compiled_llm(tiny_opt, tensor_parallel_size=2)
+
+
+def test_the_cli_passes_compile_decode(tiny_opt, run_pluginhost):
+    result = run_pluginhost("config", "--model", str(tiny_opt), "--compile-decode", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["config"]["compile_decode"] is True and data["provenance"]["compile_decode"] == "user"
