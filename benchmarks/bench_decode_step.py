@@ -8,6 +8,8 @@ are taken in interleaved rounds, so a drifting machine moves them together:
 * ``engine step``: one decode step of ``LLM.generate`` (scheduler, forward,
   logits, sampling, outputs), the fastest of a 64-token generation;
 * ``model step``: the forward and logits alone (``ModelRunner.run``);
+* ``compiled step``: the same with ``compile_decode=True`` (compiled before
+  the rounds; its compile time is printed);
 * ``engine kernels``: every linear layer's product, back to back, through
   ``builtin_models.linear`` (the kernels calibration chose): the floor;
 * ``F.linear``: the same products through plain ``F.linear``, as transformers
@@ -47,7 +49,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     cores = setup_threads()
-    llm = LLM(str(checkpoint_dir(args.model)), load_installed_plugins=False, device="cpu", dtype="float32")
+    settings = {"load_installed_plugins": False, "device": "cpu", "dtype": "float32"}
+    llm = LLM(str(checkpoint_dir(args.model)), **settings)
+    compiled = LLM(str(checkpoint_dir(args.model)), compile_decode=True, **settings).engine.runner
     print(f"machine: {machine()}; threads: {cores}; model: {args.model} ({type(llm.model).__name__})")
 
     runner = llm.engine.runner
@@ -91,12 +95,17 @@ def main() -> None:
             Linear.forward = forward
 
     figures: dict[str, list[float]] = {
-        name: [] for name in ("engine step", "model step", "engine kernels", "F.linear", "rest, warm")
+        name: [] for name in ("engine step", "model step", "compiled step", "engine kernels", "F.linear", "rest, warm")
     }
     engine_step(), runner.run(step), products(linear)(), products(torch.nn.functional.linear)()  # warm up
+    compiled.run(step)
+    if compiled.compiled.failure is not None:
+        print(f"compiling failed, the compiled step is eager: {compiled.compiled.failure!r}")
+    print(f"compiling the decoding step: {compiled.compiled.compile_seconds:.1f} s")
     for _ in range(args.rounds):
         figures["engine step"].append(engine_step())
         figures["model step"].append(best_of(lambda: runner.run(step), 20))
+        figures["compiled step"].append(best_of(lambda: compiled.run(step), 20))
         figures["engine kernels"].append(best_of(products(linear), 20))
         figures["F.linear"].append(best_of(products(torch.nn.functional.linear), 20))
         figures["rest, warm"].append(rest_warm())
@@ -105,7 +114,7 @@ def main() -> None:
         spread = f"{min(figures[name]) * 1e3:.2f}-{max(figures[name]) * 1e3:.2f}"
         print(f"{name:<15} {ms:7.2f} ms  (best of each round: {spread} ms)")
     floor = best["engine kernels"]
-    for name in ("engine step", "model step"):
+    for name in ("engine step", "model step", "compiled step"):
         share = 100 * (best[name] - floor) / best[name]
         print(f"{name} beyond the engine's kernels: {best[name] - floor:.2f} ms, {share:.1f}% of it (target < 10%)")
     in_place = best["model step"] - floor - best["rest, warm"]

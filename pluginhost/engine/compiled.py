@@ -48,7 +48,7 @@ class CompiledDecode:
         self.device = device
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
         self._step = torch.compile(self._forward, mode=mode)
-        self._shapes: set[tuple[int, int]] = set()
+        self._shapes: set[tuple[int, int, int]] = set()
         #: Seconds spent in first steps at a new shape (compiling, and that step's own run).
         self.compile_seconds = 0.0
         #: Why compiling failed, once it has (decoding is eager from then on).
@@ -68,7 +68,7 @@ class CompiledDecode:
         ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]  # (R, 1)
         at = torch.tensor(positions + [0] * pad, device=self.device)[:, None]  # (R, 1)
         mask = (torch.arange(cache_slots, device=self.device)[None, :] <= at)[:, None, None, :]  # (R, 1, 1, S)
-        shape = (R, cache_slots)
+        shape = (R, cache_rows, cache_slots)  # the cache's size too: a grown cache compiles anew
         if shape in self._shapes:
             logits = self._step(ids, at, mask)
         else:
