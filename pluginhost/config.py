@@ -77,8 +77,10 @@ class EngineConfig(BaseModel):
     )
     compile_decode: bool = Field(
         default=False,
-        description="Compile the decoding step with torch.compile (replayed as a CUDA graph on a GPU); the first "
-        "step at each batch size compiles (seconds), and decoding falls back to eager if compiling fails.",
+        description="Compile the decoding step with torch.compile (replayed as a CUDA graph on a GPU). Each new "
+        "shape compiles at its first step (seconds): a batch-size bucket (1, 2, 4, 8, then multiples of 8) times a "
+        "KV-cache length (256 slots, doubling); the cache takes all max_num_seqs rows at once. Decoding falls back "
+        "to eager if compiling fails.",
     )
     seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
     max_logprobs: int = Field(

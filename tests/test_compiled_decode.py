@@ -43,15 +43,32 @@ def test_compiled_decoding_matches_transformers_at_every_step(
     assert_decoding_matches(outs, PROMPTS, reference)
 
 
-def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
-    llm = compiled_llm(tiny_opt, max_num_seqs=3)  # five requests through three rows: they join as others leave
-    outs = llm.generate(PROMPTS, params)
+def assert_same_decoding(outs, eager) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     for ours, theirs in zip(outs, eager, strict=True):
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
             assert max(abs(a[t] - b[t]) for t in a) <= 1e-4
+
+
+def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    llm = compiled_llm(tiny_opt, max_num_seqs=3)  # five requests through three rows: they join as others leave
+    assert_same_decoding(llm.generate(PROMPTS, params), eager)
+    assert llm.engine.runner.compiled.failure is None
+
+
+def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path):
+    path = make_tiny_model(tmp_path, "mistral", seed=1, max_position_embeddings=1100)  # a sliding window, too
+    prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 slots while decoding
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+    eager = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu").generate(prompts, params)
+    llm = compiled_llm(path, max_num_seqs=6)
+    assert_same_decoding(llm.generate(prompts, params), eager)
+    runner = llm.engine.runner
+    assert runner.cache_shape == (6, 512)  # every row at once, slots doubled
+    assert runner.compiled.failure is None
+    assert runner.compiled._shapes == {(2, 6, 256), (2, 6, 512)}
 
 
 def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny_opt, monkeypatch, caplog):
@@ -108,3 +125,22 @@ def test_the_cli_passes_compile_decode(tiny_opt, run_pluginhost):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["config"]["compile_decode"] is True and data["provenance"]["compile_decode"] == "user"
+
+
+def test_a_model_failing_at_its_first_compiled_step_is_the_models_failure(tiny_opt, monkeypatch):
+    from pluginhost.engine.compiled import CompiledDecode
+
+    def broken_compiler(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("the compiled step failed")
+
+        return compiled
+
+    def eager(tokens, positions):
+        raise IndexError("index out of range in self")  # the model fails eagerly too
+
+    monkeypatch.setattr(torch, "compile", broken_compiler)
+    step = CompiledDecode(torch.nn.Linear(2, 2), torch.device("cpu"), eager)
+    with pytest.raises(IndexError, match="out of range"):
+        step.logits([5], [3], cache_rows=4, cache_slots=256)
+    assert step.failure is None  # the next step tries compiling again

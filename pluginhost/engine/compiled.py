@@ -5,26 +5,35 @@ GPU it runs in ``"reduce-overhead"`` mode, which records the step as a CUDA
 graph and replays it, so the step's few hundred small kernels cost one launch;
 on a CPU, inductor fuses the small operations between the products.
 
-Compiled code is reused only for the shapes it was compiled for, so the step's
-shapes are kept few: the batch is padded up to a bucket of rows (1, 2, 4, 8,
-then multiples of 8), and attention spans every slot the KV cache holds (a
-multiple of 256) rather than the batch's longest sequence. The mask keeps each
-row to its own positions, so the logits are the eager step's up to the
+Compiled code is reused only for the shapes it was compiled for (the KV
+cache's included), so the shapes are kept few: the batch is padded up to a
+bucket of rows (1, 2, 4, 8, then multiples of 8), attention spans every slot
+the cache holds rather than the batch's longest sequence, and the runner
+gives the cache all of its rows at once and doubles its slots as sequences
+grow (256, 512, ... up to ``max_model_len``). With 32 rows and 2048 slots
+that is at most 7 x 4 shapes, each compiled at its first step. The mask keeps
+each row to its own positions, so the logits are the eager step's up to the
 rounding of the sums. A padding row is token 0 at position 0 in a free cache
-row (the scheduler keeps the running sequences in rows ``0 .. B-1``), attending
-to its own slot only; its logits are dropped.
+row (the scheduler keeps the running sequences in rows ``0 .. B-1``),
+attending to its own slot only; its logits are dropped.
 
-The first step at each new shape compiles, which takes seconds (tens on a
-small CPU): each is logged with its time and summed in ``compile_seconds``. If
-compiling fails (no C++ compiler for inductor, an operation a plugin's model
-uses that the compiler does not support), a warning says why and decoding goes
-on eagerly, for good.
+Each first step at a new shape compiles, which takes seconds (several on a
+small CPU): it is logged with its time and summed in ``compile_seconds``. An
+operation the compiler cannot follow splits the compiled graph (slower, still
+right). If compiling fails outright (no C++ compiler for inductor, a model the
+compiler refuses, more shapes than dynamo will keep), the step is run eagerly:
+when that succeeds, a warning says why compiling failed and decoding stays
+eager for good; when it fails too, the failure is the model's, raised as such.
+
+On a GPU, CUDA graphs are recorded per thread: an ``LLM`` whose ``generate`` is
+called from several threads at once records them once per stepping thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +41,11 @@ from torch import Tensor, nn
 __all__ = ["CompiledDecode", "padded_rows"]
 
 logger = logging.getLogger("pluginhost")
+
+#: Compiled shapes dynamo keeps for the step's code (shared by every engine of the process); beyond
+#: that, compiling fails over to eager decoding instead of dynamo silently running the padded step
+#: uncompiled.
+_RECOMPILE_LIMIT = 256
 
 
 def padded_rows(rows: int, capacity: int) -> int:
@@ -41,13 +55,15 @@ def padded_rows(rows: int, capacity: int) -> int:
 
 
 class CompiledDecode:
-    """The compiled decode pass of one model, with its fallback."""
+    """The compiled decode pass of one model, with its fallback to ``eager(tokens, positions)``."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, eager: Callable[[list[int], list[int]], Tensor]) -> None:
         self.model = model
         self.device = device
+        self._eager = eager
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
         self._step = torch.compile(self._forward, mode=mode)
+        self._limits, self._limit_hit = _dynamo_limits()
         self._shapes: set[tuple[int, int, int]] = set()
         #: Seconds spent in first steps at a new shape (compiling, and that step's own run).
         self.compile_seconds = 0.0
@@ -58,35 +74,58 @@ class CompiledDecode:
         hidden = self.model(ids, positions, slice(0, ids.shape[0]), mask)  # (R, 1, W)
         return self.model.compute_logits(hidden[:, -1]).float()  # (R, V)
 
-    def logits(self, tokens: list[int], positions: list[int], *, cache_rows: int, cache_slots: int) -> Tensor | None:
-        """(B, V) logits of one decode step of the B rows; ``None`` once compiling has failed (decode eagerly)."""
+    def logits(self, tokens: list[int], positions: list[int], *, cache_rows: int, cache_slots: int) -> Tensor:
+        """(B, V) float32 logits of one decode step of the B rows of the cache (``cache_rows`` x ``cache_slots``)."""
         if self.failure is not None:
-            return None
+            return self._eager(tokens, positions)
         B = len(tokens)
         R = padded_rows(B, cache_rows)
         pad = R - B
         ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]  # (R, 1)
         at = torch.tensor(positions + [0] * pad, device=self.device)[:, None]  # (R, 1)
         mask = (torch.arange(cache_slots, device=self.device)[None, :] <= at)[:, None, None, :]  # (R, 1, 1, S)
-        shape = (R, cache_rows, cache_slots)  # the cache's size too: a grown cache compiles anew
-        if shape in self._shapes:
-            logits = self._step(ids, at, mask)
-        else:
-            start = time.perf_counter()
-            try:
+        shape = (R, cache_rows, cache_slots)
+        seen = shape in self._shapes
+        start = time.perf_counter()
+        failure = None
+        try:
+            with torch._dynamo.config.patch(**self._limits):
                 logits = self._step(ids, at, mask)
-            except Exception as exc:  # noqa: BLE001 - any failure to compile: decode eagerly instead
-                self.failure = exc
-                logger.warning(
-                    "compiling the decoding step of %s failed (%s: %s); decoding without compiling from now on",
-                    type(self.model).__name__,
-                    type(exc).__name__,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
-                )
-                return None
+        except Exception as exc:  # noqa: BLE001 - sorted out below: the compiler's failure or the model's
+            if seen and not isinstance(exc, self._limit_hit):
+                raise  # this shape ran compiled before: the model failed, not the compiler
+            failure = exc
+        if failure is not None:
+            logits = self._eager(tokens, positions)  # a failure of the model's own raises here, as it would eagerly
+            self.failure = failure
+            first_line = (str(failure).strip().splitlines() or [""])[0]
+            logger.warning(
+                "compiling the decoding step of %s failed (%s: %s); decoding without compiling from now on",
+                type(self.model).__name__,
+                type(failure).__name__,
+                first_line,
+            )
+            return logits
+        if not seen:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             self._shapes.add(shape)
-            logger.info("decoding step compiled for %d rows and %d cache slots: %.1f s", R, cache_slots, seconds)
+            logger.info(
+                "decoding step compiled for %d of %d cache rows and %d cache slots: %.1f s",
+                R,
+                cache_rows,
+                cache_slots,
+                seconds,
+            )
         # A CUDA graph's output is overwritten by its next replay: keep this step's.
         return logits[:B].clone() if self.device.type == "cuda" else logits[:B]  # (B, V)
+
+
+def _dynamo_limits() -> tuple[dict[str, object], type[BaseException] | tuple[()]]:
+    """The dynamo settings for the step (names differ across torch versions), and the limit's exception."""
+    config = torch._dynamo.config
+    limits: dict[str, object] = {}
+    limits["recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"] = _RECOMPILE_LIMIT
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        limits["fail_on_recompile_limit_hit"] = True
+    return limits, getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())

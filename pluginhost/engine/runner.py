@@ -10,11 +10,15 @@ sequence's whole text each step instead: slower, same result.
 
 The KV cache grows on demand, never more than ``max_num_seqs`` rows and
 ``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
-sequences get longer, keeping what it holds.
+sequences get longer, keeping what it holds. A compiled decoding step
+(``pluginhost.engine.compiled``) is compiled
+for each cache shape, so then the cache takes every row at once and doubles
+its slots.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +30,8 @@ from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import ModelClassError
 
 __all__ = ["ModelRunner", "StepInputs"]
+
+logger = logging.getLogger("pluginhost")
 
 #: Cache slots are added in steps of this many, rows in steps of ``_ROW_STEP``.
 _SLOT_STEP = 256
@@ -92,8 +98,13 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cached = callable(getattr(model, "setup_caches", None))
-        #: The compiled decoding step, when asked for (a model without a cache has no decoding step).
-        self.compiled = CompiledDecode(model, device) if compile_decode and self.cached else None
+        #: The compiled decoding step, when asked for.
+        self.compiled = CompiledDecode(model, device, self._decode_logits) if compile_decode and self.cached else None
+        if compile_decode and not self.cached:
+            logger.warning(
+                "compile_decode has no effect on %s: it has no KV cache (no setup_caches), so no decoding step",
+                type(model).__name__,
+            )
         self._caches: list[KVCache] = []
         self._rows = self._slots = 0
 
@@ -117,12 +128,10 @@ class ModelRunner:
                 cache.move(src, dst, length)
         if inputs.kind == "decode":
             if self.compiled is not None:
-                logits = self.compiled.logits(
+                return self.compiled.logits(
                     inputs.tokens, inputs.positions, cache_rows=self._rows, cache_slots=self._slots
                 )
-                if logits is not None:
-                    return logits  # (B, V)
-            return self.model.compute_logits(self._decode(inputs.tokens, inputs.positions)).float()  # (B, V)
+            return self._decode_logits(inputs.tokens, inputs.positions)
         hidden = None
         index = {row: i for i, row in enumerate(inputs.rows)}
         for group in _similar_lengths(inputs.rows, [len(text) for text in inputs.texts]):
@@ -131,6 +140,10 @@ class ModelRunner:
                 hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
             hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
         return self.model.compute_logits(hidden).float()  # (P, V)
+
+    def _decode_logits(self, tokens: list[int], positions: list[int]) -> Tensor:
+        """One token for every row: logits (B, V) float32."""
+        return self.model.compute_logits(self._decode(tokens, positions)).float()
 
     def _decode(self, tokens: list[int], positions_list: list[int]) -> Tensor:
         """One token for every row: (B, W)."""
@@ -168,8 +181,13 @@ class ModelRunner:
     def _ensure_capacity(self, rows: int, slots: int) -> None:
         if rows <= self._rows and slots <= self._slots:
             return
-        new_rows = max(self._rows, min(self.max_num_seqs, _round_up(rows, _ROW_STEP)))
-        new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
+        if self.compiled is None:
+            new_rows = max(self._rows, min(self.max_num_seqs, _round_up(rows, _ROW_STEP)))
+            new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
+        else:  # each cache shape is compiled anew: every row at once, slots doubling
+            new_rows = self.max_num_seqs
+            doubled = _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length()  # 256, 512, 1024, ...
+            new_slots = max(self._slots, min(self.max_model_len, doubled))
         if not self._caches:
             self.model.setup_caches(new_rows, new_slots)
             self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]
