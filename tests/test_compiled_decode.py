@@ -17,6 +17,17 @@ from pluginhost.testing import make_tiny_model
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8], [2, 9], [2, 50, 51, 52]]
 
 
+@pytest.fixture
+def cpp_compiler() -> None:
+    """Skip where inductor finds no C++ compiler: compiling would fall back (as other tests here check)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot find one
+        pytest.skip(f"torch.compile on a CPU needs a C++ compiler: {exc}")
+
+
 def compiled_llm(path, **settings) -> LLM:
     return LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", compile_decode=True, **settings)
 
@@ -30,7 +41,7 @@ def test_rows_are_padded_to_few_buckets():
 @pytest.mark.parametrize("model_type", ["opt", "llama"])
 @pytest.mark.parametrize("forced_kernel", ["f_linear", "onednn"], indirect=True)  # the operator's two paths
 def test_compiled_decoding_matches_transformers_at_every_step(
-    tmp_path, tiny_opt, model_type, forced_kernel, assert_decoding_matches
+    tmp_path, tiny_opt, model_type, forced_kernel, assert_decoding_matches, cpp_compiler
 ):
     path = tiny_opt if model_type == "opt" else make_tiny_model(tmp_path, "llama", seed=1)
     llm = compiled_llm(path)
@@ -50,7 +61,7 @@ def assert_same_decoding(outs, eager) -> None:
             assert max(abs(a[t] - b[t]) for t in a) <= 1e-4
 
 
-def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt):
+def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt, cpp_compiler):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
     llm = compiled_llm(tiny_opt, max_num_seqs=3)  # five requests through three rows: they join as others leave
@@ -58,7 +69,7 @@ def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_g
     assert llm.engine.runner.compiled.failure is None
 
 
-def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path):
+def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path, cpp_compiler):
     path = make_tiny_model(tmp_path, "mistral", seed=1, max_position_embeddings=1100)  # a sliding window, too
     prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 slots while decoding
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
