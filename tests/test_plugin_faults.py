@@ -238,7 +238,11 @@ LINGERING = (
     HEADER
     + """
 import threading, time
+from concurrent.futures import ThreadPoolExecutor
 threading.Thread(target=time.sleep, args=(600,), name="licence-heartbeat").start()  # not a daemon
+# An idle pool worker, as torch.compile's compile workers leave: not waited for, and not named.
+POOL = ThreadPoolExecutor(1)
+POOL.submit(int).result()
 
 @hookimpl
 def post_load(model):

@@ -254,16 +254,22 @@ def run() -> None:
 
     A plugin may start a non-daemon thread (at import, in a hook); the interpreter would
     wait for it forever after the command is done. Such threads are named on stderr and
-    not waited for.
+    not waited for. Worker threads of thread pools (``concurrent.futures``, such as
+    ``torch.compile``'s compile workers) are not waited for either, but not named: pools
+    are the libraries' own, and idle.
     """
     code = main()
     lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if lingering:
-        logging.getLogger("pluginhost").warning(
-            "exiting without waiting for %d thread(s) a plugin left running: %s",
-            len(lingering),
-            ", ".join(t.name for t in lingering),
-        )
+        from concurrent.futures.thread import _worker as pool_worker
+
+        started = [t for t in lingering if getattr(t, "_target", None) is not pool_worker]
+        if started:
+            logging.getLogger("pluginhost").warning(
+                "exiting without waiting for %d thread(s) a plugin left running: %s",
+                len(started),
+                ", ".join(t.name for t in started),
+            )
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
