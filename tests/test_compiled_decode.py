@@ -155,3 +155,13 @@ def test_a_model_failing_at_its_first_compiled_step_is_the_models_failure(tiny_o
     with pytest.raises(IndexError, match="out of range"):
         step.logits([5], [3], cache_rows=4, cache_slots=256)
     assert step.failure is None  # the next step tries compiling again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_decode_what_eager_cuda_decoding_does(tiny_opt):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    settings = {"load_installed_plugins": False, "dtype": "float32", "device": "cuda"}
+    eager = LLM(str(tiny_opt), **settings).generate(PROMPTS, params)
+    llm = LLM(str(tiny_opt), compile_decode=True, max_num_seqs=3, **settings)  # replayed graphs as rows come and go
+    assert_same_decoding(llm.generate(PROMPTS, params), eager)
+    assert llm.engine.runner.compiled.failure is None
