@@ -71,15 +71,49 @@ def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_g
 
 def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path, cpp_compiler):
     path = make_tiny_model(tmp_path, "mistral", seed=1, max_position_embeddings=1100)  # a sliding window, too
-    prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 slots while decoding
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
-    eager = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu").generate(prompts, params)
-    llm = compiled_llm(path, max_num_seqs=6)
-    assert_same_decoding(llm.generate(prompts, params), eager)
+    prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 and then 512 slots while decoding
+    params = SamplingParams(max_tokens=340, temperature=0, ignore_eos=True, logprobs=1)
+    eager = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", max_num_seqs=12)
+    eager_outs = eager.generate(prompts, params)
+    assert eager.engine.runner.cache_shape == (8, 768)  # eagerly: rows in eights, slots in steps of 256
+    llm = compiled_llm(path, max_num_seqs=12)
+    assert_same_decoding(llm.generate(prompts, params), eager_outs)
     runner = llm.engine.runner
-    assert runner.cache_shape == (6, 512)  # every row at once, slots doubled
+    assert runner.cache_shape == (12, 1024)  # compiled: every row at once, slots doubling
     assert runner.compiled.failure is None
-    assert runner.compiled._shapes == {(2, 6, 256), (2, 6, 512)}
+    assert runner.compiled._shapes == {(2, 12, 256), (2, 12, 512), (2, 12, 1024)}
+
+
+def test_more_shapes_than_dynamo_keeps_fall_back_to_eager_decoding(tiny_opt, monkeypatch, caplog, cpp_compiler):
+    import pluginhost.engine.compiled
+
+    # The step's code is shared by every engine of the process: a limit of 1 is reached at the latest
+    # at this engine's second shape (the batch shrinks from 5 rows to 1). A cache of 7 rows, which no
+    # other test here uses, makes every shape new even after other tests compiled theirs.
+    monkeypatch.setattr(pluginhost.engine.compiled, "_RECOMPILE_LIMIT", 1)
+    params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1, ignore_eos=True) for n in (9, 3, 7, 1, 5)]
+    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    llm = compiled_llm(tiny_opt, max_num_seqs=7)
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        assert_same_decoding(llm.generate(PROMPTS, params), eager)
+    assert "RecompileLimitHit" in type(llm.engine.runner.compiled.failure).__name__
+    assert sum("compiling the decoding step" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compile_decode_on_a_model_without_a_cache_says_it_does_nothing(tiny_opt, caplog):
+    from builtin_models.opt import OPTForCausalLM
+    from pluginhost.testing import RegistersModel
+
+    class NoCache(OPTForCausalLM):
+        setup_caches = None
+
+    plugin = RegistersModel("OPTForCausalLM", NoCache)
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin], compile_decode=True)
+    assert llm.engine.runner.compiled is None
+    assert "compile_decode has no effect on NoCache: it has no KV cache" in caplog.text
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
 
 
 def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny_opt, monkeypatch, caplog):

@@ -255,8 +255,8 @@ def run() -> None:
     A plugin may start a non-daemon thread (at import, in a hook); the interpreter would
     wait for it forever after the command is done. Such threads are named on stderr and
     not waited for. Worker threads of thread pools (``concurrent.futures``, such as
-    ``torch.compile``'s compile workers) are not waited for either, but not named: pools
-    are the libraries' own, and idle.
+    ``torch.compile``'s compile workers) are not waited for either, and not named: pools
+    are mostly libraries', idle once the command is done.
     """
     code = main()
     lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]

@@ -42,10 +42,10 @@ __all__ = ["CompiledDecode", "padded_rows"]
 
 logger = logging.getLogger("pluginhost")
 
-#: Compiled shapes dynamo keeps for the step's code (shared by every engine of the process); beyond
-#: that, compiling fails over to eager decoding instead of dynamo silently running the padded step
-#: uncompiled.
-_RECOMPILE_LIMIT = 256
+#: Compiled shapes dynamo keeps for the step's code, per engine design at most a few dozen, but
+#: counted over every engine of the process (the code is shared); beyond it, compiling fails over
+#: to eager decoding instead of dynamo silently running the padded step uncompiled.
+_RECOMPILE_LIMIT = 4096
 
 
 def padded_rows(rows: int, capacity: int) -> int:
@@ -121,11 +121,17 @@ class CompiledDecode:
         return logits[:B].clone() if self.device.type == "cuda" else logits[:B]  # (B, V)
 
 
-def _dynamo_limits() -> tuple[dict[str, object], type[BaseException] | tuple[()]]:
-    """The dynamo settings for the step (names differ across torch versions), and the limit's exception."""
-    config = torch._dynamo.config
+def _dynamo_limits() -> tuple[dict[str, object], tuple[type[BaseException], ...]]:
+    """The dynamo settings for the step, and the exceptions of its limit (names differ across torch versions)."""
+    config, exc = torch._dynamo.config, torch._dynamo.exc
     limits: dict[str, object] = {}
-    limits["recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"] = _RECOMPILE_LIMIT
-    if hasattr(config, "fail_on_recompile_limit_hit"):
-        limits["fail_on_recompile_limit_hit"] = True
-    return limits, getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+    for names, value in (
+        (("recompile_limit", "cache_size_limit"), _RECOMPILE_LIMIT),
+        (("accumulated_recompile_limit", "accumulated_cache_size_limit"), _RECOMPILE_LIMIT),
+        (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True),
+    ):
+        name = next((n for n in names if hasattr(config, n)), None)
+        if name is not None:
+            limits[name] = value
+    hit = tuple(getattr(exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, n))
+    return limits, hit
