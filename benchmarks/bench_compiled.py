@@ -18,7 +18,16 @@ import statistics
 import time
 
 import torch
-from common import MODELS, checkpoint_dir, machine, median_alternating, setup_threads
+from common import (
+    MODELS,
+    checkpoint_dir,
+    machine,
+    median_alternating,
+    pluginhost_tokens_per_second,
+    random_prompts,
+    setup_threads,
+    transformers_tokens_per_second,
+)
 
 
 def main() -> None:
@@ -35,7 +44,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from pluginhost import LLM, SamplingParams
+    from pluginhost import LLM
 
     settings = {"load_installed_plugins": False, "device": args.device, "dtype": args.dtype}
     eager = LLM(str(path), **settings)
@@ -46,45 +55,19 @@ def main() -> None:
     print(f"machine: {machine()}; threads: {cores}; device: {args.device}; dtype: {args.dtype}; model: {args.model}")
 
     generator = torch.Generator().manual_seed(0)
-
-    def prompts(batch: int) -> list[list[int]]:
-        return [[2, *torch.randint(3, eager.vocab_size - 1, (31,), generator=generator).tolist()] for _ in range(batch)]
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def ours(llm: LLM, batch_prompts: list[list[int]], new: int) -> float:
-        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        sync()
-        start = time.perf_counter()
-        llm.generate(batch_prompts, params)
-        sync()
-        return len(batch_prompts) * new / (time.perf_counter() - start)
-
-    def theirs(batch_prompts: list[list[int]], new: int) -> float:
-        ids = torch.tensor(batch_prompts, device=device)
-        sync()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            mask = torch.ones_like(ids)
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        sync()
-        return len(batch_prompts) * new / (time.perf_counter() - start)
-
     runner = compiled.engine.runner
     print(f"engine build: {build:.1f} s (compiling happens at the first decoding steps, below)")
     for batch in (1, 8):
-        batch_prompts = prompts(batch)
+        batch_prompts = random_prompts(generator, batch, 32, eager.vocab_size - 1)
         before = runner.compiled.compile_seconds
-        ours(compiled, batch_prompts, 8)  # compiles for this batch size (and the cache's slots)
+        pluginhost_tokens_per_second(compiled, batch_prompts, 8)  # compiles for this batch (and the cache's slots)
         compile_s = runner.compiled.compile_seconds - before
-        ours(eager, batch_prompts, 8), theirs(batch_prompts, 8)
+        pluginhost_tokens_per_second(eager, batch_prompts, 8), transformers_tokens_per_second(hf, batch_prompts, 8)
         results = median_alternating(
             args.runs,
-            compiled=lambda p=batch_prompts: ours(compiled, p, args.new_tokens),
-            eager=lambda p=batch_prompts: ours(eager, p, args.new_tokens),
-            transformers=lambda p=batch_prompts: theirs(p, args.new_tokens),
+            compiled=lambda p=batch_prompts: pluginhost_tokens_per_second(compiled, p, args.new_tokens),
+            eager=lambda p=batch_prompts: pluginhost_tokens_per_second(eager, p, args.new_tokens),
+            transformers=lambda p=batch_prompts: transformers_tokens_per_second(hf, p, args.new_tokens),
         )
         m = {name: statistics.median(values) for name, values in results.items()}
         spread = {name: f"{min(v):.1f}-{max(v):.1f}" for name, v in results.items()}

@@ -27,6 +27,7 @@ from common import (
     machine,
     median_alternating,
     pluginhost_tokens_per_second,
+    random_prompts,
     report,
     setup_threads,
     transformers_tokens_per_second,
@@ -74,7 +75,7 @@ def bench_model(model: str, runs: int, new: int, generator: torch.Generator) -> 
     native = LLM(str(path), load_installed_plugins=False, device="cpu", dtype="float32") if model == "opt" else None
     print(f"\n{model}: {type(llm.model.hf_model).__name__} from {path}")
     for batch in (1, 8):
-        prompts = [[2, *torch.randint(3, vocab - 1, (31,), generator=generator).tolist()] for _ in range(batch)]
+        prompts = random_prompts(generator, batch, 32, vocab - 1)
         candidates = {
             "fallback": lambda p=prompts: pluginhost_tokens_per_second(llm, p, new),
             "transformers": lambda p=prompts: transformers_tokens_per_second(hf, p, new),

@@ -25,6 +25,7 @@ from common import (
     machine,
     median_alternating,
     pluginhost_tokens_per_second,
+    random_prompts,
     report,
     setup_threads,
     transformers_tokens_per_second,
@@ -54,7 +55,7 @@ def main() -> None:
     vocab = llm.vocab_size
 
     def prompts(batch: int, length: int) -> list[list[int]]:
-        return [[2, *torch.randint(3, vocab - 1, (length - 1,), generator=generator).tolist()] for _ in range(batch)]
+        return random_prompts(generator, batch, length, vocab - 1)
 
     def ours_decode(batch_prompts: list[list[int]], new: int) -> float:
         return pluginhost_tokens_per_second(llm, batch_prompts, new)

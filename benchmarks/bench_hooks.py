@@ -25,7 +25,7 @@ import statistics
 import time
 
 import torch
-from common import checkpoint_dir, machine, setup_threads
+from common import checkpoint_dir, machine, random_prompts, setup_threads
 
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.logits_processors import LogitsProcessor
@@ -98,7 +98,7 @@ def main() -> None:
     print(f"machine: {machine()}; threads: {cores}")
     generator = torch.Generator().manual_seed(0)
     for batch in (1, 8):
-        prompts = [[2, *torch.randint(3, 50000, (31,), generator=generator).tolist()] for _ in range(batch)]
+        prompts = random_prompts(generator, batch, 32, 50000)
         for llm in engines.values():
             step_ms(llm, prompts, 8)  # warm up (and calibrate kernels)
         times: dict[str, list[float]] = {name: [] for name in engines}

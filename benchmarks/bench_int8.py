@@ -33,7 +33,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import checkpoint_dir, machine, median_alternating, pluginhost_tokens_per_second, setup_threads
+from common import (
+    checkpoint_dir,
+    machine,
+    median_alternating,
+    pluginhost_tokens_per_second,
+    random_prompts,
+    setup_threads,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_plugins" / "int8_quant" / "src"))
 
@@ -172,7 +179,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
 
     def prompts(batch: int, length: int) -> list[list[int]]:
-        return [[2, *torch.randint(3, 50000, (length - 1,), generator=generator).tolist()] for _ in range(batch)]
+        return random_prompts(generator, batch, length, 50000)
 
     # Quality: log-probabilities of a fixed prompt, and greedy continuations, against fp32.
     from pluginhost import SamplingParams

@@ -18,6 +18,7 @@ __all__ = [
     "machine",
     "median_alternating",
     "pluginhost_tokens_per_second",
+    "random_prompts",
     "report",
     "setup_threads",
     "timed",
@@ -90,10 +91,25 @@ def median_alternating(runs: int, **candidates: Callable[[], float]) -> dict[str
     return results
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], device: Any = "cpu") -> float:
+    """Seconds ``fn`` takes, its work on ``device`` included (CUDA runs asynchronously)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def random_prompts(generator: Any, batch: int, length: int, high: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` tokens: 2 (beginning of sequence), then ids drawn from [3, ``high``)."""
+    import torch
+
+    return [[2, *torch.randint(3, high, (length - 1,), generator=generator).tolist()] for _ in range(batch)]
 
 
 def pluginhost_tokens_per_second(llm: Any, prompts: list[list[int]], new: int) -> float:
@@ -101,14 +117,14 @@ def pluginhost_tokens_per_second(llm: Any, prompts: list[list[int]], new: int) -
     from pluginhost import SamplingParams
 
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    return len(prompts) * new / timed(lambda: llm.generate(prompts, params))
+    return len(prompts) * new / timed(lambda: llm.generate(prompts, params), llm.config.device)
 
 
 def transformers_tokens_per_second(model: Any, prompts: list[list[int]], new: int) -> float:
     """The same through transformers' ``generate``, as its users call it (prompts of equal length)."""
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     with torch.inference_mode():
         seconds = timed(
             lambda: model.generate(
@@ -118,7 +134,8 @@ def transformers_tokens_per_second(model: Any, prompts: list[list[int]], new: in
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=1,
-            )
+            ),
+            model.device,
         )
     return len(prompts) * new / seconds
 
