@@ -28,8 +28,12 @@ def cpp_compiler() -> None:
         pytest.skip(f"torch.compile on a CPU needs a C++ compiler: {exc}")
 
 
+def engine(path, **settings) -> LLM:
+    return LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", **settings)
+
+
 def compiled_llm(path, **settings) -> LLM:
-    return LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", compile_decode=True, **settings)
+    return engine(path, compile_decode=True, **settings)
 
 
 def test_rows_are_padded_to_few_buckets():
@@ -63,7 +67,7 @@ def assert_same_decoding(outs, eager) -> None:
 
 def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_go(tiny_opt, cpp_compiler):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    eager = engine(tiny_opt).generate(PROMPTS, params)
     llm = compiled_llm(tiny_opt, max_num_seqs=3)  # five requests through three rows: they join as others leave
     assert_same_decoding(llm.generate(PROMPTS, params), eager)
     assert llm.engine.runner.compiled.failure is None
@@ -73,7 +77,7 @@ def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path, cpp_compiler)
     path = make_tiny_model(tmp_path, "mistral", seed=1, max_position_embeddings=1100)  # a sliding window, too
     prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 and then 512 slots while decoding
     params = SamplingParams(max_tokens=340, temperature=0, ignore_eos=True, logprobs=1)
-    eager = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", max_num_seqs=12)
+    eager = engine(path, max_num_seqs=12)
     eager_outs = eager.generate(prompts, params)
     assert eager.engine.runner.cache_shape == (8, 768)  # eagerly: rows in eights, slots in steps of 256
     llm = compiled_llm(path, max_num_seqs=12)
@@ -92,7 +96,7 @@ def test_more_shapes_than_dynamo_keeps_fall_back_to_eager_decoding(tiny_opt, mon
     # other test here uses, makes every shape new even after other tests compiled theirs.
     monkeypatch.setattr(pluginhost.engine.compiled, "_RECOMPILE_LIMIT", 1)
     params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1, ignore_eos=True) for n in (9, 3, 7, 1, 5)]
-    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    eager = engine(tiny_opt).generate(PROMPTS, params)
     llm = compiled_llm(tiny_opt, max_num_seqs=7)
     with caplog.at_level(logging.WARNING, logger="pluginhost"):
         assert_same_decoding(llm.generate(PROMPTS, params), eager)
@@ -125,7 +129,7 @@ def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    eager = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", device="cpu").generate(PROMPTS, params)
+    eager = engine(tiny_opt).generate(PROMPTS, params)
     llm = compiled_llm(tiny_opt)
     with caplog.at_level(logging.WARNING, logger="pluginhost"):
         outs = llm.generate(PROMPTS, params)

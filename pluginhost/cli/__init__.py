@@ -71,7 +71,8 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         "--compile-decode",
         action="store_true",
         default=None,
-        help="compile the decoding step (torch.compile; CUDA graphs on a GPU): each new batch size compiles first",
+        help="compile the decoding step (torch.compile; CUDA graphs on a GPU): each new batch-size bucket "
+        "and KV-cache length compiles at its first step",
     )
     group.add_argument("--model-architecture-override", metavar="ARCH", help="build this registered architecture")
     group.add_argument(

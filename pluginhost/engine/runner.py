@@ -11,9 +11,8 @@ sequence's whole text each step instead: slower, same result.
 The KV cache grows on demand, never more than ``max_num_seqs`` rows and
 ``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
 sequences get longer, keeping what it holds. A compiled decoding step
-(``pluginhost.engine.compiled``) is compiled
-for each cache shape, so then the cache takes every row at once and doubles
-its slots.
+(``pluginhost.engine.compiled``) is compiled for each cache shape, so then the
+cache takes every row at once and doubles its slots.
 """
 
 from __future__ import annotations
