@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -155,6 +156,53 @@ def test_model_work_never_blocks_the_event_loop(tiny_opt):
         engine.shutdown()
     # 25 forward passes of 20 ms or more: had they run on the event loop, no tick would be shorter.
     assert len(gaps) > 50 and sorted(gaps)[len(gaps) // 2] < 0.015
+
+
+class RecordsThreads(OPTForCausalLM):
+    """Notes the thread of every piece of model work: its construction, weight loading, forward passes."""
+
+    threads: set[int] = set()
+
+    def __init__(self, config):
+        RecordsThreads.threads.add(threading.get_ident())
+        super().__init__(config)
+
+    def load_weights(self, weights):
+        RecordsThreads.threads.add(threading.get_ident())
+        return super().load_weights(weights)
+
+    def forward(self, *args, **kwargs):
+        RecordsThreads.threads.add(threading.get_ident())
+        return super().forward(*args, **kwargs)
+
+
+def test_one_thread_builds_and_runs_the_model_and_it_is_not_the_callers(tiny_opt):
+    """torch's OpenMP runtime slows every parallel region once two threads run them: one thread does it all."""
+    RecordsThreads.threads.clear()
+    engine = AsyncLLM(
+        str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", RecordsThreads)]
+    )
+    try:
+        built_on = set(RecordsThreads.threads)
+        assert run(collect(engine, PROMPTS[0], greedy(3), "threads"))[-1].finished
+    finally:
+        engine.shutdown()
+    assert len(built_on) == 1 and RecordsThreads.threads == built_on
+    assert threading.get_ident() not in built_on
+
+
+def test_a_build_failure_is_raised_by_the_constructor_as_llm_raises_it(tiny_opt):
+    class Broken(OPTForCausalLM):
+        def load_weights(self, weights):
+            raise RuntimeError("weights on fire")
+
+    plugins = [RegistersModel("OPTForCausalLM", Broken)]
+    with pytest.raises(Exception, match="weights on fire") as offline:
+        LLM(str(tiny_opt), load_installed_plugins=False, plugins=plugins)
+    before = set(threading.enumerate())
+    with pytest.raises(type(offline.value), match="weights on fire"):
+        AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=plugins)
+    assert wait_until(lambda: not set(threading.enumerate()) - before, timeout=5), "the failed build left its thread"
 
 
 def test_bad_requests_raise_and_the_engine_keeps_serving(engine):
