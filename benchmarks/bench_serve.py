@@ -143,7 +143,9 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
     Unless ``free_finished``, a decoding step also computes a row for every request of the batch
     that has finished (the old loop ran all of its rows until the longest ended): the step is
     padded back to the batch's size with rows at the batch's last position, whose logits are
-    dropped. Attention already spans the batch's longest sequence for every row, as it did.
+    dropped, and every row attends over the batch's longest sequence (the old loop left-padded its
+    prompts, so all rows shared their positions): never row by row. ``static-freed`` keeps the
+    engine's attention, row by row where that is cheaper.
     """
     import dataclasses
 
@@ -170,6 +172,9 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
         max_num_seqs=core.scheduler.max_num_seqs, max_num_batched_tokens=10**9, max_waiting=core.scheduler.max_waiting
     )
     if not free_finished:
+        import builtin_models.attention
+
+        builtin_models.attention.ROW_BY_ROW_BYTES = float("inf")
         run = core.runner.run
 
         def run_every_row(inputs):  # (B, V) for the B running rows, computed with the finished ones

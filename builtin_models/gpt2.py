@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
+from builtin_models.attention import cached_attention
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
@@ -56,12 +56,10 @@ class GPT2Attention(nn.Module):
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
         if self.upcast:  # scores and softmax in float32, as transformers' reorder_and_upcast_attn
-            y = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=self.scaling
-            )
+            y = cached_attention(q.float(), k.float(), v.float(), mask.float(), positions, scale=self.scaling)
             y = y.to(v.dtype)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
+            y = cached_attention(q, k, v, mask, positions, scale=self.scaling)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, E / ranks)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
+from builtin_models.attention import cached_attention
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.rope import RotaryEmbedding, apply_rotary
@@ -85,8 +86,8 @@ class LlamaAttention(nn.Module):
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, Hkv, S, D)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
+        y = cached_attention(
+            q, k, v, mask, positions, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
         )  # (B, Hq, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, Hq*D) -> (B, T, E)
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
+from builtin_models.attention import cached_attention
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
@@ -67,7 +68,7 @@ class OPTAttention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scaling)  # (B, H, T, D)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
+            y = cached_attention(q, k, v, mask, positions, scale=self.scaling)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, E), or E / N on a rank of N
         return self.out_proj(y)
 

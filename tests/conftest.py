@@ -174,6 +174,33 @@ def greedy_tokens() -> Callable[[Path], list[list[int]]]:
     return tokens
 
 
+@pytest.fixture(params=["padded", "row by row"])
+def decoding_attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Decoding steps attend over the batch's padded slots, or each row over its own (forced, checked to happen).
+
+    Which one the engine picks depends on the bytes padding would waste (``builtin_models.attention``),
+    so tiny test models would never attend row by row on their own.
+    """
+    import builtin_models.attention as attention
+
+    if request.param == "padded":
+        monkeypatch.setattr(attention, "ROW_BY_ROW_BYTES", float("inf"))
+        yield request.param
+        return
+    monkeypatch.setattr(attention, "ROW_BY_ROW_BYTES", 0)
+    chosen: list[bool] = []
+    row_ends = attention.row_ends
+
+    def recording(*args: Any) -> list[int] | None:
+        ends = row_ends(*args)
+        chosen.append(ends is not None)
+        return ends
+
+    monkeypatch.setattr(attention, "row_ends", recording)
+    yield request.param
+    assert any(chosen), "no decoding step attended row by row: the test did not test it"
+
+
 @pytest.fixture
 def assert_decoding_matches() -> Callable[..., None]:
     """Check pluginhost's outputs (greedy, with logprobs) against a transformers model on the same weights.

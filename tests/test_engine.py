@@ -657,7 +657,7 @@ def test_an_engine_failure_is_not_blamed_on_the_model(llm, monkeypatch):
     assert not isinstance(info.value, ModelRunError)
 
 
-def test_prompts_of_very_different_lengths_join_together_and_match_alone(llm):
+def test_prompts_of_very_different_lengths_join_together_and_match_alone(llm, decoding_attention):
     """Joining prompts are prefilled in passes of similar length (less padding); results do not change."""
     prompts = [[2, *range(10, 10 + n)] for n in (4, 90, 30, 100, 8)]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)

@@ -48,7 +48,9 @@ def test_full_forward_matches_transformers(variant):
         assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-def test_cached_batched_decoding_matches_transformers_at_every_step(variant, assert_decoding_matches):
+def test_cached_batched_decoding_matches_transformers_at_every_step(
+    variant, assert_decoding_matches, decoding_attention
+):
     llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
     assert_decoding_matches(outs, PROMPTS, hf(variant), TOLERANCE)

@@ -60,7 +60,7 @@ def test_full_forward_matches_transformers(variant_dir):
         assert (ours - hf_logprobs(reference, ids)).abs().max().item() <= TOLERANCE
 
 
-def test_cached_decoding_matches_transformers_at_every_step(variant_dir, assert_decoding_matches):
+def test_cached_decoding_matches_transformers_at_every_step(variant_dir, assert_decoding_matches, decoding_attention):
     """Batched, left-padded, cached greedy decoding: each step equals a full forward of transformers."""
     llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True))
@@ -94,7 +94,7 @@ def test_every_cpu_kernel_matches_transformers(tmp_path, forced_kernel, batch, l
 
 def test_cached_decoding_through_every_kernel_matches_transformers(tmp_path, forced_kernel, assert_decoding_matches):
     test_cached_decoding_matches_transformers_at_every_step(
-        make_tiny_opt(tmp_path, tokenizer=False, seed=4), assert_decoding_matches
+        make_tiny_opt(tmp_path, tokenizer=False, seed=4), assert_decoding_matches, "as the engine picks"
     )
 
 
