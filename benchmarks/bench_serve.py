@@ -16,9 +16,11 @@ Systems:
   running one has finished (requests arriving meanwhile wait), its prompts are
   prefilled in one pass padded to the longest, and every row of
   the batch keeps computing until its longest request ends, finished or not,
-  as ``generate_batch`` did (its loop ran all B rows each step);
+  attending over the longest sequence, as ``generate_batch`` did (its loop ran
+  all B rows each step, prompts left-padded);
 * ``static-freed``: the same, except that finished rows stop computing (they
-  leave the batch, as in continuous batching): a static batching better than
+  leave the batch, as in continuous batching) and rows attend as the engine's
+  do (row by row where that is cheaper): a static batching better than
   pluginhost ever had, reported to show what continuous admission alone buys;
 * ``transformers``: ``transformers serve`` on the same directory (needs
   ``accelerate``), and ``transformers-cb``: the same with

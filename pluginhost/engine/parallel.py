@@ -237,34 +237,42 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             torch.set_num_threads(max(1, threads_before // world_size))
         context = multiprocessing.get_context("spawn")
         # The ranks ignore Ctrl-C from their first instruction (a terminal sends it to the whole group;
-        # rank 0 ends them): an ignored signal stays ignored in the spawned interpreter.
+        # rank 0 ends them): an ignored signal stays ignored in the spawned interpreter. Only the main
+        # thread may set a handler; another (AsyncLLM builds in its engine thread) blocks the signal
+        # instead, a mask the ranks inherit and lift once they ignore it.
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-        for r in range(1, world_size):
-            spec = RankSpec(
-                r,
-                world_size,
-                init_method,
-                backend,
-                settings,
-                host_args,
-                os.getpid(),
-                torch.get_num_threads(),
-                timeout_s,
-            )
-            process = context.Process(target=_rank_main, args=(spec,), name=f"pluginhost-rank-{r}", daemon=True)
-            try:
-                process.start()
-            finally:
-                if r == world_size - 1 and in_main_thread:
-                    signal.signal(signal.SIGINT, previous)
-            processes[r] = process
+        if not in_main_thread:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
+            try:
+                for r in range(1, world_size):
+                    spec = RankSpec(
+                        r,
+                        world_size,
+                        init_method,
+                        backend,
+                        settings,
+                        host_args,
+                        os.getpid(),
+                        torch.get_num_threads(),
+                        timeout_s,
+                    )
+                    processes[r] = context.Process(
+                        target=_rank_main, args=(spec,), name=f"pluginhost-rank-{r}", daemon=True
+                    )
+                    processes[r].start()
+            finally:
+                if in_main_thread:
+                    signal.signal(signal.SIGINT, previous)
+                else:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
         except BaseException:
             for process in processes.values():
-                process.kill()
-                process.join(5.0)
+                if process.pid is not None:  # started
+                    process.kill()
+                    process.join(5.0)
             if threads_before is not None:
                 torch.set_num_threads(threads_before)
             raise
@@ -459,6 +467,7 @@ def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
 def _rank_main(spec: RankSpec) -> None:
     """A spawned rank: build the same engine, then run rank 0's steps until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the others
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked when spawned from another thread
     _exit_with(spec.parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"pluginhost rank {spec.rank}: %(levelname)s: %(message)s")
     torch.set_num_threads(spec.num_threads)
