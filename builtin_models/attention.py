@@ -9,11 +9,11 @@ attention read twice the bytes it needed, ~18 of an ~83 ms step. There,
 attending each row over its own slots (one call per row) is cheaper, once the
 bytes saved outweigh the calls' overhead.
 
-Slot p of a row holds position p (``builtin_models.kv_cache``), so the token at
-position p never attends past slot p: cutting row b's slots at its position + 1
-drops nothing the mask allows, and the rest of the mask (padding, sliding
-windows) still applies. A row's result is then exactly what attending it alone
-gives.
+Slot p of a row holds position p (``builtin_models.kv_cache``), and a token
+never attends a later position (the engine's masks are causal; the models'
+``mask`` argument says so): cutting row b's slots at its position + 1 drops
+nothing the mask allows, and the rest of the mask (padding, sliding windows)
+still applies. A row's result is then what attending it alone gives.
 
 Shapes: B batch, Hq query heads, Hkv key/value heads, T new tokens, S slots, D head dim.
 """
@@ -27,9 +27,9 @@ from torch import Tensor
 __all__ = ["cached_attention", "row_ends"]
 
 #: Row by row when padding to the longest row would read at least this many more bytes of keys and
-#: values per row than the rows' own slots. One more attention call costs ~16 us on a 2-core EPYC
-#: (AVX-512), about what reading 250-500 KiB of the cache costs there: measured crossover 250-500 KiB
-#: a row (OPT-125m and grouped-query Llama shapes, 8 and 32 rows).
+#: values per row than the rows' own slots: on a 2-core EPYC (AVX-512), where one more attention
+#: call costs ~9-16 us, row by row began to win at 250-500 KiB of padding a row (OPT-125m and
+#: grouped-query Llama shapes, 8 and 32 rows).
 ROW_BY_ROW_BYTES = 384 * 1024
 
 
@@ -58,9 +58,10 @@ def cached_attention(
     ``positions`` (B, T) are the new tokens' positions. The result is (B, Hq, T, D), the same as
     ``F.scaled_dot_product_attention`` over the padded slots gives, row by row where that is cheaper.
     """
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
     ends = row_ends(q, k, positions)
     if ends is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
     rows = []
     for b, end in enumerate(ends):
         row_mask = mask[b : b + 1] if mask.shape[0] > 1 else mask
@@ -71,7 +72,7 @@ def cached_attention(
                 v[b : b + 1, :, :end],
                 attn_mask=row_mask[..., :end],  # (1, 1, 1, end)
                 scale=scale,
-                enable_gqa=enable_gqa,
+                **gqa,
             )
         )
     return torch.cat(rows)  # (B, Hq, 1, D)

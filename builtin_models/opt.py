@@ -140,8 +140,9 @@ class OPTForCausalLM(nn.Module):
       start + B)`` or a (B,) tensor); ``None`` runs without the cache,
       causally over the T tokens.
     * ``mask`` (B, 1, T, S): which of the first S cache slots each new token
-      may attend to (causality and padding, decided by the engine); bool
-      (True = attend) or an additive float mask.
+      may attend to (causality and padding, decided by the engine; never a
+      slot past the token's own position); bool (True = attend) or an
+      additive float mask.
     """
 
     def __init__(self, config: OPTConfig) -> None:

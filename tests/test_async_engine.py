@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -203,6 +208,62 @@ def test_a_build_failure_is_raised_by_the_constructor_as_llm_raises_it(tiny_opt)
     with pytest.raises(type(offline.value), match="weights on fire"):
         AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=plugins)
     assert wait_until(lambda: not set(threading.enumerate()) - before, timeout=5), "the failed build left its thread"
+
+
+class SlowToLoad(OPTForCausalLM):
+    def load_weights(self, weights):
+        time.sleep(1.0)
+        return super().load_weights(weights)
+
+
+def test_a_build_the_caller_stopped_waiting_for_ends_its_engine(tiny_opt):
+    """Ctrl-C while AsyncLLM builds: the constructor raises it at once, and the build, once done, stops."""
+    before = set(threading.enumerate())
+    main = threading.main_thread().ident
+    threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # Ctrl-C, as the main thread gets it
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", SlowToLoad)])
+    assert time.monotonic() - started < 1.0  # did not wait for the build
+    assert wait_until(lambda: not set(threading.enumerate()) - before, timeout=30), "the engine kept running"
+
+
+def test_an_engine_built_while_its_module_is_imported_builds_and_serves(tiny_opt, tmp_path):
+    """``uvicorn app:app``: the app's module builds the engine at import, with a model from that very module."""
+    (tmp_path / "app_module.py").write_text(
+        textwrap.dedent(f"""
+            import asyncio
+            from builtin_models.opt import OPTForCausalLM
+            from pluginhost import AsyncLLM, SamplingParams
+            from pluginhost.testing import RegistersModel
+
+            class AppModel(OPTForCausalLM):
+                pass
+
+            engine = AsyncLLM(
+                {str(tiny_opt)!r},
+                load_installed_plugins=False,
+                plugins=[RegistersModel("OPTForCausalLM", "app_module:AppModel")],
+            )
+        """)
+    )
+    script = textwrap.dedent("""
+        import asyncio
+        import app_module
+        from pluginhost import SamplingParams
+
+        async def main():
+            async for out in app_module.engine.generate([2, 5, 9], SamplingParams(max_tokens=3), "r"):
+                pass
+            print(type(app_module.engine.model).__name__, len(out.outputs[0].token_ids))
+
+        asyncio.run(main())
+        app_module.engine.shutdown()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AppModel", "3"]
 
 
 def test_bad_requests_raise_and_the_engine_keeps_serving(engine):

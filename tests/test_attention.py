@@ -32,7 +32,7 @@ def test_rows_of_equal_length_attend_together():
 
 
 def test_rows_far_shorter_than_the_longest_attend_row_by_row():
-    ends = [400] * 16 + [40] * 16  # half the slots read would be padding: 7 MiB a row
+    ends = [400] * 16 + [40] * 16  # 45% of the slots read would be padding: ~1 MiB a row on average
     q, k, _, _, positions = decoding_step(ends)
     assert row_ends(q, k, positions) == ends
 
@@ -60,14 +60,3 @@ def test_row_by_row_gives_what_padded_attention_gives(kv_heads, window):
     padded = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=gqa)
     assert rows.shape == padded.shape == (len(ends), H, 1, D)
     torch.testing.assert_close(rows, padded, rtol=1e-5, atol=1e-6)
-    # Each row is exactly what attending it alone gives: batch-invariant decoding.
-    for b, end in enumerate(ends):
-        alone = F.scaled_dot_product_attention(
-            q[b : b + 1],
-            k[b : b + 1, :, :end],
-            v[b : b + 1, :, :end],
-            attn_mask=mask[b : b + 1, ..., :end],
-            scale=D**-0.5,
-            enable_gqa=gqa,
-        )
-        assert torch.equal(rows[b : b + 1], alone)

@@ -438,6 +438,40 @@ def test_the_server_splits_the_model_and_its_sigterm_ends_every_rank(tiny_opt):
     assert all(_state(pid) in ("Z", "gone") for pid in rank_1)
 
 
+def test_an_async_engine_starts_its_ranks_deaf_to_ctrl_c_and_they_generate_as_one_process(tiny_opt, monkeypatch):
+    """AsyncLLM builds in its own thread, where no signal handler can be set: its ranks start with Ctrl-C blocked.
+
+    (A terminal's Ctrl-C reaches every process of the group; rank 0 ends the others, which must not die
+    of it first, with a traceback, while they import torch.)
+    """
+    import asyncio
+    import multiprocessing.util
+
+    from pluginhost import AsyncLLM
+
+    spawned: list[tuple[list[str], bool]] = []
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def recording(path, args, passfds):  # noqa: ANN001, ANN202 - multiprocessing's own signature
+        spawned.append((list(args), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        return spawn(path, args, passfds)
+
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", recording)
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+
+    async def generate(prompt: list[int]):
+        return [out async for out in engine.generate(prompt, GREEDY)][-1].outputs[0]
+
+    try:
+        split = asyncio.run(asyncio.wait_for(generate(PROMPTS[0]), 120))
+    finally:
+        engine.shutdown()
+    assert [blocked for args, blocked in spawned if "--multiprocessing-fork" in args] == [True]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's mask is as it was
+    alone = LLM(str(tiny_opt), load_installed_plugins=False).generate([PROMPTS[0]], GREEDY)[0]
+    assert_same([split], [alone])
+
+
 def test_a_model_without_a_plan_is_not_split(tiny_opt):
     with pytest.raises(PluginhostError, match="has no tensor-parallel plan"):
         LLM(str(tiny_opt), load_installed_plugins=False, model_impl="transformers", tensor_parallel_size=2)

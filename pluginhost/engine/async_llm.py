@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt
@@ -67,10 +69,29 @@ class AsyncLLM(EngineFrontend):
         OpenMP threads than cores, its workers stop spinning between regions, and every region pays a
         wake-up (~30 us instead of ~6). A decoding step of the OPT-125m shape at 32 rows ran 7% slower
         in a loop thread after a build in the main thread than with both in one thread. Whatever the
-        build raises is raised here, in the caller's thread.
+        build raises is raised here, in the caller's thread; if the caller stops waiting (Ctrl-C), a
+        build that still completes ends its engine at once.
+
+        Two builds stay in the caller's thread: on a torchrun rank other than 0, which serves rank 0's
+        steps here and runs no loop of its own (Ctrl-C must reach it), and during an import, whose
+        module lock the caller holds (a build importing that module, a plugin's ``"module:Class"``
+        model for one, would wait for it forever).
         """
         self._stopping = threading.Event()
+        importing = _inside_an_import()
+        if importing or torchrun_rank() not in (None, 0):
+            if importing:
+                logger.info(
+                    "AsyncLLM built during an import: built in the importing thread, not the engine's (which would "
+                    "wait for the module being imported); on a CPU its steps may then run up to ~10%% slower"
+                )
+            super()._build(host, settings)
+            if self.engine is not None:
+                self._thread = threading.Thread(target=self._run_loop, name="pluginhost-engine", daemon=True)
+                self._thread.start()
+            return
         built: Future[None] = Future()
+        abandoned = threading.Event()
 
         def build_then_run() -> None:
             try:
@@ -80,11 +101,18 @@ class AsyncLLM(EngineFrontend):
                 return
             built.set_result(None)
             if self.engine is not None:  # None on a tensor-parallel rank other than 0: it has served and ended
-                self._run_loop()
+                self._run_loop()  # returns at once if the caller has stopped waiting
+            if abandoned.is_set():  # nobody holds this engine to shut it down: end its ranks here
+                self.close()
 
         self._thread = threading.Thread(target=build_then_run, name="pluginhost-engine", daemon=True)
         self._thread.start()
-        built.result()
+        try:
+            built.result()
+        except BaseException:
+            abandoned.set()
+            self._stopping.set()
+            raise
 
     def _run_loop(self) -> None:
         while not self._stopping.is_set():
@@ -149,6 +177,10 @@ class AsyncLLM(EngineFrontend):
         """Stop the loop thread (requests still running end as aborted); idempotent."""
         if self._stopping.is_set():
             return
+        if self.engine is None:  # a tensor-parallel rank other than 0: no loop, its ranks end with rank 0's
+            self._stopping.set()
+            self.close()
+            return
         self.engine.abort_all()
         self.engine.step()  # hand the aborts out
         self._stopping.set()
@@ -203,3 +235,13 @@ class RequestStream:
         """End the request at the next step, unless it has finished."""
         if not self.request.finished:
             self._engine.abort_request(self.request)
+
+
+def _inside_an_import() -> bool:
+    """Whether this thread is running a module's body for an import (and so holds that module's import lock)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False

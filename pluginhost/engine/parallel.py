@@ -36,6 +36,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -239,11 +240,14 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
         # The ranks ignore Ctrl-C from their first instruction (a terminal sends it to the whole group;
         # rank 0 ends them): an ignored signal stays ignored in the spawned interpreter. Only the main
         # thread may set a handler; another (AsyncLLM builds in its engine thread) blocks the signal
-        # instead, a mask the ranks inherit and lift once they ignore it.
+        # instead, a mask the ranks inherit and lift once they ignore it. multiprocessing's resource
+        # tracker, started by the first spawn, unblocks it in the spawning thread: start it first.
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+        mask = None
         if not in_main_thread:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            resource_tracker.ensure_running()
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             try:
                 for r in range(1, world_size):
@@ -266,7 +270,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 if in_main_thread:
                     signal.signal(signal.SIGINT, previous)
                 else:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
         except BaseException:
             for process in processes.values():
