@@ -36,8 +36,8 @@ ROW_BY_ROW_BYTES = 384 * 1024
 def row_ends(q: Tensor, k: Tensor, positions: Tensor) -> list[int] | None:
     """Each row's slots to attend (its position + 1), when a decoding step should attend row by row; else None.
 
-    Only on a CPU (a GPU's kernels do not pay for masked slots as a CPU does, and would pay for the
-    synchronisation and the launches), never while compiling, and only for one new token a row.
+    Only on a CPU (on a GPU the loop would cost a host synchronisation and a launch per row and layer;
+    not measured there), never while compiling, and only for one new token a row.
     """
     B, _, T, _ = q.shape
     if T != 1 or B == 1 or q.device.type != "cpu" or torch.compiler.is_compiling():
