@@ -51,28 +51,42 @@ def row_ends(q: Tensor, k: Tensor, positions: Tensor) -> list[int] | None:
 
 
 def cached_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, positions: Tensor, *, scale: float, enable_gqa: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    positions: Tensor,
+    *,
+    scale: float,
+    enable_gqa: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Attention of q (B, Hq, T, D) over the cache's k, v (B, Hkv, S, D) under ``mask`` (B or 1, 1, T, S).
 
-    ``positions`` (B, T) are the new tokens' positions. The result is (B, Hq, T, D), the same as
-    ``F.scaled_dot_product_attention`` over the padded slots gives, row by row where that is cheaper.
+    ``positions`` (B, T) are the new tokens' positions. The result is (B, Hq, T, D) in v's dtype, the
+    same as ``F.scaled_dot_product_attention`` over the padded slots gives, row by row where that is
+    cheaper. ``compute_dtype``: attend in that dtype (GPT-2's upcast attention), each row cast after
+    its slots are cut, so the padding is never converted.
     """
     gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
+    dtype = compute_dtype or q.dtype
+    if mask.dtype != torch.bool:  # additive: in the dtype attended in (a boolean mask stays boolean)
+        mask = mask.to(dtype)
     ends = row_ends(q, k, positions)
     if ends is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+        y = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, scale=scale, **gqa)
+        return y.to(v.dtype)
     rows = []
     for b, end in enumerate(ends):
         row_mask = mask[b : b + 1] if mask.shape[0] > 1 else mask
         rows.append(
             F.scaled_dot_product_attention(
-                q[b : b + 1],  # (1, Hq, 1, D)
-                k[b : b + 1, :, :end],  # (1, Hkv, end, D)
-                v[b : b + 1, :, :end],
+                q[b : b + 1].to(dtype),  # (1, Hq, 1, D)
+                k[b : b + 1, :, :end].to(dtype),  # (1, Hkv, end, D)
+                v[b : b + 1, :, :end].to(dtype),
                 attn_mask=row_mask[..., :end],  # (1, 1, 1, end)
                 scale=scale,
                 **gqa,
             )
         )
-    return torch.cat(rows)  # (B, Hq, 1, D)
+    return torch.cat(rows).to(v.dtype)  # (B, Hq, 1, D)

@@ -55,11 +55,9 @@ class GPT2Attention(nn.Module):
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
-        if self.upcast:  # scores and softmax in float32, as transformers' reorder_and_upcast_attn
-            y = cached_attention(q.float(), k.float(), v.float(), mask.float(), positions, scale=self.scaling)
-            y = y.to(v.dtype)
-        else:
-            y = cached_attention(q, k, v, mask, positions, scale=self.scaling)  # (B, H, T, D)
+        # reorder_and_upcast_attn: scores and softmax in float32, as transformers computes them.
+        upcast = torch.float32 if self.upcast else None
+        y = cached_attention(q, k, v, mask, positions, scale=self.scaling, compute_dtype=upcast)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, E / ranks)
 
 

@@ -48,15 +48,33 @@ def test_prefill_and_single_rows_attend_as_always():
     assert row_ends(q[:1], k[:1], positions[:1]) is None
 
 
+@pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive mask", "boolean mask"])
 @pytest.mark.parametrize(
     ("kv_heads", "window"), [(H, None), (4, None), (H, 30)], ids=["heads", "grouped-query", "sliding window"]
 )
-def test_row_by_row_gives_what_padded_attention_gives(kv_heads, window):
+def test_row_by_row_gives_what_padded_attention_gives(kv_heads, window, boolean_mask):
     ends = [500, 12, 150, 499, 1, 64]
     q, k, v, mask, positions = decoding_step(ends, kv_heads, window)
+    if boolean_mask:
+        mask = mask == 0  # True: attend
     assert row_ends(q, k, positions) == ends
     gqa = kv_heads != H
     rows = cached_attention(q, k, v, mask, positions, scale=D**-0.5, enable_gqa=gqa)
     padded = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=gqa)
     assert rows.shape == padded.shape == (len(ends), H, 1, D)
     torch.testing.assert_close(rows, padded, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive mask", "boolean mask"])
+def test_attention_in_float32_over_a_half_precision_cache(boolean_mask):
+    """GPT-2's upcast attention: a bfloat16 cache attended in float32, row by row as padded; bfloat16 out."""
+    ends = [500, 12, 150, 499, 1, 64]
+    q, k, v, mask, positions = (t.to(torch.bfloat16) for t in decoding_step(ends))
+    if boolean_mask:
+        mask = mask == 0
+    assert row_ends(q, k, positions) is not None
+    rows = cached_attention(q, k, v, mask, positions, scale=D**-0.5, compute_dtype=torch.float32)
+    fp32_mask = mask if boolean_mask else mask.float()
+    padded = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=fp32_mask, scale=D**-0.5)
+    assert rows.dtype == torch.bfloat16
+    torch.testing.assert_close(rows.float(), padded, rtol=4e-3, atol=1e-5)  # float32's, rounded once to bfloat16
