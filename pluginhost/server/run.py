@@ -3,8 +3,11 @@
 Binding the socket here, before uvicorn starts, turns "address in use" into
 one clear error. On SIGINT or SIGTERM the server stops accepting
 connections, gives requests in flight ``shutdown_timeout`` seconds to end,
-aborts whatever is left, stops the engine loop and returns, so the command
-exits 0 (uvicorn alone would re-raise the signal at the end).
+then aborts what is left: each answer still ends as the API says (its
+choices' ``finish_reason`` ``"abort"``; a stream then ``data: [DONE]``), not
+cut off mid-body. Then it stops the engine loop and returns, so the command
+exits 0 (uvicorn alone would re-raise the signal at the end). A second
+Ctrl-C quits at once.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import uvicorn
@@ -27,6 +30,9 @@ from pluginhost.errors import ConfigError
 __all__ = ["bind", "run_server"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds uvicorn still waits, after the grace period, for the aborted answers to be sent.
+_ABORTED_ANSWERS_TIMEOUT = 5.0
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -54,9 +60,22 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, url: str, describe: str) -> None:
+    def __init__(
+        self, config: uvicorn.Config, url: str, describe: str, *, grace: float, end_requests: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self._url, self._describe = url, describe
+        self._grace, self._end_requests = grace, end_requests
+        self.grace_timer: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        if self.grace_timer is None:
+            # uvicorn waits for the answers in flight, then cancels them, cutting streams mid-body. The engine's
+            # requests are ended first, at the grace period's end, so the answers finish while it still waits.
+            self.grace_timer = threading.Timer(self._grace, self._end_requests)
+            self.grace_timer.daemon = True
+            self.grace_timer.start()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -95,13 +114,22 @@ def run_server(
         app,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_graceful_shutdown=shutdown_timeout + _ABORTED_ANSWERS_TIMEOUT,
         lifespan="off",
     )
-    server = _Server(config, f"http://{shown}:{port}", f"{served_model_name!r}")
+
+    def end_requests() -> None:
+        logger.info("requests still running after %.1f s: aborting them", shutdown_timeout)
+        engine.engine.abort_all()
+
+    server = _Server(
+        config, f"http://{shown}:{port}", f"{served_model_name!r}", grace=shutdown_timeout, end_requests=end_requests
+    )
     try:
         server.run(sockets=[sock])
     finally:
+        if server.grace_timer is not None:
+            server.grace_timer.cancel()
         engine.shutdown()
         sock.close()
 
