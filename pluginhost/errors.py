@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EngineOverloadedError",
+    "InvalidParameterError",
     "ModelClassError",
     "ModelRunError",
     "PluginError",
@@ -20,6 +21,7 @@ __all__ = [
     "PluginLoadError",
     "PluginSelectionError",
     "PluginhostError",
+    "PromptTooLongError",
     "RegistryError",
     "RequestRefusedError",
     "TensorParallelError",
@@ -86,3 +88,19 @@ class ConfigError(PluginhostError, ValueError):
 
 class CheckpointError(PluginhostError, ValueError):
     """The model directory's weights are missing, unreadable or do not fit the model."""
+
+
+class InvalidParameterError(PluginhostError, ValueError):
+    """A sampling parameter has a value the engine refuses; ``param`` names the ``SamplingParams`` field.
+
+    A ``ValueError``, as vLLM raises for bad parameters; a server answers 400 naming the API's field.
+    """
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(PluginhostError, ValueError):
+    """A prompt, with the tokens asked of it, does not fit in ``max_model_len`` (a server: 400,
+    ``context_length_exceeded``)."""

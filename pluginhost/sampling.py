@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pluginhost.errors import InvalidParameterError
+
 __all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
 
 #: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
@@ -67,71 +69,88 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field (and normalise ``stop``, ``stop_token_ids``, ``top_k=-1``); raise ``ValueError``.
+        """Check every field (and normalise ``stop``, ``stop_token_ids``, ``top_k=-1``).
+
+        A bad value raises ``InvalidParameterError`` (a ``ValueError``) naming the field in ``param``.
 
         The engine calls it again when it accepts a request, after plugins had
         their chance to change the parameters.
         """
 
-        def check(ok: bool, message: str) -> None:
+        def check(param: str, ok: bool, message: str) -> None:
             if not ok:
-                raise ValueError(f"SamplingParams: {message}")
+                raise InvalidParameterError(f"SamplingParams: {message}", param=param)
 
-        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check("n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
+            "max_tokens",
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}",
         )
         check(
+            "min_tokens",
             _is_int(self.min_tokens) and self.min_tokens >= 0,
             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
         )
         check(
+            "min_tokens",
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
         )
         check(
+            "temperature",
             _is_number(self.temperature) and self.temperature >= 0,
             f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}",
         )
-        check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         check(
+            "top_k",
             _is_int(self.top_k) and self.top_k >= -1,
             f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}",
         )
         if self.top_k == -1:
             self.top_k = 0
-        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+            check(name, _is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         check(
+            "repetition_penalty",
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty!r}",
         )
-        check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        check("seed", self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
         check(
+            "seed",
             self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,
             f"seed must be in [-2**63, 2**64 - n] (sample i draws from seed + i), got {self.seed!r}",
         )
         check(
+            "logprobs",
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
         )
-        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check(
+            "ignore_eos",
+            isinstance(self.ignore_eos, bool),
+            f"ignore_eos must be True or False, got {self.ignore_eos!r}",
+        )
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check(
+            "stop",
             stop is None or (isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop)),
             f"stop must be a non-empty string or a list of them, got {self.stop!r}",
         )
         self.stop = list(stop) if stop else None
         ids = self.stop_token_ids
         check(
+            "stop_token_ids",
             ids is None or (isinstance(ids, list | tuple) and all(_is_int(t) and t >= 0 for t in ids)),
             f"stop_token_ids must be a list of token ids >= 0, got {ids!r}",
         )
         self.stop_token_ids = list(ids) if ids else None
         check(
+            "extra_args",
             self.extra_args is None or isinstance(self.extra_args, dict),
             f"extra_args must be a dict or None, got {type(self.extra_args).__name__}",
         )

@@ -72,6 +72,9 @@ def test_health_and_models(url, client):
     assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
 
 
 def test_completion_equals_the_offline_engine_with_real_usage(client, offline):
@@ -336,6 +339,18 @@ def test_sse_framing_is_exact(url):
             400,
             "tools are not supported",
         ),
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "tool", "content": "42"}]},
+            400,
+            "tool messages are not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+            400,
+            "tool calls are not supported",
+        ),
         ("/v1/nothing-here", {}, 404, "Not Found"),
     ],
 )
@@ -345,6 +360,134 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
     error = response.json()["error"]
     assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
     assert client.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices[0].text is not None
+
+
+USER = [{"role": "user", "content": "What is a plugin?"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, "prompt", "context_length_exceeded", "max_model_len"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**6}, "messages", "context_length_exceeded", "256"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", None, "temperature must be >= 0"),
+        # The engine's names are the API's: chat's budget and top_logprobs are named as the client sent them.
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "max_completion_tokens": 0},
+            "max_completion_tokens",
+            None,
+            "max_completion_tokens must be an integer >= 1",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens", None, "max_tokens must be"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "logprobs": True, "top_logprobs": 30},
+            "top_logprobs",
+            None,
+            "top_logprobs=30 is more than this engine allows",
+        ),
+        # Which prompt of a list is wrong.
+        ("/v1/completions", {"prompt": [[1, 2], [1, 10**7]]}, None, None, "prompt 1 has token id(s) [10000000]"),
+        ("/v1/completions", {"prompt": ["fine", "x " * 300]}, "prompt", "context_length_exceeded", "prompt 1 has"),
+    ],
+)
+def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, body, param, code, fragment):
+    response = httpx.post(f"{url}{path}", json={"model": "demo", **body}, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and "SamplingParams" not in error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_null_means_the_default_as_the_openai_client_sends_it(url, client, offline):
+    """Wrappers pass unset options on as None, which the client sends as null."""
+    expected = offline.generate([chat_ids(offline, USER)], greedy(12))[0].text
+    answer = client.chat.completions.create(
+        model="demo",
+        messages=USER,
+        max_tokens=12,
+        temperature=0,
+        n=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        logprobs=None,
+        stream=None,
+    )
+    assert answer.choices[0].message.content == expected
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    nulls = {name: None for name in ("n", "stream", "echo", "min_tokens", "ignore_eos", "presence_penalty")}
+    response = httpx.post(f"{url}/v1/completions", json={**body, **nulls}, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == offline.generate([PROMPTS[0]], greedy(6))[0].text
+    # A field that takes null keeps its meaning: completions' max_tokens null is as many as the context allows.
+    unbounded = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": None}, timeout=TIMEOUT).json()
+    assert unbounded["usage"]["completion_tokens"] > 6
+
+
+def test_an_answer_sent_back_in_the_conversation_is_accepted(client, offline):
+    """The cookbook pattern: the previous message appended as the client returned it (refusal, annotations...)."""
+    first = client.chat.completions.create(model="demo", messages=USER, max_tokens=10, temperature=0)
+    sent_back = first.choices[0].message.model_dump()
+    assert "refusal" in sent_back and "tool_calls" in sent_back  # null fields the server must take
+    messages = [*USER, sent_back, {"role": "user", "content": "And a hook?"}]
+    answer = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=10, temperature=0, extra_body={"store": False, "metadata": {}}
+    )
+    plain = [*USER, {"role": "assistant", "content": sent_back["content"]}, messages[-1]]
+    assert answer.choices[0].message.content == offline.generate([chat_ids(offline, plain)], greedy(10))[0].text
+
+
+def test_developer_messages_are_system_messages(client):
+    """OpenAI's newer name for the system role: the template sees a system message, not nothing."""
+
+    def prompt_tokens(role: str) -> int:
+        messages = [{"role": role, "content": "Answer in one word."}, *USER]
+        answer = client.chat.completions.create(model="demo", messages=messages, max_tokens=2, temperature=0)
+        return answer.usage.prompt_tokens
+
+    alone = client.chat.completions.create(model="demo", messages=USER, max_tokens=2).usage.prompt_tokens
+    assert prompt_tokens("developer") == prompt_tokens("system") > alone
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(client):
+    """A token holding part of a character decodes to U+FFFD alone; its bytes are its own, not U+FFFD's."""
+    messages = [{"role": "user", "content": "Écrivez → «plugin» — ≥ 2 € ✓"}]
+    answer = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=40, temperature=3.0, seed=3, n=4, logprobs=True, top_logprobs=2
+    )
+    partial = 0
+    for choice in answer.choices:
+        tokens = choice.logprobs.content
+        text_tokens = tokens[:-1] if choice.finish_reason == "stop" else tokens  # the end-of-text token is no text
+        # Bytes that are no UTF-8 (a model may write any) are U+FFFD in the text, as a client decoding them gets.
+        assert b"".join(bytes(t.bytes) for t in text_tokens).decode(errors="replace") == choice.message.content
+        for t in tokens:
+            for token in (t, *t.top_logprobs):
+                if token.token == "\ufffd":  # a byte-level token of one byte here: that byte
+                    partial += 1
+                    assert len(token.bytes) == 1 and token.bytes[0] >= 0x80, token
+    assert partial, "no token split a character: choose another seed to exercise the bytes"
+
+
+def test_token_bytes_of_byte_level_and_sentencepiece_pieces(offline):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pluginhost.tokenizer import token_bytes
+
+    byte_level = offline.get_tokenizer()  # the demo model's (GPT-2's byte alphabet)
+    ids = byte_level("héllo → 世界", add_special_tokens=False)["input_ids"]
+    assert b"".join(token_bytes(byte_level, i) for i in ids) == "héllo → 世界".encode()
+    assert any(byte_level.decode([i]) == "\ufffd" for i in ids)  # some of them split a character
+
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    model.pre_tokenizer = pre_tokenizers.Metaspace()
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=model)  # Llama 2's way: <0xE2> for a byte
+    ids = sentencepiece("a→", add_special_tokens=False)["input_ids"]
+    assert [token_bytes(sentencepiece, i) for i in ids] == [b" ", b"a", b"\xe2", b"\x86", b"\x92"]
 
 
 def test_a_body_that_is_not_json_is_a_400(url):
@@ -358,6 +501,46 @@ def test_the_client_sees_openai_exceptions(client):
         client.completions.create(model="demo", prompt="x", top_p=3)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-served", prompt="x")
+
+
+def test_an_engine_error_mid_stream_ends_it_with_an_error_chunk_then_done(url, client, engine, monkeypatch):
+    """An error of the engine itself (neither the model's nor a plugin's) still ends the stream as the API says."""
+    runner = engine.engine.runner
+    real = runner.execute
+    failed = []
+
+    def broken_once(step):
+        if not failed:
+            failed.append(step)
+            raise RuntimeError("an engine bug")
+        return real(step)
+
+    monkeypatch.setattr(runner, "execute", broken_once)
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 5, "stream": True}
+    events = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert error["code"] == "internal_error" and "an engine bug" in error["message"]
+    with pytest.raises(openai.APIError, match="an engine bug"):  # the client raises it, instead of an empty answer
+        failed.clear()
+        list(client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=5, stream=True))
+    assert client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_stream_usage_null_on_each_chunk_or_the_counts_so_far(url, continuous):
+    options = {"include_usage": True, "continuous_usage_stats": continuous}
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True, "n": 2}
+    events = httpx.post(f"{url}/v1/completions", json={**body, "stream_options": options}, timeout=TIMEOUT).text
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events.split("\n\n")[:-2]]
+    *running, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    if not continuous:
+        assert all(c["usage"] is None for c in running)
+        return
+    completion = [c["usage"]["completion_tokens"] for c in running]
+    assert completion == sorted(completion) and completion[-1] == 12  # the counts so far, over both choices
+    assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in running)
 
 
 # -- metrics, keys, a full queue ---------------------------------------------------------------------------

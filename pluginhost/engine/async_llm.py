@@ -150,10 +150,13 @@ class AsyncLLM(EngineFrontend):
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        index: int = 0,
     ) -> RequestStream:
         """Check and queue a request now (``ValueError``, ``EngineOverloadedError``); iterate the stream for outputs.
 
-        Must be called from the event loop that will consume the stream.
+        Must be called from the event loop that will consume the stream. ``index`` names the prompt in
+        error messages (``prompt 2 has ...``), for a caller that sends a list of them.
         """
         self._check_generates()
         if self._stopping.is_set():
@@ -161,7 +164,7 @@ class AsyncLLM(EngineFrontend):
         stream = RequestStream(self.engine, asyncio.get_running_loop())
         params = sampling_params if sampling_params is not None else SamplingParams()
         stream.request = self._inputs.make_request(
-            request_id or self._new_request_id(), prompt, params, on_output=stream.deliver, streaming=True
+            request_id or self._new_request_id(), prompt, params, index=index, on_output=stream.deliver, streaming=True
         )
         self.engine.submit([stream.request])
         return stream

@@ -16,7 +16,7 @@ from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
-from pluginhost.errors import PluginHookError, RequestRefusedError
+from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -60,14 +60,16 @@ class InputProcessor:
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         if params.n > loaded.config.max_waiting_seqs:  # checked before n sequences are built
-            raise ValueError(
+            raise InvalidParameterError(
                 f"n={params.n} samples are more than the engine ever queues at once "
-                f"(max_waiting_seqs={loaded.config.max_waiting_seqs}): ask for fewer, or raise max_waiting_seqs"
+                f"(max_waiting_seqs={loaded.config.max_waiting_seqs}): ask for fewer, or raise max_waiting_seqs",
+                param="n",
             )
         if params.logprobs is not None and params.logprobs > loaded.config.max_logprobs:
-            raise ValueError(
+            raise InvalidParameterError(
                 f"logprobs={params.logprobs} is more than this engine allows ({loaded.config.max_logprobs}): "
-                "ask for fewer, or raise max_logprobs"
+                "ask for fewer, or raise max_logprobs",
+                param="logprobs",
             )
         for processor in loaded.logits_processors:
             try:
@@ -87,26 +89,28 @@ class InputProcessor:
                 ) from exc
         token_ids = request.prompt_token_ids
         if params.max_tokens is None and len(token_ids) >= loaded.max_model_len:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={loaded.max_model_len}. Shorten the prompt."
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
         total = len(token_ids) + max_tokens
         if total > loaded.max_model_len or max_tokens < 1:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens; with max_tokens={max_tokens} that is {total}, "
                 f"more than max_model_len={loaded.max_model_len}. Shorten the prompt or lower max_tokens."
             )
         if params.stop and loaded.tokenizer is None:
-            raise ValueError(
+            raise InvalidParameterError(
                 f"prompt {index} asks for stop strings, but {loaded.config.model} has no tokenizer to find them in "
-                "the text; use stop_token_ids instead"
+                "the text; use stop_token_ids instead",
+                param="stop",
             )
         outside = [t for t in params.stop_token_ids or () if t >= loaded.vocab_size]
         if outside:
-            raise ValueError(
-                f"prompt {index} has stop_token_ids {outside[:5]} outside the vocabulary [0, {loaded.vocab_size})"
+            raise InvalidParameterError(
+                f"prompt {index} has stop_token_ids {outside[:5]} outside the vocabulary [0, {loaded.vocab_size})",
+                param="stop_token_ids",
             )
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
         for sample in range(params.n):

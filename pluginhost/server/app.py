@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP API over an ``AsyncLLM``, on FastAPI.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (messages through the tokenizer's chat
 template), ``GET /metrics`` (Prometheus). ``stream: true`` answers
 Server-Sent Events: ``data: {json}\\n\\n`` chunks, then ``data: [DONE]\\n\\n``.
 
 Every error is OpenAI's error object ``{"error": {"message", "type", "param",
 "code"}}``: 400 for a bad request (pydantic's validation included, never
-FastAPI's 422), 401 for a missing or wrong key when an API key is set (checked
-on every route, plugins' too), 404 for an unknown model or route, 503 when the
-engine's queue is full, 500 when the model fails. A client that goes away
-aborts its requests, which frees their rows at the next engine step.
+FastAPI's 422; ``param`` names the request's field, and a prompt too long for
+the model has ``code`` ``context_length_exceeded``, as OpenAI answers), 401 for
+a missing or wrong key when an API key is set (checked on every route, plugins'
+too), 404 for an unknown model or route, 503 when the engine's queue is full,
+500 when the model fails. A stream that has begun ends with an error chunk
+instead, then ``[DONE]``. A client that goes away aborts its requests, which
+frees their rows at the next engine step.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +34,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
-from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginhostError
+from pluginhost.errors import (
+    EngineOverloadedError,
+    InvalidParameterError,
+    ModelRunError,
+    PluginhostError,
+    PromptTooLongError,
+)
 from pluginhost.outputs import CompletionOutput, RequestOutput
 from pluginhost.sampling import SamplingParams
 from pluginhost.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -43,13 +53,21 @@ from pluginhost.server.protocol import (
     now,
     random_id,
 )
+from pluginhost.tokenizer import token_bytes
 
 __all__ = ["APIError", "BUILTIN_ROUTES", "bad_request", "build_app"]
 
 logger = logging.getLogger(__name__)
 
 #: The paths the server itself answers; a plugin's route may not take them.
-BUILTIN_ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics")
+BUILTIN_ROUTES = (
+    "/health",
+    "/v1/models",
+    "/v1/models/{model:path}",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/metrics",
+)
 
 
 class APIError(Exception):
@@ -64,8 +82,8 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, type="invalid_request_error", param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
@@ -84,21 +102,23 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    card = {
+        "id": served_model_name,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "pluginhost",
+        "root": engine.config.model,
+        "max_model_len": engine.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": api.created,
-                    "owned_by": "pluginhost",
-                    "root": engine.config.model,
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # what the openai client's models.retrieve() asks
+    async def model(model: str) -> dict[str, Any]:
+        api.check_model(model)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -222,7 +242,7 @@ class _API:
         self.metrics = metrics
         self.created = now()
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
             raise APIError(
                 404,
@@ -232,7 +252,9 @@ class _API:
                 param="model",
             )
 
-    def _start(self, prompts: Sequence[Any], params: SamplingParams, request_id: str) -> list[RequestStream]:
+    def _start(
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames
+    ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
         streams: list[RequestStream] = []
         most = self.engine.config.max_waiting_seqs
@@ -243,46 +265,46 @@ class _API:
             )
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}"))
+                streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}", index=i))
         except (ValueError, PluginhostError) as exc:
             for stream in streams:
                 stream.abort()
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
             if isinstance(exc, ValueError):  # bad input, or a plugin's refusal
-                raise bad_request(str(exc)) from None
+                raise names.bad_request(exc) from None
             raise APIError(500, str(exc), type="server_error", code="plugin_error") from None
         return streams
 
-    def _params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
+    def _params(self, build: Callable[[], SamplingParams], names: _FieldNames) -> SamplingParams:
         try:
             return build()
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            raise names.bad_request(exc) from None
 
     # -- completions --------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         try:
             prompts = body.prompts()
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
         if body.logprobs is not None and self.engine.tokenizer is None:
             raise bad_request("logprobs need a tokenizer to name the tokens; this model has none", param="logprobs")
-        params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs))
+        names = _FieldNames("prompt")
+        params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
         request_id = random_id("cmpl")
-        streams = self._start(prompts, params, request_id)
+        streams = self._start(prompts, params, request_id, names)
         shape = _Completions(self, request_id, body.n)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(shape.stream(streams, include_usage))
+            return _sse(shape.stream(streams, _Usage.asked(body)))
         return JSONResponse(await shape.whole(streams))
 
     # -- chat -----------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request(
@@ -294,18 +316,55 @@ class _API:
             raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
         prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top))
+        budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"})
+        params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
-        streams = self._start([prompt], params, request_id)
+        streams = self._start([prompt], params, request_id, names)
         shape = _Chat(self, request_id, body.n, top)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(shape.stream(streams, include_usage))
+            return _sse(shape.stream(streams, _Usage.asked(body)))
         return JSONResponse(await shape.whole(streams))
+
+
+class _FieldNames:
+    """The engine's refusals as 400s in the API's words: ``param`` the request's field, not the engine's."""
+
+    def __init__(self, prompt_field: str, renamed: Mapping[str, str] | None = None) -> None:
+        self.prompt_field, self.renamed = prompt_field, dict(renamed or {})
+
+    def bad_request(self, exc: ValueError) -> APIError:
+        if isinstance(exc, PromptTooLongError):
+            return bad_request(str(exc), param=self.prompt_field, code="context_length_exceeded")
+        if not isinstance(exc, InvalidParameterError):  # a bad prompt, or a plugin's refusal
+            return bad_request(str(exc))
+        field = self.renamed.get(exc.param, exc.param)
+        message = str(exc).removeprefix("SamplingParams: ")
+        if field != exc.param:
+            message = re.sub(rf"\b{exc.param}\b", field, message)
+        return bad_request(message, param=field)
 
 
 def _error_code(error: Exception) -> str:
     return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
+
+
+def _usage_info(prompt: int, completion: int) -> dict[str, int]:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
+
+
+class _Usage:
+    """What a stream says of its token counts: ``stream_options.include_usage`` (a last chunk with the totals,
+    ``"usage": null`` on the others) and vLLM's ``continuous_usage_stats`` (the counts so far on every chunk)."""
+
+    def __init__(self, at_end: bool, every_chunk: bool) -> None:
+        self.at_end, self.every_chunk = at_end, every_chunk
+
+    @classmethod
+    def asked(cls, body: CompletionRequest | ChatCompletionRequest) -> _Usage:
+        options = body.stream_options
+        at_end = bool(options and options.include_usage)
+        return cls(at_end, at_end and bool(options and options.continuous_usage_stats))  # vLLM's rule: both
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -396,22 +455,24 @@ class _Shape:
 
     def usage(self, finals: dict[int, RequestOutput]) -> dict[str, int]:
         prompt = sum(len(o.prompt_token_ids) for o in finals.values())
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        ).model_dump()
+        return _usage_info(prompt, sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
+    def token_bytes(self, token: int) -> list[int]:
+        """The token's own bytes (a piece of a character has its bytes, not U+FFFD's)."""
+        return list(token_bytes(self.tokenizer, token) if self.tokenizer is not None else str(token).encode())
+
     async def chunks(
-        self, streams: Sequence[RequestStream], include_usage: bool, choice: Callable[..., dict[str, Any]]
+        self, streams: Sequence[RequestStream], usage: _Usage, choice: Callable[..., dict[str, Any]]
     ) -> AsyncIterator[dict[str, Any]]:
         """Streamed chunks: for each choice, what its text (and tokens) grew by; errors as an error chunk."""
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         last: dict[int, RequestOutput] = {}
+        prompt_tokens = sum(len(stream.request.prompt_token_ids) for stream in streams)
         try:
             async for index, output in _merged(streams):
                 last[index] = output
@@ -428,13 +489,25 @@ class _Shape:
                     sent_text[number], sent_tokens[number] = len(text), len(completion.token_ids)
                     if completion.finished:
                         finished.add(number)
-                    yield choice(number, completion, delta, start_tokens, first)
-        except PluginhostError as exc:  # the model failed, or a plugin in the engine did
-            yield {"error": ErrorBody(message=str(exc), type="server_error", code=_error_code(exc)).model_dump()}
+                    chunk = choice(number, completion, delta, start_tokens, first)
+                    if usage.every_chunk:
+                        chunk["usage"] = _usage_info(prompt_tokens, sum(sent_tokens.values()))
+                    elif usage.at_end:
+                        chunk["usage"] = None
+                    yield chunk
+        except Exception as exc:  # noqa: BLE001 - the answer has begun: whatever failed is told in the stream
+            if isinstance(exc, PluginhostError):  # the model failed, or a plugin in the engine did
+                error = ErrorBody(message=str(exc), type="server_error", code=_error_code(exc))
+            else:
+                logger.exception("internal error while streaming %s", self.request_id)
+                error = ErrorBody(
+                    message=f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error"
+                )
+            yield {"error": error.model_dump()}
             return
         finally:
             self.record(streams)
-        if include_usage:
+        if usage.at_end:
             yield {**self.header(self.object_chunk), "choices": [], "usage": self.usage(last)}
 
 
@@ -457,7 +530,7 @@ class _Completions(_Shape):
         ]
         return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
 
-    def stream(self, streams: Sequence[RequestStream], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
         def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
             entry = {
                 "index": number,
@@ -468,7 +541,7 @@ class _Completions(_Shape):
             }
             return {**self.header(self.object_chunk), "choices": [entry]}
 
-        return self.chunks(streams, include_usage, choice)
+        return self.chunks(streams, usage, choice)
 
     def logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
         """OpenAI's completions logprobs for the tokens from ``start`` on."""
@@ -509,7 +582,7 @@ class _Chat(_Shape):
         ]
         return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
 
-    def stream(self, streams: Sequence[RequestStream], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
         def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
             message = {"role": "assistant", "content": delta} if first else {"content": delta}
             entry = {
@@ -521,7 +594,7 @@ class _Chat(_Shape):
             }
             return {**self.header(self.object_chunk), "choices": [entry]}
 
-        return self.chunks(streams, include_usage, choice)
+        return self.chunks(streams, usage, choice)
 
     def logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
         """OpenAI's chat logprobs (``content``: token, logprob, bytes, top_logprobs) from ``start`` on."""
@@ -530,16 +603,14 @@ class _Chat(_Shape):
         k = self.top_logprobs
         content = []
         for token, step in list(zip(c.token_ids, c.logprobs, strict=True))[start:]:
-            text = self.token_text(token)
             ranked = sorted(step.items(), key=lambda item: -item[1])[:k]
             content.append(
                 {
-                    "token": text,
+                    "token": self.token_text(token),
                     "logprob": step[token],
-                    "bytes": list(text.encode()),
+                    "bytes": self.token_bytes(token),
                     "top_logprobs": [
-                        {"token": self.token_text(t), "logprob": v, "bytes": list(self.token_text(t).encode())}
-                        for t, v in ranked
+                        {"token": self.token_text(t), "logprob": v, "bytes": self.token_bytes(t)} for t, v in ranked
                     ],
                 }
             )

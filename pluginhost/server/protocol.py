@@ -7,14 +7,19 @@ vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
 ``extra_body``. A field the API does not know is a 400, not silently ignored;
 OpenAI fields pluginhost cannot honour (``logit_bias``, ``tools``, ``echo``...)
-are refused when set to anything but their neutral value.
+are refused when set to anything but their neutral value. Fields that do not
+change the answer (``user``, chat's ``store``, ``metadata``, ``service_tier``,
+``parallel_tool_calls``; an assistant message's ``refusal`` or ``annotations``
+sent back in a conversation) are accepted and ignored. ``null`` means a
+field's default, as in OpenAI's API: clients send it for arguments left unset.
 """
 
 from __future__ import annotations
 
 import time
+import types
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -43,6 +48,31 @@ def now() -> int:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drop a ``null`` given for an optional field that does not take one: its default applies.
+
+        A field that takes ``null`` keeps it (completions' ``max_tokens: null``: as long as the context allows).
+        """
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None
+            or key not in fields
+            or fields[key].is_required()
+            or _takes_none(fields[key].annotation)
+        }
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is Any or annotation is None:
+        return True
+    return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
+
 
 class ErrorBody(BaseModel):
     message: str
@@ -59,6 +89,8 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    #: vLLM's: usage so far on every chunk, not only at the end.
+    continuous_usage_stats: bool = False
 
 
 class UsageInfo(BaseModel):
@@ -173,10 +205,31 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # What an assistant message of an answer carries, so a client can send it back as it came.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tools_or_audio(self) -> ChatMessage:
+        if self.role == "tool":
+            raise ValueError("tool messages are not supported: this server does not call tools")
+        if self.tool_calls or self.function_call is not None:
+            raise ValueError("tool calls are not supported: this server does not call tools")
+        if self.audio is not None:
+            raise ValueError("audio is not supported")
+        return self
+
+    @property
+    def template_role(self) -> str:
+        """The role a chat template knows: ``developer`` is OpenAI's newer name for ``system``."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -193,6 +246,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    # Accepted, and without effect on the answer.
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
@@ -211,4 +269,4 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.template_role, "content": m.text()} for m in self.messages]
