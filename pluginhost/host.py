@@ -243,7 +243,7 @@ class PluginHost:
         ]
         if self._load_installed:
             records += self._import_installed(pm)
-        records += self._in_process_records()
+        records += self._in_process_records(already={id(p): record for record, p in records if p is not None})
         # register() functions run once per load, as their plugin, in hook call order.
         records = [self._run_if_function(pm, record, plugin) for record, plugin in records]
 
@@ -370,10 +370,19 @@ class PluginHost:
         seconds = (record.import_seconds or 0.0) + _since(start)
         return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
 
-    def _in_process_records(self) -> list[tuple[PluginRecord, object | None]]:
+    def _in_process_records(self, already: dict[int, PluginRecord]) -> list[tuple[PluginRecord, object | None]]:
+        """Records of the in-process plugins; one that is an installed plugin loaded here (``already``) is skipped.
+
+        ``LLM(path, plugins=[pluginhost_int8_quant])`` with that package installed and selected passes the
+        module the entry point loaded: it is registered (or its ``register()`` run) once, as the installed plugin.
+        """
         out: list[tuple[PluginRecord, object | None]] = []
         names: set[str] = {BUILTIN_PLUGIN}
         for plugin in self._in_process:
+            twin = already.get(id(plugin))
+            if twin is not None:
+                logger.info("%s is loaded once, as the installed %s", _in_process_name(plugin), twin.ref.describe())
+                continue
             base = _in_process_name(plugin)
             name, n = base, 1
             while name in names:

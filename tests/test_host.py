@@ -87,6 +87,26 @@ def test_loading_is_idempotent(install_plugin):
     assert config.seed == 1  # registered once, called once
 
 
+def test_an_installed_plugin_also_passed_in_process_loads_once(install_plugin):
+    """``LLM(path, plugins=[the_installed_module])``: the same object, registered (or run) once, not a clash."""
+    import importlib
+
+    install_plugin("alpha", RECORDING_PLUGIN.format(digit=1))
+    install_plugin("beta", "CALLS = []\ndef register():\n    CALLS.append(1)\n", target="beta:register")
+    alpha, beta = importlib.import_module("alpha"), importlib.import_module("beta")
+    host = PluginHost(plugins=[alpha, beta.register])
+    host.load()
+    assert statuses(host) == {"builtin_models": "builtin", "alpha": "loaded", "beta": "loaded"}
+    config = EngineConfig(model="m")
+    host.call("modify_config", config=config)
+    assert config.seed == 1 and beta.CALLS == [1]  # each called once
+    # Not installed-and-selected: the same module passed in-process is an in-process plugin.
+    alone = PluginHost(plugins=[alpha], load_installed=False)
+    alone.load()
+    assert statuses(alone) == {"builtin_models": "builtin", "alpha": "loaded"}
+    assert alone.records[-1].kind == "in-process"
+
+
 def test_two_engines_do_not_see_each_others_in_process_plugins():
     def plugin(arch):
         class P:
