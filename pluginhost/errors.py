@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "EngineOverloadedError",
     "InvalidParameterError",
+    "KVCacheMemoryError",
     "ModelClassError",
     "ModelRunError",
     "PluginError",
@@ -104,3 +105,15 @@ class InvalidParameterError(PluginhostError, ValueError):
 class PromptTooLongError(PluginhostError, ValueError):
     """A prompt, with the tokens asked of it, does not fit in ``max_model_len`` (a server: 400,
     ``context_length_exceeded``)."""
+
+
+class KVCacheMemoryError(PluginhostError, RuntimeError):
+    """The KV cache cannot grow to what a step needs in the memory left (``pluginhost.engine.memory``).
+
+    ``rows`` and ``slots`` are what it can have: the engine ends the requests longer than ``slots``
+    and holds back the newcomers beyond ``rows``; the others go on.
+    """
+
+    def __init__(self, message: str, *, rows: int, slots: int) -> None:
+        super().__init__(message)
+        self.rows, self.slots = rows, slots

@@ -679,3 +679,63 @@ def test_joining_prompts_are_grouped_by_length():
         padded = len(sizes) * max(sizes)
         assert padded <= 64 or padded <= 1.25 * sum(sizes)
     assert [3, 1] in groups and [0, 4] in groups  # 240 and 250 share a pass, so do 5 and 8; 5 and 250 do not
+
+
+# -- the KV cache and the memory left ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_opt(tmp_path_factory) -> Path:
+    """The tiny OPT with room for 1024 positions: sequences longer than the cache's first block."""
+    from pluginhost.testing import make_tiny_opt
+
+    return make_tiny_opt(tmp_path_factory.mktemp("long-opt"), tokenizer=False, max_position_embeddings=1024)
+
+
+def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what available_bytes returns
+    """An ``available_bytes`` under which the cache may grow to ``rows`` x ``slots`` and no more."""
+    from pluginhost.engine.memory import CACHE_SHARE
+
+    runner = llm.engine.runner
+    runner.check_memory(1, 1)  # the first block: what a slot costs
+    per_slot = sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in runner._caches)
+    return lambda device: int(rows * slots * per_slot / CACHE_SHARE) + 1
+
+
+def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(long_opt, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pluginhost.errors import KVCacheMemoryError
+
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    short = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], short)[0].token_ids
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    long_prompt, long = [2, *[5] * 199], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:  # one batch: the long one reaches 256 slots while the short one runs
+        running = pool.submit(llm.generate, [long_prompt], long)
+        together = pool.submit(llm.generate, [PROMPTS[0]], short)
+        with pytest.raises(KVCacheMemoryError, match=r"cannot grow to 8 rows x 512 slots.*8 sequences of up to 256"):
+            running.result(timeout=120)
+        assert together.result(timeout=120)[0].token_ids == expected
+    assert llm.engine.runner.cache_shape == (8, 256)
+    assert llm.generate([PROMPTS[2]], short)[0].finish_reason == "length"  # and the engine serves on
+
+
+def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, monkeypatch, caplog):
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[2, 10 + i, 20 + i] for i in range(12)]
+    expected = [llm.generate([p], params)[0].token_ids for p in prompts]
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # 12 asked, 8 at a time
+    assert llm.engine.runner.cache_shape == (8, 256) and llm.engine.scheduler.max_num_seqs == 8
+    assert "room for 8 sequences in the memory available: at most 8 run at once" in caplog.text
+
+
+def test_the_memory_available_is_known_on_this_machine():
+    from pluginhost.engine.memory import available_bytes
+
+    available = available_bytes(torch.device("cpu"))
+    assert available is None or 0 < available < 1 << 50

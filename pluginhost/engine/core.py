@@ -37,7 +37,7 @@ from pluginhost.engine.request import EngineRequest
 from pluginhost.engine.runner import ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
-from pluginhost.errors import EngineOverloadedError, ModelRunError, PluginHookError, PluginhostError
+from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
 from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor
 
 if TYPE_CHECKING:
@@ -204,6 +204,9 @@ class EngineCore:
                 return True
             try:
                 tokens, logprobs = self._run(plan)
+            except KVCacheMemoryError as full:  # nothing ran: make the batch fit, and go on next step
+                self._fit_memory(plan, full)
+                return True
             except _ProcessorFailure as failure:
                 self._processor_failed(failure, plan, plan.active_rows)  # apply saw every row of the step
                 return True
@@ -355,6 +358,29 @@ class EngineCore:
                     self.scheduler.free(sequence)
                 if request.on_output is not None:
                     request.on_output(request.output(), None)
+
+    def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
+        """End the requests longer than the cache can be; hold back the newcomers beyond its rows, and run fewer."""
+        held = 0
+        for row in sorted(range(len(plan.rows)), reverse=True):  # held back last row first: the queue keeps its order
+            sequence = plan.rows[row]
+            if sequence.request.finished or sequence.request.error is not None:
+                continue
+            needed = sequence.num_computed + 1 if sequence.num_computed else len(sequence.prompt_token_ids)
+            if needed > full.slots or (row >= full.rows and sequence.num_computed):
+                self._end(sequence.request, full)
+            elif row >= full.rows:
+                self.scheduler.hold_back(sequence)
+                held += 1
+        if held and full.rows < self.scheduler.max_num_seqs:
+            logger.warning(
+                "The KV cache has room for %d sequences in the memory available: at most %d run at once from now "
+                "on (max_num_seqs is %d); the others wait.",
+                full.rows,
+                full.rows,
+                self.scheduler.max_num_seqs,
+            )
+            self.scheduler.max_num_seqs = full.rows
 
     def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
         """End every request the failed step touched (its active rows), with ``error``; the others go on."""

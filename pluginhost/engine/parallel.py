@@ -537,6 +537,9 @@ class DistributedRunner(ModelRunner):
     def __init__(self, ranks: Ranks, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ranks = ranks
+        if self.device.type == "cpu":  # every rank on this machine holds a cache like this one's
+            local = ranks.world_size if ranks.processes else int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
+            self.memory_sharers = local
 
     def run(self, inputs: StepInputs):  # noqa: ANN201 - a Tensor
         self.ranks.check_alive()

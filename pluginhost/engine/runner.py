@@ -10,7 +10,8 @@ sequence's whole text each step instead: slower, same result.
 
 The KV cache grows on demand, never more than ``max_num_seqs`` rows and
 ``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
-sequences get longer, keeping what it holds. A compiled decoding step
+sequences get longer, keeping what it holds, and never past what the memory
+left allows (``check_memory``: ``KVCacheMemoryError`` says what it can hold). A compiled decoding step
 (``pluginhost.engine.compiled``) is compiled for each cache shape, so then the
 cache takes every row at once and doubles its slots.
 """
@@ -25,8 +26,9 @@ from torch import Tensor, nn
 
 from builtin_models.kv_cache import KVCache
 from pluginhost.engine.compiled import CompiledDecode
+from pluginhost.engine.memory import CACHE_SHARE, available_bytes
 from pluginhost.engine.scheduler import ScheduledStep
-from pluginhost.errors import ModelClassError
+from pluginhost.errors import KVCacheMemoryError, ModelClassError
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -83,6 +85,9 @@ class StepInputs:
 class ModelRunner:
     """Turns a scheduled step into logits."""
 
+    #: Processes whose KV caches, each this one's size, share this machine's memory (tensor parallelism on a CPU).
+    memory_sharers = 1
+
     def __init__(
         self,
         model: nn.Module,
@@ -113,8 +118,55 @@ class ModelRunner:
         return self._rows, self._slots
 
     def execute(self, step: ScheduledStep) -> Tensor:
-        """The logits of the step's active rows, (len(active_rows), V) float32, in row order."""
-        return self.run(StepInputs.of(step, cached=self.cached))
+        """The logits of the step's active rows, (len(active_rows), V) float32, in row order.
+
+        ``KVCacheMemoryError`` before anything runs when the cache cannot grow to what the step needs.
+        """
+        inputs = StepInputs.of(step, cached=self.cached)
+        if inputs.kind != "recompute":
+            self.check_memory(inputs.num_rows, inputs.slots_needed)
+        return self.run(inputs)
+
+    def check_memory(self, rows: int, slots: int) -> None:
+        """Raise ``KVCacheMemoryError`` when growing the cache to hold ``rows`` x ``slots`` would not fit.
+
+        Growing holds the old block and the new one at once, so the new block alone must fit in
+        ``CACHE_SHARE`` of the memory available now.
+        """
+        if rows <= self._rows and slots <= self._slots:
+            return
+        if not self._caches:
+            self._ensure_capacity(1, 1)  # the smallest block, to learn what a row's slot costs
+        available = available_bytes(self.device)
+        if available is None:
+            return
+        per_slot = self.memory_sharers * sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in self._caches)
+        budget = CACHE_SHARE * available
+
+        def fits(shape: tuple[int, int]) -> bool:
+            return shape[0] * shape[1] * per_slot <= budget
+
+        grown = self._grown_shape(rows, slots)
+        if fits(grown):
+            return
+        # What can be had: more slots for the running rows first (ending no one), else more rows.
+        if fits((self._rows, grown[1])):
+            allowed = (self._rows, grown[1])
+        elif fits((grown[0], self._slots)):
+            allowed = (grown[0], self._slots)
+        else:
+            allowed = (self._rows, self._slots)
+        gib = 1 << 30
+        raise KVCacheMemoryError(
+            f"The KV cache cannot grow to {grown[0]} rows x {grown[1]} slots: that takes "
+            f"{grown[0] * grown[1] * per_slot / gib:.2f} GiB, and it may take {budget / gib:.2f} GiB "
+            f"({CACHE_SHARE:.0%} of the {available / gib:.2f} GiB of memory available). The cache is one block "
+            f"of rows x the longest sequence, so it holds {allowed[0]} sequences of up to {allowed[1]} tokens. "
+            "Requests longer than that were ended, the others go on; lower max_model_len or max_num_seqs, ask for "
+            "fewer tokens, or free memory.",
+            rows=allowed[0],
+            slots=allowed[1],
+        )
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> Tensor:
@@ -177,9 +229,8 @@ class ModelRunner:
         mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
         return ids.to(self.device), positions, mask, (lengths - 1).to(self.device)
 
-    def _ensure_capacity(self, rows: int, slots: int) -> None:
-        if rows <= self._rows and slots <= self._slots:
-            return
+    def _grown_shape(self, rows: int, slots: int) -> tuple[int, int]:
+        """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``."""
         if self.compiled is None:
             new_rows = max(self._rows, min(self.max_num_seqs, _round_up(rows, _ROW_STEP)))
             new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
@@ -187,6 +238,12 @@ class ModelRunner:
             new_rows = self.max_num_seqs
             doubled = _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length()  # 256, 512, 1024, ...
             new_slots = max(self._slots, min(self.max_model_len, doubled))
+        return new_rows, new_slots
+
+    def _ensure_capacity(self, rows: int, slots: int) -> None:
+        if rows <= self._rows and slots <= self._slots:
+            return
+        new_rows, new_slots = self._grown_shape(rows, slots)
         if not self._caches:
             self.model.setup_caches(new_rows, new_slots)
             self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]

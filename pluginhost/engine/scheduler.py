@@ -80,6 +80,11 @@ class Scheduler:
         """Queue sequences (``EngineCore.submit`` has decided that the queue takes them)."""
         self.waiting.extend(sequences)
 
+    def hold_back(self, sequence: Sequence) -> None:
+        """Put a sequence admitted but not yet prefilled back at the head of the queue (its row is freed)."""
+        self.free(sequence)
+        self.waiting.appendleft(sequence)
+
     def free(self, sequence: Sequence) -> None:
         """Take a finished (or aborted) sequence out of its row, or out of the queue."""
         if sequence.row is None:

@@ -37,6 +37,7 @@ from pluginhost.engine.async_llm import AsyncLLM, RequestStream
 from pluginhost.errors import (
     EngineOverloadedError,
     InvalidParameterError,
+    KVCacheMemoryError,
     ModelRunError,
     PluginhostError,
     PromptTooLongError,
@@ -346,6 +347,8 @@ class _FieldNames:
 
 
 def _error_code(error: Exception) -> str:
+    if isinstance(error, KVCacheMemoryError):
+        return "out_of_memory"
     return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
 
 
