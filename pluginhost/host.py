@@ -339,9 +339,23 @@ class PluginHost:
         if _hookimpls_of(pm, plugin):
             return record, plugin
         if not inspect.isroutine(plugin):
-            what = "module" if inspect.ismodule(plugin) else type(plugin).__name__
+            target = record.target or record.name
+            if inspect.isclass(plugin) and _is_logits_processor(plugin):
+                reason = (
+                    f"{target} is the logits processor class {plugin.__name__}, not a plugin: add it from a "
+                    "register_logits_processors hook (registry.add(...)) in a module the entry point names, as "
+                    "docs/porting-from-vllm.md shows for vLLM's logits-processor entry points"
+                )
+                return replace(record, status="failed", reason=reason), None
+            what = (
+                "module"
+                if inspect.ismodule(plugin)
+                else f"class {plugin.__name__}"
+                if inspect.isclass(plugin)
+                else f"{type(plugin).__name__} object"
+            )
             reason = (
-                f"{record.target or record.name} is a {what} that holds no hook implementation: mark its functions "
+                f"{target} is a {what} that holds no hook implementation: mark its functions "
                 "with @hookimpl, or point the entry point at a function taking no arguments that does the "
                 "registering (vLLM's register() shape)"
             )
@@ -626,6 +640,14 @@ def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _is_logits_processor(cls: type) -> bool:
+    from pluginhost.logits_processors import LogitsProcessor
+
+    return issubclass(cls, LogitsProcessor) or all(
+        callable(getattr(cls, name, None)) for name in ("apply", "update_state", "is_argmax_invariant")
+    )
 
 
 def _checked_in_process(plugins: Sequence[object]) -> list[object]:

@@ -9,7 +9,8 @@ the engine makes one instance of each per engine and, every step:
    sequence in row i of the batch, before penalties and sampling (processors
    that are ``is_argmax_invariant()`` are skipped when every row decodes
    greedily). Rows that get no token this step (they wait while newcomers'
-   prompts are prefilled) hold no meaningful values;
+   prompts are prefilled) hold zeros, and what ``apply`` makes of them is
+   not used;
 3. ``validate_params(params)``, a class method, for every new request.
 
 The engine keeps its running sequences in a persistent batch. Between two
@@ -21,17 +22,20 @@ that finished in the same update; that row is then in ``added`` and not in
 
 A vLLM v1 processor ports by changing its imports: its
 ``__init__(vllm_config, device, is_pin_memory)`` gets pluginhost's
-``EngineConfig``, the device, and ``False``.
+``EngineConfig``, the device, and ``False``. vLLM's helpers for writing one
+are here too: ``process_dict_updates`` (per-row state that follows the
+batch) and ``AdapterLogitsProcessor``, which runs a per-request function
+(a ``RequestLogitsProcessor``) on each row that has one.
 """
 
 from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pluginhost.attribution import PluginRef, current_plugin
 from pluginhost.errors import RegistryError
@@ -41,13 +45,18 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AdapterLogitsProcessor",
     "AddedRequest",
     "BatchUpdate",
     "LogitsProcessor",
     "LogitsProcessorRegistry",
     "MoveDirectionality",
     "RegisteredProcessor",
+    "RequestLogitsProcessor",
+    "process_dict_updates",
 ]
+
+T = TypeVar("T")
 
 
 class MoveDirectionality(StrEnum):
@@ -96,6 +105,90 @@ class LogitsProcessor(ABC):
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Follow the batch: ``added``, then ``removed``, then ``moved`` (``None``: nothing changed)."""
+
+
+def process_dict_updates(
+    req_entries: dict[int, T],
+    batch_update: BatchUpdate | None,
+    new_state: Callable[[SamplingParams, Sequence[int] | None, Sequence[int]], T | None],
+) -> bool:
+    """Make per-row state (``req_entries``, row -> state) follow the batch, as vLLM's helper of this name does.
+
+    An added row gets ``new_state(params, prompt_token_ids, output_token_ids)`` (``None``: no entry);
+    a removed row loses its entry; a moved row takes its entry along (a swap exchanges two). Returns
+    whether any entry changed.
+    """
+    if batch_update is None:
+        return False
+    changed = False
+    for row, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        if state is not None:
+            req_entries[row] = state
+            changed = True
+        elif req_entries.pop(row, None) is not None:  # a row reused by a request without state
+            changed = True
+    for row in batch_update.removed:
+        if req_entries.pop(row, None) is not None:
+            changed = True
+    for source, target, direction in batch_update.moved:
+        moving, displaced = req_entries.pop(source, None), req_entries.pop(target, None)
+        if moving is not None:
+            req_entries[target] = moving
+            changed = True
+        if displaced is not None:
+            changed = True
+            if direction == MoveDirectionality.SWAP:
+                req_entries[source] = displaced
+    return changed
+
+
+#: A per-request processor: ``(output_token_ids, logits_row) -> logits_row``, or with the prompt's ids
+#: first, ``(prompt_token_ids, output_token_ids, logits_row) -> logits_row`` (vLLM's ``RequestLogitsProcessor``).
+RequestLogitsProcessor = Callable[..., "torch.Tensor"]
+
+
+class AdapterLogitsProcessor(LogitsProcessor):
+    """A batch processor made of per-request functions (vLLM's ``AdapterLogitsProcessor``).
+
+    Subclasses say which function, if any, each request gets (``new_req_logits_processor``) and whether
+    those functions keep the most likely token (``is_argmax_invariant``); ``apply`` runs each row's
+    function on that row, with the request's output token ids so far (a list that grows).
+    """
+
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool = False) -> None:
+        self.config, self.device = config, device
+        self._rows: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    @abstractmethod
+    def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
+        """The function for a request with these parameters, or ``None`` to leave its rows alone."""
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self._rows, batch_update, self._bind)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, process in self._rows.items():
+            logits[row] = process(logits[row])
+        return logits
+
+    def _bind(
+        self, params: SamplingParams, prompt_ids: Sequence[int] | None, output_ids: Sequence[int]
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        process = self.new_req_logits_processor(params)
+        if process is None:
+            return None
+        if _positional_count(process) >= 3:
+            return lambda row: process(prompt_ids, output_ids, row)
+        return lambda row: process(output_ids, row)
+
+
+def _positional_count(function: Callable[..., Any]) -> int:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 @dataclass(frozen=True)

@@ -510,7 +510,17 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         ("X = 1\n", None, "is a module that holds no hook implementation"),
         ("def register(registry):\n    pass\n", "fn:register", "takes argument(s) registry"),
         ("def register():\n    raise RuntimeError('no licence')\n", "fn:register", "failed: RuntimeError: no licence"),
-        ("class Thing:\n    pass\nTHING = Thing()\n", "fn:THING", "is a Thing that holds no hook implementation"),
+        (
+            "class Thing:\n    pass\nTHING = Thing()\n",
+            "fn:THING",
+            "is a Thing object that holds no hook implementation",
+        ),
+        ("class Thing:\n    pass\n", "fn:Thing", "fn:Thing is a class Thing that holds no hook implementation"),
+        (
+            "from pluginhost.logits_processors import LogitsProcessor\nclass Dummy(LogitsProcessor):\n    pass\n",
+            "fn:Dummy",
+            "fn:Dummy is the logits processor class Dummy, not a plugin: add it from a register_logits_processors hook",
+        ),
         (
             "from pluginhost import hookimpl\nclass Hooks:\n    @hookimpl\n    def modify_config(self, config):\n"
             "        pass\n",
@@ -525,6 +535,8 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         "function-with-arguments",
         "function-raising",
         "object-without-hooks",
+        "class-without-hooks",
+        "logits-processor-entry-point",
         "class-instead-of-instance",
         "async-function",
     ],

@@ -17,7 +17,13 @@ import torch
 
 from pluginhost import LLM, AsyncLLM, SamplingParams, hookimpl
 from pluginhost.errors import PluginHookError, RequestRefusedError
-from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, MoveDirectionality
+from pluginhost.logits_processors import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+    process_dict_updates,
+)
 from pluginhost.server.app import build_app
 from pluginhost.testing.server import running_server
 
@@ -87,6 +93,52 @@ class TargetTokens:
         registry.add(TargetToken)
 
 
+class ForceToken:
+    """vLLM's per-request form (examples/offline_inference/logits_processor/custom_req.py): one callable a request."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        kept = logits[self.target].item()
+        logits[:] = float("-inf")
+        logits[self.target] = kept
+        return logits
+
+
+class WrappedTargetToken(AdapterLogitsProcessor):
+    """The same behaviour as ``TargetToken`` through vLLM's adapter: only the imports are pluginhost's."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        target = (params.extra_args or {}).get("target_token")
+        return ForceToken(target) if target is not None else None
+
+
+class WrappedTargetTokens:
+    @hookimpl
+    def register_logits_processors(self, registry):
+        registry.add(WrappedTargetToken)
+
+
+def test_process_dict_updates_follows_adds_removals_moves_and_swaps():
+    state = {0: "a", 1: "b", 2: "c"}
+    params = SamplingParams(extra_args={"tag": "new"})
+    update = BatchUpdate(
+        4,
+        added=[(1, params, [2], []), (3, SamplingParams(), [2], [])],  # row 1 reused; row 3 without state
+        removed=[2],
+        moved=[(0, 3, MoveDirectionality.UNIDIRECTIONAL)],
+    )
+    assert process_dict_updates(state, update, lambda p, prompt, out: (p.extra_args or {}).get("tag"))
+    assert state == {1: "new", 3: "a"}
+    swap = BatchUpdate(4, moved=[(1, 3, MoveDirectionality.SWAP)])
+    assert process_dict_updates(state, swap, lambda *_: None) and state == {3: "new", 1: "a"}
+    assert not process_dict_updates(state, None, lambda *_: None)
+
+
 def test_a_vllm_v1_processor_forces_tokens_per_request(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()])
     plain = LLM(str(tiny_opt), load_installed_plugins=False)
@@ -98,9 +150,10 @@ def test_a_vllm_v1_processor_forces_tokens_per_request(tiny_opt):
     ]
 
 
-def test_processor_state_follows_the_batch_as_requests_join_leave_and_move(tiny_opt):
+@pytest.mark.parametrize("plugin", [TargetTokens, WrappedTargetTokens])
+def test_processor_state_follows_the_batch_as_requests_join_leave_and_move(tiny_opt, plugin):
     """Staggered requests of many lengths: rows are filled, freed and compacted; every tag stays its request's."""
-    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()], max_num_seqs=6)
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin()], max_num_seqs=6)
     rng = random.Random(0)
     jobs = [(i, rng.choice(PROMPTS), rng.randint(1, 20), rng.choice([None, 10 + i])) for i in range(24)]
 
@@ -120,6 +173,59 @@ def test_processor_state_follows_the_batch_as_requests_join_leave_and_move(tiny_
     for (_, prompt, n, target), out in zip(jobs, finals, strict=True):
         expected = [target] * n if target is not None else plain.generate([prompt], greedy(n))[0].token_ids
         assert out.outputs[0].token_ids == expected
+
+
+class SeesIdleRows(LogitsProcessor):
+    """Records, in every step that prefills newcomers, the rows of the others (which get no token then)."""
+
+    idle_rows: list[torch.Tensor] = []
+
+    def __init__(self, config, device):
+        self.running: set[int] = set()
+        self.joined: set[int] = set()
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update):
+        self.joined = set()
+        if batch_update:
+            self.joined = {row for row, *_ in batch_update.added}
+            self.running = (self.running | self.joined) - set(batch_update.removed)
+            for source, target, _ in batch_update.moved:
+                self.running = (self.running - {source}) | {target}
+
+    def apply(self, logits):
+        if self.joined:
+            SeesIdleRows.idle_rows += [logits[row].clone() for row in self.running - self.joined]
+        return logits
+
+
+def test_rows_waiting_while_newcomers_are_prefilled_hold_zeros_in_apply(tiny_opt):
+    class Plugin:
+        @hookimpl
+        def register_logits_processors(self, registry):
+            registry.add(SeesIdleRows)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+
+    async def staggered():
+        async def one(i: int, started: asyncio.Event | None, running: asyncio.Event):
+            if started is not None:
+                await started.wait()  # the one before decodes: this one's prefill step leaves it idle
+            async for _ in engine.generate(PROMPTS[i % 4], greedy(100), f"r{i}"):
+                running.set()
+
+        events = [asyncio.Event() for _ in range(4)]
+        await asyncio.gather(*(one(i, events[i - 1] if i else None, events[i]) for i in range(4)))
+
+    SeesIdleRows.idle_rows = []
+    try:
+        asyncio.run(asyncio.wait_for(staggered(), TIMEOUT))
+    finally:
+        engine.shutdown()
+    assert SeesIdleRows.idle_rows, "no step prefilled a newcomer while others ran: the test saw nothing"
+    assert all(torch.equal(row, torch.zeros_like(row)) for row in SeesIdleRows.idle_rows)
 
 
 def test_validate_params_refuses_a_request_naming_the_plugin(tiny_opt):

@@ -12,6 +12,7 @@ and the compute_logits signature vLLM used to have.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import logging
 import os
@@ -210,3 +211,21 @@ def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt
     assert disabled.returncode == 2
     assert "Architecture 'MyOPTForCausalLM' is not registered" in disabled.stderr
     assert "Traceback" not in disabled.stderr
+
+
+def test_generate_takes_vllms_use_tqdm(tiny_opt):
+    """``use_tqdm=False`` is in most vLLM scripts; a callable makes the bar, which counts every prompt done."""
+    from tqdm import tqdm
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    quiet = llm.generate([[2, 5], [2, 6, 7]], params, use_tqdm=False)
+    bars: list[tqdm] = []
+
+    def make_bar(**kwargs) -> tqdm:
+        bars.append(tqdm(**{**kwargs, "disable": False, "file": io.StringIO()}))
+        return bars[-1]
+
+    shown = llm.generate([[2, 5], [2, 6, 7]], params, use_tqdm=make_bar)
+    assert [o.token_ids for o in shown] == [o.token_ids for o in quiet]
+    assert len(bars) == 1 and bars[0].n == bars[0].total == 2 and bars[0].desc.startswith("Processed prompts")

@@ -154,7 +154,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     if llm.rank != 0:  # a torchrun rank: it served rank 0's steps until rank 0 was done
         return EXIT_OK
     try:
-        outputs = llm.generate(list(args.prompt), params)
+        outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
     finally:
         llm.close()  # the other ranks of a tensor-parallel engine end with it
     if args.json:

@@ -244,7 +244,7 @@ class EngineCore:
         B = len(plan.rows)
         full = logits
         if len(active) < B:
-            full = logits.new_empty((B, logits.shape[-1])).index_copy_(
+            full = logits.new_zeros((B, logits.shape[-1])).index_copy_(
                 0, torch.tensor(active, device=logits.device), logits
             )
         states = [None] * B

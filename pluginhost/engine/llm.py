@@ -12,7 +12,7 @@ would get alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pluginhost.engine.frontend import EngineFrontend
@@ -56,6 +56,8 @@ class LLM(EngineFrontend):
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt; one ``RequestOutput`` per prompt, in prompt order.
 
@@ -63,6 +65,10 @@ class LLM(EngineFrontend):
         ``{"prompt_token_ids": [...]}``. A bad prompt or parameter raises
         ``ValueError`` before anything runs, and the engine stays usable. A
         model failure raises ``ModelRunError`` naming the model.
+
+        ``use_tqdm``, as in vLLM: a progress bar of the prompts done, on stderr
+        when it is a terminal (``False``: none; a callable: it makes the bar,
+        called like ``tqdm.tqdm``).
         """
         self._check_generates()
         prompt_list = as_prompt_list(prompts)
@@ -72,16 +78,41 @@ class LLM(EngineFrontend):
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
         self.engine.submit(requests, bounded=False)
+        bar = _progress_bar(use_tqdm, len(requests))
         try:
-            self.engine.run_until(lambda: all(r.finished for r in requests))
+            self.engine.run_until(lambda: _all_done(requests, bar))
         except BaseException:
             for request in requests:  # Ctrl-C or an engine bug: end ours, keep the rest
                 self.engine.abort_request(request)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         for request in requests:
             if request.error is not None:
                 raise request.error
         return [r.output() for r in requests]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:  # noqa: ANN401 - a tqdm bar
+    if use_tqdm is False:
+        return None
+    make = use_tqdm
+    if make is True:
+        from tqdm.auto import tqdm
+
+        make = tqdm
+    # disable=None: tqdm shows the bar only when stderr is a terminal (logs and pipes stay clean).
+    return make(total=total, desc="Processed prompts", unit="prompt", disable=None, leave=False)
+
+
+def _all_done(requests: list[Any], bar: Any) -> bool:  # noqa: ANN401 - a tqdm bar
+    if bar is None:
+        return all(r.finished for r in requests)
+    done = sum(r.finished for r in requests)
+    if done > bar.n:
+        bar.update(done - bar.n)
+    return done == len(requests)
 
 
 def _params_for(
