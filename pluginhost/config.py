@@ -18,6 +18,9 @@ from pluginhost.attribution import current_plugin
 
 __all__ = ["EngineConfig", "describe_validation_error"]
 
+#: vLLM's names for the dtypes ("half" and "float" are also torch's).
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -110,6 +113,14 @@ class EngineConfig(BaseModel):
         if not value.strip():
             raise ValueError("the model path is empty; pass the path of a model directory")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, value: Any) -> Any:
+        # vLLM's other spellings: "half", "float", and torch dtypes themselves (torch.bfloat16).
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            value = str(value).removeprefix("torch.")
+        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("device")
     @classmethod
