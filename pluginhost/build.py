@@ -33,7 +33,7 @@ from pluginhost.errors import UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
-from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, Registration
+from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,6 +77,9 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     try:
         registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
     except UnknownArchitectureError as exc:
+        elsewhere = _registered_by_plugins_not_loaded(hf_config.architectures, host)
+        if elsewhere:
+            raise UnknownArchitectureError(f"{exc} {elsewhere}") from None
         blocked = [r for r in host.records if r.status == "blocked"]
         if not blocked:
             raise
@@ -85,6 +88,30 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
             f"{exc} Installed plugins left out by the selection, one of which may register it: {left_out}."
         ) from None
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
+
+
+def _registered_by_plugins_not_loaded(architectures: list[str], host: PluginHost) -> str:
+    """Why an architecture this process registered does not count here: its plugin is not loaded by this engine.
+
+    A script calling an installed plugin's ``register()`` itself, with the plugin excluded
+    (``load_installed_plugins=False``, a selection): the registration is that plugin's, and applies
+    only where the plugin is loaded.
+    """
+    loaded = {(r.name, r.distribution) for r in host.records if r.kind == "installed" and r.status == "loaded"}
+    found = [
+        ModelRegistry.get(arch)
+        for arch in architectures
+        if arch in ModelRegistry and ModelRegistry.get(arch).registered_by.distribution is not None
+    ]
+    found = [r for r in found if (r.registered_by.name, r.registered_by.distribution) not in loaded]
+    if not found:
+        return ""
+    entry = found[0]
+    return (
+        f"{entry.architecture} was registered in this process by code of {entry.registered_by.describe()}, which "
+        "this engine does not load (load_installed_plugins=False, or the plugin selection): its registrations apply "
+        "only where it is loaded. Load it, or pass its register function in-process: LLM(model, plugins=[register])."
+    )
 
 
 def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str], model_impl: str) -> Registration:

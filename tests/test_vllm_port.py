@@ -140,6 +140,20 @@ def test_the_guard_and_a_second_register_call_are_silent(dummy_plugin, caplog: p
     )
 
 
+def test_a_registration_by_a_plugin_this_engine_does_not_load_is_explained(dummy_plugin, dummy_opt_path: str):
+    """vLLM's tests call the installed plugin's register() themselves; here it counts where the plugin is loaded."""
+    from vllm_add_dummy_model import register
+
+    register()
+    assert "MyOPTForCausalLM" in ModelRegistry.get_supported_archs()
+    with pytest.raises(
+        ValueError,
+        match=r"registered in this process by code of plugin 'register_dummy_model'.*"
+        r"does not load.*plugins=\[register\]",
+    ):
+        LLM(model=dummy_opt_path, load_installed_plugins=False)
+
+
 def test_an_unguarded_register_function_called_by_every_engine_is_silent(install_plugin, caplog, tiny_opt):
     install_plugin(
         "unguarded",
