@@ -13,7 +13,7 @@ import transformers
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
-from pluginhost.errors import ConfigError, ModelClassError, ModelRunError, PluginHookError
+from pluginhost.errors import ConfigError, KVCacheMemoryError, ModelClassError, ModelRunError, PluginHookError
 from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -697,15 +697,13 @@ def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what availabl
     from pluginhost.engine.memory import CACHE_SHARE
 
     runner = llm.engine.runner
-    runner.check_memory(1, 1)  # the first block: what a slot costs
+    runner.check_memory(1, 1)  # the caches set up: what a slot costs
     per_slot = sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in runner._caches)
     return lambda device: int(rows * slots * per_slot / CACHE_SHARE) + 1
 
 
 def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(long_opt, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
-
-    from pluginhost.errors import KVCacheMemoryError
 
     llm = LLM(str(long_opt), load_installed_plugins=False)
     short = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
@@ -725,13 +723,51 @@ def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(l
 def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, monkeypatch, caplog):
     llm = LLM(str(long_opt), load_installed_plugins=False)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    prompts = [[2, 10 + i, 20 + i] for i in range(12)]
+    prompts = [[2, 10 + i, 20 + i] for i in range(28)]
     expected = [llm.generate([p], params)[0].token_ids for p in prompts]
-    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 16, 256))
     with caplog.at_level("WARNING", logger="pluginhost"):
-        assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # 12 asked, 8 at a time
-    assert llm.engine.runner.cache_shape == (8, 256) and llm.engine.scheduler.max_num_seqs == 8
-    assert "room for 8 sequences in the memory available: at most 8 run at once" in caplog.text
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # 28 asked, 16 at a time
+    assert llm.engine.runner.cache_shape == (16, 256) and llm.engine.scheduler.max_num_seqs == 16
+    assert "room for 16 sequences in the memory available: at most 16 run at once" in caplog.text
+
+
+def step_requests(llm: LLM, jobs: list[tuple[list[int], int]]) -> list:
+    """Submit (prompt, max_tokens) greedy requests at once and step the engine until all end; their requests."""
+    requests = [
+        llm._inputs.make_request(f"job-{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for i, (prompt, n) in enumerate(jobs)
+    ]
+    llm.engine.submit(requests)
+    while not all(r.finished for r in requests):
+        llm.engine.step()
+    return requests
+
+
+def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_its_own(long_opt, monkeypatch):
+    """The step that finds no room comes after one request left: the row moved then must still move in the cache."""
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    alone = llm.generate([[2, 30, 31, 32]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    # The first ends one step before the second needs slot 256; the third then moves into the first's row.
+    first, second, third = step_requests(llm, [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)])
+    assert first.error is None and isinstance(second.error, KVCacheMemoryError)
+    assert third.error is None and third.output().token_ids == alone.token_ids
+
+
+def test_a_sequence_waiting_while_newcomers_are_prefilled_is_not_ended_for_their_lack_of_room(long_opt, monkeypatch):
+    llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=64)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 512))
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    long = llm._inputs.make_request("long", [2, *[5] * 199], params)
+    llm.engine.submit([long])
+    while long.sequences[0].num_computed < 256:  # it needs slot 256 at its next decoding step
+        llm.engine.step()
+    newcomers = [llm._inputs.make_request(f"new-{i}", [2, 10 + i, 20], params.clone(max_tokens=3)) for i in range(20)]
+    llm.engine.submit(newcomers)
+    llm.engine.step()  # their prefill step: 24 rows x 256 slots do not fit, 16 do; the long one takes no part
+    llm.engine.step()  # so 15 of them are prefilled, beside it
+    assert long.error is None and sum(r.sequences[0].num_computed > 0 for r in newcomers) == 15
 
 
 def test_the_memory_available_is_known_on_this_machine():

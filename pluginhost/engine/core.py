@@ -201,10 +201,12 @@ class EngineCore:
                 return False
             start = time.perf_counter()
             if not self._update_processors(plan):
+                self.runner.apply_moves(plan)  # the batch was compacted all the same
                 return True
             try:
                 tokens, logprobs = self._run(plan)
             except KVCacheMemoryError as full:  # nothing ran: make the batch fit, and go on next step
+                self.runner.apply_moves(plan)
                 self._fit_memory(plan, full)
                 return True
             except _ProcessorFailure as failure:
@@ -360,9 +362,12 @@ class EngineCore:
                     request.on_output(request.output(), None)
 
     def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
-        """End the requests longer than the cache can be; hold back the newcomers beyond its rows, and run fewer."""
+        """End the step's requests longer than the cache can be; hold back newcomers beyond its rows, and run fewer.
+
+        Only the step's own rows: a sequence waiting while newcomers are prefilled asks for nothing this step.
+        """
         held = 0
-        for row in sorted(range(len(plan.rows)), reverse=True):  # held back last row first: the queue keeps its order
+        for row in sorted(plan.active_rows, reverse=True):  # held back last row first: the queue keeps its order
             sequence = plan.rows[row]
             if sequence.request.finished or sequence.request.error is not None:
                 continue

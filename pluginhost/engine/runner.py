@@ -48,7 +48,8 @@ class StepInputs:
     forward passes on its shard.
     """
 
-    #: "decode" (one token per row), "prefill" (prompts not cached yet) or "recompute" (no cache).
+    #: "decode" (one token per row), "prefill" (prompts not cached yet), "recompute" (no cache), or
+    #: "move" (only the row moves: a step that failed before its forward, after the scheduler moved rows).
     kind: str
     #: Rows of the batch, and cache slots the step needs (the cache grows to hold them).
     num_rows: int = 0
@@ -67,7 +68,7 @@ class StepInputs:
         if not cached:
             texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
             return cls("recompute", texts=texts)
-        moves = tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves)
+        moves = cls.moves_of(step)
         if step.prefill_rows:
             texts = [list(step.rows[r].prompt_token_ids) for r in step.prefill_rows]
             return cls(
@@ -80,6 +81,10 @@ class StepInputs:
             )
         positions = [s.num_computed for s in step.rows]
         return cls("decode", len(step.rows), max(positions) + 1, moves, [s.token_ids[-1] for s in step.rows], positions)
+
+    @staticmethod
+    def moves_of(step: ScheduledStep) -> tuple[tuple[int, int, int], ...]:
+        return tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves)
 
 
 class ModelRunner:
@@ -127,39 +132,47 @@ class ModelRunner:
             self.check_memory(inputs.num_rows, inputs.slots_needed)
         return self.run(inputs)
 
+    def apply_moves(self, step: ScheduledStep) -> None:
+        """Move the step's rows in the cache, and nothing else: for a step that fails before its forward pass.
+
+        The scheduler has placed the sequences already; their cache rows must follow, or a moved
+        sequence would read another's keys and values from its next step on.
+        """
+        if self.cached and step.moves:
+            self.run(StepInputs("move", moves=StepInputs.moves_of(step)))
+
     def check_memory(self, rows: int, slots: int) -> None:
         """Raise ``KVCacheMemoryError`` when growing the cache to hold ``rows`` x ``slots`` would not fit.
 
         Growing holds the old block and the new one at once, so the new block alone must fit in
-        ``CACHE_SHARE`` of the memory available now.
+        ``CACHE_SHARE`` of the memory available now. The error says what can be had: the slots the
+        step needs with as many rows as then fit, else as many slots as the rows held now allow.
         """
         if rows <= self._rows and slots <= self._slots:
             return
         if not self._caches:
-            self._ensure_capacity(1, 1)  # the smallest block, to learn what a row's slot costs
+            self._setup_caches()
         available = available_bytes(self.device)
         if available is None:
             return
         per_slot = self.memory_sharers * sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in self._caches)
         budget = CACHE_SHARE * available
-
-        def fits(shape: tuple[int, int]) -> bool:
-            return shape[0] * shape[1] * per_slot <= budget
-
-        grown = self._grown_shape(rows, slots)
-        if fits(grown):
+        grown_rows, grown_slots = self._grown_shape(rows, slots)
+        if grown_rows * grown_slots * per_slot <= budget:
             return
-        # What can be had: more slots for the running rows first (ending no one), else more rows.
-        if fits((self._rows, grown[1])):
-            allowed = (self._rows, grown[1])
-        elif fits((grown[0], self._slots)):
-            allowed = (grown[0], self._slots)
+        if self.compiled is not None:  # every row at once: only the slots can give
+            rows_at_need = 0
         else:
-            allowed = (self._rows, self._slots)
+            rows_at_need = _round_down(int(budget // (grown_slots * per_slot)), _ROW_STEP)
+        if rows_at_need >= max(self._rows, 1):
+            allowed = (min(grown_rows, rows_at_need), grown_slots)
+        else:
+            fitting = _round_down(int(budget // (max(self._rows, 1) * per_slot)), _SLOT_STEP)
+            allowed = (self._rows, max(self._slots, min(grown_slots, fitting)))
         gib = 1 << 30
         raise KVCacheMemoryError(
-            f"The KV cache cannot grow to {grown[0]} rows x {grown[1]} slots: that takes "
-            f"{grown[0] * grown[1] * per_slot / gib:.2f} GiB, and it may take {budget / gib:.2f} GiB "
+            f"The KV cache cannot grow to {grown_rows} rows x {grown_slots} slots: that takes "
+            f"{grown_rows * grown_slots * per_slot / gib:.2f} GiB, and it may take {budget / gib:.2f} GiB "
             f"({CACHE_SHARE:.0%} of the {available / gib:.2f} GiB of memory available). The cache is one block "
             f"of rows x the longest sequence, so it holds {allowed[0]} sequences of up to {allowed[1]} tokens. "
             "Requests longer than that were ended, the others go on; lower max_model_len or max_num_seqs, ask for "
@@ -173,10 +186,13 @@ class ModelRunner:
         """The logits of a step described by ``inputs`` (what ``execute`` runs, and every rank of a split model)."""
         if inputs.kind == "recompute":
             return self._recompute(inputs.texts)
-        self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
+        if inputs.kind != "move":
+            self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
         for src, dst, length in inputs.moves:
             for cache in self._caches:
                 cache.move(src, dst, length)
+        if inputs.kind == "move":
+            return None  # type: ignore[return-value]  # nothing to compute
         if inputs.kind == "decode":
             if self.compiled is not None:
                 return self.compiled.logits(
@@ -245,18 +261,22 @@ class ModelRunner:
             return
         new_rows, new_slots = self._grown_shape(rows, slots)
         if not self._caches:
-            self.model.setup_caches(new_rows, new_slots)
-            self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]
-            if not self._caches:
-                raise ModelClassError(
-                    f"{type(self.model).__name__}.setup_caches() created no builtin_models.kv_cache.KVCache: the "
-                    "engine grows and reorders the cache through KVCache, so a model's caches must be KVCache "
-                    "modules (or the model must not define setup_caches)."
-                )
-        else:
-            for cache in self._caches:
-                cache.resize(new_rows, new_slots)
+            self._setup_caches()
+        for cache in self._caches:
+            cache.resize(new_rows, new_slots)
         self._rows, self._slots = new_rows, new_slots
+
+    def _setup_caches(self) -> None:
+        """The model's caches, one row of one slot (then grown): what a row's slot costs is known before it grows."""
+        self.model.setup_caches(1, 1)
+        self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]
+        if not self._caches:
+            raise ModelClassError(
+                f"{type(self.model).__name__}.setup_caches() created no builtin_models.kv_cache.KVCache: the "
+                "engine grows and reorders the cache through KVCache, so a model's caches must be KVCache "
+                "modules (or the model must not define setup_caches)."
+            )
+        self._rows = self._slots = 1
 
 
 #: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.
@@ -294,3 +314,7 @@ _SHORT_PASS = 64
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _round_down(n: int, multiple: int) -> int:
+    return n // multiple * multiple
