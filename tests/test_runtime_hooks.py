@@ -420,6 +420,14 @@ class Hello:
             return {"model": engine.config.model, "vocab": engine.vocab_size}
 
 
+class ModelInfo:
+    @hookimpl
+    def register_routes(self, app):
+        @app.get("/v1/models/{name}/info")
+        async def info(name: str):
+            return {"info": name}
+
+
 class TakesHealth:
     @hookimpl
     def register_routes(self, app):
@@ -435,6 +443,17 @@ def test_register_routes_adds_routes_behind_the_api_key(tiny_opt):
             assert httpx.get(f"{base}/v1/hello", timeout=TIMEOUT).status_code == 401
             answer = httpx.get(f"{base}/v1/hello", headers={"Authorization": "Bearer k"}, timeout=TIMEOUT).json()
             assert answer == {"model": str(tiny_opt), "vocab": 384}
+    finally:
+        engine.shutdown()
+
+
+def test_a_plugin_route_under_v1_models_is_reached_before_the_models_route(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[ModelInfo()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            assert httpx.get(f"{base}/v1/models/tiny/info", timeout=TIMEOUT).json() == {"info": "tiny"}
+            assert httpx.get(f"{base}/v1/models/tiny", timeout=TIMEOUT).json()["id"] == "tiny"
+            assert httpx.get(f"{base}/v1/models/other", timeout=TIMEOUT).status_code == 404
     finally:
         engine.shutdown()
 

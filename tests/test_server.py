@@ -388,7 +388,14 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             "top_logprobs=30 is more than this engine allows",
         ),
         # Which prompt of a list is wrong.
-        ("/v1/completions", {"prompt": [[1, 2], [1, 10**7]]}, None, None, "prompt 1 has token id(s) [10000000]"),
+        ("/v1/completions", {"prompt": [[1, 2], [1, 10**7]]}, "prompt", None, "prompt 1 has token id(s) [10000000]"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "max_completion_tokens": 3, "min_tokens": 5},
+            "min_tokens",
+            None,
+            "min_tokens (5) must be at most max_completion_tokens (3)",
+        ),
         ("/v1/completions", {"prompt": ["fine", "x " * 300]}, "prompt", "context_length_exceeded", "prompt 1 has"),
     ],
 )
@@ -538,8 +545,9 @@ def test_stream_usage_null_on_each_chunk_or_the_counts_so_far(url, continuous):
     if not continuous:
         assert all(c["usage"] is None for c in running)
         return
-    completion = [c["usage"]["completion_tokens"] for c in running]
-    assert completion == sorted(completion) and completion[-1] == 12  # the counts so far, over both choices
+    for index in (0, 1):  # as vLLM: each chunk counts its own choice's prompt and tokens so far
+        counts = [c["usage"]["completion_tokens"] for c in running if c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 6
     assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in running)
 
 

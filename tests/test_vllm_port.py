@@ -237,9 +237,14 @@ def test_generate_takes_vllms_use_tqdm(tiny_opt):
     bars: list[tqdm] = []
 
     def make_bar(**kwargs) -> tqdm:
-        bars.append(tqdm(**{**kwargs, "disable": False, "file": io.StringIO()}))
+        bars.append(tqdm(**kwargs, file=io.StringIO()))  # the caller's settings: drawn, even off a terminal
         return bars[-1]
 
     shown = llm.generate([[2, 5], [2, 6, 7]], params, use_tqdm=make_bar)
     assert [o.token_ids for o in shown] == [o.token_ids for o in quiet]
     assert len(bars) == 1 and bars[0].n == bars[0].total == 2 and bars[0].desc.startswith("Processed prompts")
+    assert "2/2" in bars[0].fp.getvalue()
+    before = len(llm.engine._live)
+    with pytest.raises(KeyError, match="no_such_setting"):  # a bar that cannot be made: nothing was submitted
+        llm.generate([[2, 5]], params, use_tqdm=lambda **kwargs: tqdm(**kwargs, no_such_setting=1))
+    assert len(llm.engine._live) == before

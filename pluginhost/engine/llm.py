@@ -77,8 +77,8 @@ class LLM(EngineFrontend):
             self._inputs.make_request(self._new_request_id(), prompt, params, index=i)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
+        bar = _progress_bar(use_tqdm, len(requests))  # before anything is submitted: it may fail
         self.engine.submit(requests, bounded=False)
-        bar = _progress_bar(use_tqdm, len(requests))
         try:
             self.engine.run_until(lambda: _all_done(requests, bar))
         except BaseException:
@@ -95,15 +95,14 @@ class LLM(EngineFrontend):
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:  # noqa: ANN401 - a tqdm bar
-    if use_tqdm is False:
+    if not use_tqdm:
         return None
-    make = use_tqdm
-    if make is True:
-        from tqdm.auto import tqdm
+    if callable(use_tqdm):  # the caller's bar, with the caller's settings (vLLM passes total and desc)
+        return use_tqdm(total=total, desc="Processed prompts")
+    from tqdm.auto import tqdm
 
-        make = tqdm
     # disable=None: tqdm shows the bar only when stderr is a terminal (logs and pipes stay clean).
-    return make(total=total, desc="Processed prompts", unit="prompt", disable=None, leave=False)
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", disable=None, leave=False)
 
 
 def _all_done(requests: list[Any], bar: Any) -> bool:  # noqa: ANN401 - a tqdm bar

@@ -41,6 +41,7 @@ from pluginhost.errors import (
     ModelRunError,
     PluginhostError,
     PromptTooLongError,
+    RequestRefusedError,
 )
 from pluginhost.outputs import CompletionOutput, RequestOutput
 from pluginhost.sampling import SamplingParams
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 BUILTIN_ROUTES = (
     "/health",
     "/v1/models",
-    "/v1/models/{model:path}",
     "/v1/completions",
     "/v1/chat/completions",
     "/metrics",
@@ -116,11 +116,6 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model:path}")  # what the openai client's models.retrieve() asks
-    async def model(model: str) -> dict[str, Any]:
-        api.check_model(model)
-        return card
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _until_disconnect(request, api.completions(body))
@@ -136,6 +131,13 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     engine.plugin_host.register_routes(app, engine, BUILTIN_ROUTES)  # plugins' routes, after the builtin ones
+
+    # After the plugins' routes: this one takes every path under /v1/models/ (names may hold "/").
+    @app.get("/v1/models/{model:path}")  # what the openai client's models.retrieve() asks
+    async def model(model: str) -> dict[str, Any]:
+        api.check_model(model)
+        return card
+
     return app
 
 
@@ -335,15 +337,19 @@ class _FieldNames:
         self.prompt_field, self.renamed = prompt_field, dict(renamed or {})
 
     def bad_request(self, exc: ValueError) -> APIError:
+        message = self._in_api_words(str(exc).removeprefix("SamplingParams: "))
         if isinstance(exc, PromptTooLongError):
-            return bad_request(str(exc), param=self.prompt_field, code="context_length_exceeded")
-        if not isinstance(exc, InvalidParameterError):  # a bad prompt, or a plugin's refusal
-            return bad_request(str(exc))
-        field = self.renamed.get(exc.param, exc.param)
-        message = str(exc).removeprefix("SamplingParams: ")
-        if field != exc.param:
-            message = re.sub(rf"\b{exc.param}\b", field, message)
-        return bad_request(message, param=field)
+            return bad_request(message, param=self.prompt_field, code="context_length_exceeded")
+        if isinstance(exc, RequestRefusedError):  # a plugin's refusal: about no one field
+            return bad_request(message)
+        if not isinstance(exc, InvalidParameterError):  # the prompt itself (ids outside the vocabulary...)
+            return bad_request(message, param=self.prompt_field)
+        return bad_request(message, param=self.renamed.get(exc.param, exc.param))
+
+    def _in_api_words(self, message: str) -> str:
+        for engine_name, api_name in self.renamed.items():
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        return message
 
 
 def _error_code(error: Exception) -> str:
@@ -475,7 +481,6 @@ class _Shape:
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         last: dict[int, RequestOutput] = {}
-        prompt_tokens = sum(len(stream.request.prompt_token_ids) for stream in streams)
         try:
             async for index, output in _merged(streams):
                 last[index] = output
@@ -493,8 +498,8 @@ class _Shape:
                     if completion.finished:
                         finished.add(number)
                     chunk = choice(number, completion, delta, start_tokens, first)
-                    if usage.every_chunk:
-                        chunk["usage"] = _usage_info(prompt_tokens, sum(sent_tokens.values()))
+                    if usage.every_chunk:  # as vLLM: this choice's prompt and its tokens so far
+                        chunk["usage"] = _usage_info(len(output.prompt_token_ids), len(completion.token_ids))
                     elif usage.at_end:
                         chunk["usage"] = None
                     yield chunk

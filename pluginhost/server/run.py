@@ -12,6 +12,7 @@ Ctrl-C quits at once.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import signal
@@ -66,16 +67,16 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._url, self._describe = url, describe
         self._grace, self._end_requests = grace, end_requests
-        self.grace_timer: threading.Timer | None = None
 
-    def handle_exit(self, sig: int, frame: object) -> None:
-        super().handle_exit(sig, frame)  # type: ignore[arg-type]
-        if self.grace_timer is None:
-            # uvicorn waits for the answers in flight, then cancels them, cutting streams mid-body. The engine's
-            # requests are ended first, at the grace period's end, so the answers finish while it still waits.
-            self.grace_timer = threading.Timer(self._grace, self._end_requests)
-            self.grace_timer.daemon = True
-            self.grace_timer.start()
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn stops listening, waits for the answers in flight, then cancels them, cutting streams
+        # mid-body. The engine's requests are ended first, at the grace period's end (counted from here,
+        # once nothing new is accepted), so the answers finish while uvicorn still waits.
+        ending = asyncio.get_running_loop().call_later(self._grace, self._end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -128,8 +129,6 @@ def run_server(
     try:
         server.run(sockets=[sock])
     finally:
-        if server.grace_timer is not None:
-            server.grace_timer.cancel()
         engine.shutdown()
         sock.close()
 
