@@ -775,3 +775,24 @@ def test_the_memory_available_is_known_on_this_machine():
 
     available = available_bytes(torch.device("cpu"))
     assert available is None or 0 < available < 1 << 50
+
+
+def test_a_cgroup_limit_counts_with_its_parents_and_without_reclaimable_page_cache(tmp_path, monkeypatch):
+    from pluginhost.engine import memory
+
+    root = tmp_path / "cgroup"
+    child = root / "box" / "job"
+    child.mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    (root / "box" / "memory.max").write_text("5000\n")  # the parent's limit is the tighter one
+    (root / "box" / "memory.current").write_text("4000\n")
+    (root / "box" / "memory.stat").write_text("anon 3000\ninactive_file 500\n")
+    (child / "memory.max").write_text("100000\n")
+    (child / "memory.current").write_text("4000\n")
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text("0::/box/job\n")
+    monkeypatch.setattr(memory, "_CGROUP_V2", root)
+    monkeypatch.setattr(memory, "_PROC_CGROUP", str(proc))
+    assert memory._cgroup_headroom() == 5000 - 4000 + 500
+    proc.write_text("0::/\n")
+    assert memory._cgroup_headroom() is None  # the root: no limit

@@ -25,6 +25,7 @@ __all__ = ["CACHE_SHARE", "available_bytes"]
 #: activations, the logits and everything else the process and the machine need.
 CACHE_SHARE = 0.9
 
+_PROC_CGROUP = "/proc/self/cgroup"
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
@@ -51,19 +52,56 @@ def _mem_available() -> int | None:
 
 
 def _cgroup_headroom() -> int | None:
-    """What the process's memory cgroup still allows (v2, else v1); ``None`` without a limit."""
-    for limit_file, usage_file in (
-        (_CGROUP_V2 / "memory.max", _CGROUP_V2 / "memory.current"),
-        (_CGROUP_V1 / "memory.limit_in_bytes", _CGROUP_V1 / "memory.usage_in_bytes"),
-    ):
-        try:
-            limit_text = limit_file.read_text().strip()
-            if limit_text == "max":
-                return None
-            limit, usage = int(limit_text), int(usage_file.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit >= 1 << 60:  # cgroup v1's "no limit" is a huge number
+    """What the process's memory cgroups still allow, the tightest of it and its parents; ``None`` without a limit.
+
+    Page cache the kernel can reclaim (``inactive_file``: the checkpoint just read, say) does not count as used.
+    """
+    headrooms = [h for h in (_headroom(d, v2) for d, v2 in _cgroup_dirs()) if h is not None]
+    return min(headrooms) if headrooms else None
+
+
+def _cgroup_dirs() -> list[tuple[Path, bool]]:
+    """The process's memory cgroup directories, innermost first, with whether each is cgroup v2."""
+    try:
+        lines = Path(_PROC_CGROUP).read_text().splitlines()
+    except OSError:
+        return []
+    found: dict[bool, str] = {}  # v2 or not -> the process's path in that hierarchy
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            found[True] = path
+        elif "memory" in controllers.split(","):  # v1's memory controller (preferred on a hybrid system)
+            found[False] = path
+    v2 = False not in found
+    if v2 not in found:
+        return []
+    root = _CGROUP_V2 if v2 else _CGROUP_V1
+    directory = root / found[v2].lstrip("/")
+    return [(d, v2) for d in (directory, *directory.parents) if d == root or root in d.parents]
+
+
+def _headroom(directory: Path, v2: bool) -> int | None:
+    names = (
+        ("memory.max", "memory.current", "inactive_file")
+        if v2
+        else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    )
+    try:
+        limit_text = (directory / names[0]).read_text().strip()
+        if limit_text == "max":
             return None
-        return max(limit - usage, 0)
-    return None
+        limit, usage = int(limit_text), int((directory / names[1]).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit >= 1 << 60:  # cgroup v1's "no limit" is a huge number
+        return None
+    reclaimable = 0
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == names[2]:
+                reclaimable = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(limit - usage + reclaimable, 0)
