@@ -243,7 +243,8 @@ class PluginHost:
         ]
         if self._load_installed:
             records += self._import_installed(pm)
-        records += self._in_process_records(already={id(p): record for record, p in records if p is not None})
+        twins: set[str] = set()  # installed plugins also passed in-process: loaded once, as installed
+        records += self._in_process_records({id(p): record for record, p in records if p is not None}, twins)
         # register() functions run once per load, as their plugin, in hook call order.
         records = [self._run_if_function(pm, record, plugin) for record, plugin in records]
 
@@ -253,7 +254,7 @@ class PluginHost:
         ]
         self._records = registered[::-1]
         for record in self._records:
-            if record.kind == "in-process" and record.status == "failed":
+            if (record.kind == "in-process" or record.name in twins) and record.status == "failed":
                 raise PluginError(f"{record.ref.describe()} is broken: {record.reason}. {_remedy(record)}")
         return pm
 
@@ -341,10 +342,11 @@ class PluginHost:
         if not inspect.isroutine(plugin):
             target = record.target or record.name
             if inspect.isclass(plugin) and _is_logits_processor(plugin):
+                where = "a module the entry point names" if record.kind == "installed" else "a plugin passed instead"
                 reason = (
                     f"{target} is the logits processor class {plugin.__name__}, not a plugin: add it from a "
-                    "register_logits_processors hook (registry.add(...)) in a module the entry point names, as "
-                    "docs/porting-from-vllm.md shows for vLLM's logits-processor entry points"
+                    f"register_logits_processors hook (registry.add(...)) in {where}, as "
+                    "docs/porting-from-vllm.md shows for vLLM's logits processors"
                 )
                 return replace(record, status="failed", reason=reason), None
             what = (
@@ -384,11 +386,14 @@ class PluginHost:
         seconds = (record.import_seconds or 0.0) + _since(start)
         return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
 
-    def _in_process_records(self, already: dict[int, PluginRecord]) -> list[tuple[PluginRecord, object | None]]:
+    def _in_process_records(
+        self, already: dict[int, PluginRecord], twins: set[str]
+    ) -> list[tuple[PluginRecord, object | None]]:
         """Records of the in-process plugins; one that is an installed plugin loaded here (``already``) is skipped.
 
         ``LLM(path, plugins=[pluginhost_int8_quant])`` with that package installed and selected passes the
-        module the entry point loaded: it is registered (or its ``register()`` run) once, as the installed plugin.
+        module the entry point loaded: it is registered (or its ``register()`` run) once, as the installed plugin,
+        and its name goes into ``twins``: broken, it stops the engine as a broken in-process plugin does.
         """
         out: list[tuple[PluginRecord, object | None]] = []
         names: set[str] = {BUILTIN_PLUGIN}
@@ -396,6 +401,7 @@ class PluginHost:
             twin = already.get(id(plugin))
             if twin is not None:
                 logger.info("%s is loaded once, as the installed %s", _in_process_name(plugin), twin.ref.describe())
+                twins.add(twin.name)
                 continue
             base = _in_process_name(plugin)
             name, n = base, 1

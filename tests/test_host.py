@@ -107,6 +107,18 @@ def test_an_installed_plugin_also_passed_in_process_loads_once(install_plugin):
     assert alone.records[-1].kind == "in-process"
 
 
+
+def test_an_installed_plugin_passed_in_process_and_broken_stops_the_engine_even_when_skipping(
+    install_plugin, monkeypatch
+):
+    import importlib
+
+    install_plugin("gamma", "from pluginhost import hookimpl\n@hookimpl\ndef no_such_hook(config):\n    pass\n")
+    monkeypatch.setenv("PLUGINHOST_SKIP_BROKEN_PLUGINS", "1")
+    with pytest.raises(PluginError, match="plugin 'gamma'.* is broken"):  # asked for by name: never skipped
+        PluginHost(plugins=[importlib.import_module("gamma")]).load()
+
+
 def test_two_engines_do_not_see_each_others_in_process_plugins():
     def plugin(arch):
         class P:
