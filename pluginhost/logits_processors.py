@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,6 +59,20 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: The rows that get a token in the step being sampled (``None``: every row), while the engine applies
+#: the processors; ``AdapterLogitsProcessor`` calls a request's function only when its row gets one.
+_STEP_ROWS: ContextVar[frozenset[int] | None] = ContextVar("pluginhost_step_rows", default=None)
+
+
+@contextmanager
+def step_rows(rows: Sequence[int] | None) -> Iterator[None]:
+    """Within the block, only ``rows`` get a token (the engine's prefill steps; ``None``: every row)."""
+    token = _STEP_ROWS.set(frozenset(rows) if rows is not None else None)
+    try:
+        yield
+    finally:
+        _STEP_ROWS.reset(token)
 
 
 class MoveDirectionality(StrEnum):
@@ -168,8 +184,11 @@ class AdapterLogitsProcessor(LogitsProcessor):
         process_dict_updates(self._rows, batch_update, self._bind)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        # As in vLLM, a request's function runs once per token it gets: not on rows that wait this step.
+        stepping = _STEP_ROWS.get()
         for row, process in self._rows.items():
-            logits[row] = process(logits[row])
+            if stepping is None or row in stepping:
+                logits[row] = process(logits[row])
         return logits
 
     def _bind(

@@ -107,7 +107,6 @@ def test_an_installed_plugin_also_passed_in_process_loads_once(install_plugin):
     assert alone.records[-1].kind == "in-process"
 
 
-
 def test_an_installed_plugin_passed_in_process_and_broken_stops_the_engine_even_when_skipping(
     install_plugin, monkeypatch
 ):

@@ -123,6 +123,42 @@ class WrappedTargetTokens:
         registry.add(WrappedTargetToken)
 
 
+def test_a_request_function_runs_once_per_token_its_request_gets(tiny_opt):
+    """As in vLLM: not on the steps its row waits through while newcomers are prefilled."""
+    calls: list[tuple[str, int]] = []
+
+    class Counts:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, output_ids, logits):
+            calls.append((self.name, len(output_ids)))
+            return logits
+
+    class Adapter(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            return Counts(params.extra_args["name"])
+
+    class Plugin:
+        @hookimpl
+        def register_logits_processors(self, registry):
+            registry.add(Adapter)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    first = llm._inputs.make_request("first", PROMPTS[0], greedy(6, extra_args={"name": "first"}))
+    llm.engine.submit([first])
+    llm.engine.step(), llm.engine.step()  # prefilled, then one decoding step
+    second = llm._inputs.make_request("second", PROMPTS[1], greedy(3, extra_args={"name": "second"}))
+    llm.engine.submit([second])  # its prefill step leaves the first waiting
+    while not (first.finished and second.finished):
+        llm.engine.step()
+    assert [n for name, n in calls if name == "first"] == list(range(6))  # once per token, each seeing those before
+    assert [n for name, n in calls if name == "second"] == list(range(3))
+
+
 def test_process_dict_updates_follows_adds_removals_moves_and_swaps():
     state = {0: "a", 1: "b", 2: "c"}
     params = SamplingParams(extra_args={"tag": "new"})

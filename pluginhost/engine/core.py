@@ -38,7 +38,7 @@ from pluginhost.engine.runner import ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
-from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor
+from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor, step_rows
 
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
@@ -252,7 +252,8 @@ class EngineCore:
         states = [None] * B
         for r in active:
             states[r] = plan.rows[r].sampling  # type: ignore[call-overload]
-        chosen = sample(full, states, self.processors)
+        with step_rows(active if len(active) < B else None):
+            chosen = sample(full, states, self.processors)
         return [chosen[r] for r in active], logprobs  # type: ignore[misc]
 
     # -- logits processors --------------------------------------------------------------
