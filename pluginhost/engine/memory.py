@@ -7,8 +7,9 @@ machine cannot hold ends with an error saying so, instead of the allocator
 failing mid-step or, on a CPU, the kernel's out-of-memory killer ending the
 whole process (Linux hands out memory it does not have until it is touched).
 
-On a CPU: ``MemAvailable`` of ``/proc/meminfo``, and under a cgroup limit (a
-container) what that limit leaves, whichever is smaller. On CUDA: the device's
+On a CPU: ``MemAvailable`` of ``/proc/meminfo``, and under cgroup limits (a
+container, a systemd slice) what the tightest of the process's cgroup and its
+parents leaves, reclaimable page cache not counted as used; whichever is smaller. On CUDA: the device's
 free memory plus what torch's caching allocator holds unused. Elsewhere (or
 when nothing can be read): unknown, and the cache grows unchecked, as before.
 """
