@@ -15,10 +15,10 @@ the engine makes one instance of each per engine and, every step:
 
 The engine keeps its running sequences in a persistent batch. Between two
 steps, sequences finish and leave, new ones join, and the batch is compacted;
-a ``BatchUpdate`` describes that, to be applied in this order: ``added``,
-then ``removed``, then ``moved``. (A new sequence may take the row of one
+a ``BatchUpdate`` describes that, to be applied in vLLM's order: ``removed``,
+then ``added``, then ``moved``. (A new sequence may take the row of one
 that finished in the same update; that row is then in ``added`` and not in
-``removed``.)
+``removed``, so the first two never touch the same row.)
 
 A vLLM v1 processor ports by changing its imports: its
 ``__init__(vllm_config, device, is_pin_memory)`` gets pluginhost's
@@ -93,8 +93,9 @@ class BatchUpdate:
 
     #: Rows in the batch after the update.
     batch_size: int
-    added: Sequence[AddedRequest] = field(default_factory=list)
+    # vLLM's order, so that one built positionally (a ported test) means the same.
     removed: Sequence[int] = field(default_factory=list)
+    added: Sequence[AddedRequest] = field(default_factory=list)
     #: (from, to, directionality).
     moved: Sequence[tuple[int, int, MoveDirectionality]] = field(default_factory=list)
 
@@ -120,7 +121,7 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        """Follow the batch: ``added``, then ``removed``, then ``moved`` (``None``: nothing changed)."""
+        """Follow the batch: ``removed``, then ``added``, then ``moved`` (``None``: nothing changed)."""
 
 
 def process_dict_updates(

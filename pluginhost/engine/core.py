@@ -291,7 +291,7 @@ class EngineCore:
             if id(seq.request) not in ended and not seq.request.finished
         ]
         try:
-            processor.rebuild(self.loaded, BatchUpdate(len(plan.rows), remaining, [], []) if remaining else None)
+            processor.rebuild(self.loaded, BatchUpdate(len(plan.rows), added=remaining) if remaining else None)
         except Exception as exc:  # noqa: BLE001 - broken for everyone: end everyone it was processing
             logger.error(
                 "%s could not be rebuilt (%s: %s): ending its requests", entry.describe(), type(exc).__name__, exc

@@ -113,7 +113,7 @@ class Scheduler:
         update = None
         if self._added or self._removed or moves:
             moved = [(a, b, MoveDirectionality.UNIDIRECTIONAL) for a, b in moves]
-            update = BatchUpdate(len(rows), self._added, sorted(self._removed), moved)
+            update = BatchUpdate(len(rows), removed=sorted(self._removed), added=self._added, moved=moved)
         self._added, self._removed = [], set()
         # Prefilled: the sequences whose prompts are not in the cache yet. Those just admitted, and any
         # whose prefill step was interrupted (Ctrl-C in the forward pass): that step changed no sequence.
