@@ -796,3 +796,21 @@ def test_a_cgroup_limit_counts_with_its_parents_and_without_reclaimable_page_cac
     assert memory._cgroup_headroom() == 5000 - 4000 + 500
     proc.write_text("0::/\n")
     assert memory._cgroup_headroom() is None  # the root: no limit
+
+
+@pytest.mark.parametrize(
+    ("settings", "rows", "prompts"),
+    [({}, 5, 8), ({"max_num_seqs": 4}, 3, 4), ({"compile_decode": True}, 4, 2)],
+    ids=["fewer-rows-than-a-row-step", "max-num-seqs-below-a-row-step", "compiled"],
+)
+def test_room_for_fewer_rows_than_the_cache_grows_by_still_serves_everyone(
+    long_opt, monkeypatch, settings, rows, prompts
+):
+    """The cache grows 8 rows at a time (all of them when compiled): with room for fewer, it takes what fits."""
+    llm = LLM(str(long_opt), load_installed_plugins=False, **settings)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    jobs = [[2, 10 + i, 20 + i] for i in range(prompts)]
+    expected = [o.token_ids for o in LLM(str(long_opt), load_installed_plugins=False).generate(jobs, params)]
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, rows, 256))
+    assert [o.token_ids for o in llm.generate(jobs, params)] == expected  # no refusal loops for ever
+    assert llm.engine.runner.cache_shape == (rows, 256)

@@ -264,6 +264,45 @@ def test_rows_waiting_while_newcomers_are_prefilled_hold_zeros_in_apply(tiny_opt
     assert all(torch.equal(row, torch.zeros_like(row)) for row in SeesIdleRows.idle_rows)
 
 
+class FailsOnAnExplodingRequest(LogitsProcessor):
+    def __init__(self, config, device):
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update):
+        if batch_update and any((p.extra_args or {}).get("explode") for _, p, _, _ in batch_update.added):
+            raise RuntimeError("boom")
+
+    def apply(self, logits):
+        return logits
+
+
+def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_its_own(tiny_opt):
+    """The newcomer it fails on is ended; a row moved in the same update must still move in the cache."""
+
+    class Plugin:
+        @hookimpl
+        def register_logits_processors(self, registry):
+            registry.add(FailsOnAnExplodingRequest)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    alone = llm.generate([PROMPTS[3]], greedy(30))[0].token_ids
+    short = [llm._inputs.make_request(f"short-{i}", PROMPTS[i], greedy(3)) for i in range(2)]
+    third = llm._inputs.make_request("third", PROMPTS[2], greedy(30))
+    fourth = llm._inputs.make_request("fourth", PROMPTS[3], greedy(30))
+    llm.engine.submit([*short, third, fourth])  # rows 0-3
+    while not all(r.finished for r in short):
+        llm.engine.step()
+    newcomer = llm._inputs.make_request("newcomer", PROMPTS[0], greedy(3, extra_args={"explode": True}))
+    llm.engine.submit([newcomer])  # takes row 0; the fourth moves from row 3 to row 1: one update, which fails
+    while not (fourth.finished and newcomer.finished):
+        llm.engine.step()
+    assert isinstance(newcomer.error, PluginHookError) and fourth.error is None
+    assert fourth.output().token_ids == alone
+
+
 def test_validate_params_refuses_a_request_naming_the_plugin(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens()])
     with pytest.raises(RequestRefusedError, match=r"logits processor TargetToken \(plugin 'TargetTokens'\) refused"):

@@ -367,7 +367,7 @@ class EngineCore:
 
         Only the step's own rows: a sequence waiting while newcomers are prefilled asks for nothing this step.
         """
-        held = 0
+        held, changed = 0, False
         for row in sorted(plan.active_rows, reverse=True):  # held back last row first: the queue keeps its order
             sequence = plan.rows[row]
             if sequence.request.finished or sequence.request.error is not None:
@@ -378,6 +378,13 @@ class EngineCore:
             elif row >= full.rows:
                 self.scheduler.hold_back(sequence)
                 held += 1
+            else:
+                continue
+            changed = True
+        if not changed:  # the same step would be refused again: end its requests rather than spin
+            for row in plan.active_rows:
+                if not plan.rows[row].request.finished:
+                    self._end(plan.rows[row].request, full)
         if held and full.rows < self.scheduler.max_num_seqs:
             logger.warning(
                 "The KV cache has room for %d sequences in the memory available: at most %d run at once from now "

@@ -69,6 +69,8 @@ def _cgroup_dirs() -> list[tuple[Path, bool]]:
         return []
     found: dict[bool, str] = {}  # v2 or not -> the process's path in that hierarchy
     for line in lines:
+        if line.count(":") < 2:  # not a cgroup line: nothing to learn from it
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
             found[True] = path

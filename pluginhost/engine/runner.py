@@ -116,6 +116,8 @@ class ModelRunner:
             )
         self._caches: list[KVCache] = []
         self._rows = self._slots = 0
+        #: The most rows the memory allows (``check_memory`` lowers it when it finds less): never grown past.
+        self.row_cap = max_num_seqs
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -160,15 +162,18 @@ class ModelRunner:
         grown_rows, grown_slots = self._grown_shape(rows, slots)
         if grown_rows * grown_slots * per_slot <= budget:
             return
-        if self.compiled is not None:  # every row at once: only the slots can give
-            rows_at_need = 0
+        # What can be had, as a shape the cache really grows to (rows capped from now on, see
+        # ``_grown_shape``): the slots the step needs, with as many rows as then fit if that keeps the
+        # rows held; else the rows held (one at least), with as many slots as fit beside them.
+        fit_rows = int(budget // (grown_slots * per_slot))
+        if fit_rows >= max(self._rows, 1):
+            allowed = (min(grown_rows, fit_rows), grown_slots)
         else:
-            rows_at_need = _round_down(int(budget // (grown_slots * per_slot)), _ROW_STEP)
-        if rows_at_need >= max(self._rows, 1):
-            allowed = (min(grown_rows, rows_at_need), grown_slots)
-        else:
-            fitting = _round_down(int(budget // (max(self._rows, 1) * per_slot)), _SLOT_STEP)
-            allowed = (self._rows, max(self._slots, min(grown_slots, fitting)))
+            kept = max(self._rows, 1)
+            allowed = (kept, max(self._slots, self._realizable_slots(int(budget // (kept * per_slot)))))
+        self.row_cap = min(self.row_cap, allowed[0])
+        if rows <= allowed[0] and slots <= allowed[1]:
+            return  # the cap alone makes the step fit: fewer rows than the rounding asked for
         gib = 1 << 30
         raise KVCacheMemoryError(
             f"The KV cache cannot grow to {grown_rows} rows x {grown_slots} slots: that takes "
@@ -186,13 +191,12 @@ class ModelRunner:
         """The logits of a step described by ``inputs`` (what ``execute`` runs, and every rank of a split model)."""
         if inputs.kind == "recompute":
             return self._recompute(inputs.texts)
-        if inputs.kind != "move":
-            self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
-        for src, dst, length in inputs.moves:
-            for cache in self._caches:
+        for src, dst, length in inputs.moves:  # first: they stay within the rows held, and a failing resize
+            for cache in self._caches:  # must not leave a moved sequence reading another's row
                 cache.move(src, dst, length)
         if inputs.kind == "move":
             return None  # type: ignore[return-value]  # nothing to compute
+        self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
         if inputs.kind == "decode":
             if self.compiled is not None:
                 return self.compiled.logits(
@@ -247,14 +251,24 @@ class ModelRunner:
 
     def _grown_shape(self, rows: int, slots: int) -> tuple[int, int]:
         """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``."""
+        most_rows = min(self.max_num_seqs, self.row_cap)
         if self.compiled is None:
-            new_rows = max(self._rows, min(self.max_num_seqs, _round_up(rows, _ROW_STEP)))
+            new_rows = max(self._rows, min(most_rows, _round_up(rows, _ROW_STEP)))
             new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
         else:  # each cache shape is compiled anew: every row at once, slots doubling
-            new_rows = self.max_num_seqs
+            new_rows = max(self._rows, most_rows)
             doubled = _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length()  # 256, 512, 1024, ...
             new_slots = max(self._slots, min(self.max_model_len, doubled))
         return new_rows, new_slots
+
+    def _realizable_slots(self, most: int) -> int:
+        """The most slots, at most ``most``, that the cache grows to (steps of 256; doubling when compiled)."""
+        if self.compiled is None:
+            return min(self.max_model_len, _round_down(most, _SLOT_STEP))
+        slots, size = 0, _SLOT_STEP
+        while size <= most:  # 256, 512, 1024, ...
+            slots, size = size, size * 2
+        return min(self.max_model_len, slots)
 
     def _ensure_capacity(self, rows: int, slots: int) -> None:
         if rows <= self._rows and slots <= self._slots:
@@ -268,7 +282,7 @@ class ModelRunner:
 
     def _setup_caches(self) -> None:
         """The model's caches, one row of one slot (then grown): what a row's slot costs is known before it grows."""
-        self.model.setup_caches(1, 1)
+        self.model.setup_caches(1, 1)  # a probe: not counted as held (rows and slots stay 0) until it grows
         self._caches = [m for m in self.model.modules() if isinstance(m, KVCache)]
         if not self._caches:
             raise ModelClassError(
@@ -276,7 +290,7 @@ class ModelRunner:
                 "engine grows and reorders the cache through KVCache, so a model's caches must be KVCache "
                 "modules (or the model must not define setup_caches)."
             )
-        self._rows = self._slots = 1
+        self._rows = self._slots = 0
 
 
 #: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.

@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 BUILTIN_ROUTES = (
     "/health",
     "/v1/models",
+    "/v1/models/{model:path}",  # registered after the plugins' routes (it takes every path below), yet reserved
     "/v1/completions",
     "/v1/chat/completions",
     "/metrics",
