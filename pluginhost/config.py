@@ -120,7 +120,10 @@ class EngineConfig(BaseModel):
         # vLLM's other spellings: "half", "float", and torch dtypes themselves (torch.bfloat16).
         if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
             value = str(value).removeprefix("torch.")
-        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = value.strip().lower()  # as vLLM reads it: "BFloat16" is bfloat16
+            return _DTYPE_ALIASES.get(value, value)
+        return value
 
     @field_validator("device")
     @classmethod

@@ -48,12 +48,15 @@ def test_unknown_fields_are_refused_with_the_known_ones_listed():
     )
 
 
-@pytest.mark.parametrize(("given", "dtype"), [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(
+    ("given", "dtype"), [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"), ("HALF", "float16")]
+)
 def test_vllms_dtype_spellings_and_torch_dtypes_are_accepted(given, dtype):
     import torch
 
     assert EngineConfig(model="m", dtype=given).dtype == dtype
     assert EngineConfig(model="m", dtype=getattr(torch, dtype)).dtype == dtype
+    assert EngineConfig(model="m", dtype="BFloat16").dtype == "bfloat16"
 
 
 def test_cuda_devices_are_accepted_by_name():
