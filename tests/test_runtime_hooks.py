@@ -93,6 +93,18 @@ class TargetTokens:
         registry.add(TargetToken)
 
 
+class AddsProcessors:
+    """A plugin whose ``register_logits_processors`` adds the given processor classes."""
+
+    def __init__(self, *processors: type[LogitsProcessor]) -> None:
+        self.processors = processors
+
+    @hookimpl
+    def register_logits_processors(self, registry):
+        for processor in self.processors:
+            registry.add(processor)
+
+
 class ForceToken:
     """vLLM's per-request form (examples/offline_inference/logits_processor/custom_req.py): one callable a request."""
 
@@ -142,12 +154,7 @@ def test_a_request_function_runs_once_per_token_its_request_gets(tiny_opt):
         def new_req_logits_processor(self, params):
             return Counts(params.extra_args["name"])
 
-    class Plugin:
-        @hookimpl
-        def register_logits_processors(self, registry):
-            registry.add(Adapter)
-
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[AddsProcessors(Adapter)])
     first = llm._inputs.make_request("first", PROMPTS[0], greedy(6, extra_args={"name": "first"}))
     llm.engine.submit([first])
     llm.engine.step(), llm.engine.step()  # prefilled, then one decoding step
@@ -238,12 +245,7 @@ class SeesIdleRows(LogitsProcessor):
 
 
 def test_rows_waiting_while_newcomers_are_prefilled_hold_zeros_in_apply(tiny_opt):
-    class Plugin:
-        @hookimpl
-        def register_logits_processors(self, registry):
-            registry.add(SeesIdleRows)
-
-    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[AddsProcessors(SeesIdleRows)])
 
     async def staggered():
         async def one(i: int, started: asyncio.Event | None, running: asyncio.Event):
@@ -262,45 +264,6 @@ def test_rows_waiting_while_newcomers_are_prefilled_hold_zeros_in_apply(tiny_opt
         engine.shutdown()
     assert SeesIdleRows.idle_rows, "no step prefilled a newcomer while others ran: the test saw nothing"
     assert all(torch.equal(row, torch.zeros_like(row)) for row in SeesIdleRows.idle_rows)
-
-
-class FailsOnAnExplodingRequest(LogitsProcessor):
-    def __init__(self, config, device):
-        pass
-
-    def is_argmax_invariant(self) -> bool:
-        return True
-
-    def update_state(self, batch_update):
-        if batch_update and any((p.extra_args or {}).get("explode") for _, p, _, _ in batch_update.added):
-            raise RuntimeError("boom")
-
-    def apply(self, logits):
-        return logits
-
-
-def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_its_own(tiny_opt):
-    """The newcomer it fails on is ended; a row moved in the same update must still move in the cache."""
-
-    class Plugin:
-        @hookimpl
-        def register_logits_processors(self, registry):
-            registry.add(FailsOnAnExplodingRequest)
-
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
-    alone = llm.generate([PROMPTS[3]], greedy(30))[0].token_ids
-    short = [llm._inputs.make_request(f"short-{i}", PROMPTS[i], greedy(3)) for i in range(2)]
-    third = llm._inputs.make_request("third", PROMPTS[2], greedy(30))
-    fourth = llm._inputs.make_request("fourth", PROMPTS[3], greedy(30))
-    llm.engine.submit([*short, third, fourth])  # rows 0-3
-    while not all(r.finished for r in short):
-        llm.engine.step()
-    newcomer = llm._inputs.make_request("newcomer", PROMPTS[0], greedy(3, extra_args={"explode": True}))
-    llm.engine.submit([newcomer])  # takes row 0; the fourth moves from row 3 to row 1: one update, which fails
-    while not (fourth.finished and newcomer.finished):
-        llm.engine.step()
-    assert isinstance(newcomer.error, PluginHookError) and fourth.error is None
-    assert fourth.output().token_ids == alone
 
 
 def test_validate_params_refuses_a_request_naming_the_plugin(tiny_opt):
@@ -329,12 +292,7 @@ class CountsCalls(LogitsProcessor):
 
 
 def test_argmax_invariant_processors_are_skipped_when_every_request_is_greedy(tiny_opt):
-    class Plugin:
-        @hookimpl
-        def register_logits_processors(self, registry):
-            registry.add(CountsCalls)
-
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Plugin()])
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[AddsProcessors(CountsCalls)])
     CountsCalls.calls = 0
     llm.generate(PROMPTS, greedy(4))
     assert CountsCalls.calls == 0
@@ -402,6 +360,24 @@ def test_a_processor_failing_as_a_request_joins_ends_only_that_request(tiny_opt)
     finally:
         engine.shutdown()
     assert survivor.outputs[0].token_ids == [8] * 40  # unaffected, and its target survived the rebuild
+
+
+def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_its_own(tiny_opt):
+    """The newcomer it fails on is ended; a row moved in the same update must still move in the cache."""
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+    alone = llm.generate([PROMPTS[3]], greedy(30))[0].token_ids
+    short = [llm._inputs.make_request(f"short-{i}", PROMPTS[i], greedy(3)) for i in range(2)]
+    third = llm._inputs.make_request("third", PROMPTS[2], greedy(30))
+    fourth = llm._inputs.make_request("fourth", PROMPTS[3], greedy(30))
+    llm.engine.submit([*short, third, fourth])  # rows 0-3
+    while not all(r.finished for r in short):
+        llm.engine.step()
+    newcomer = llm._inputs.make_request("newcomer", PROMPTS[0], greedy(3, extra_args={"explode_on_join": True}))
+    llm.engine.submit([newcomer])  # takes row 0; the fourth moves from row 3 to row 1: one update, which fails
+    while not (fourth.finished and newcomer.finished):
+        llm.engine.step()
+    assert isinstance(newcomer.error, PluginHookError) and fourth.error is None
+    assert fourth.output().token_ids == alone
 
 
 # -- on_request, on_output, record_stats ----------------------------------------------------------------
