@@ -198,17 +198,19 @@ class AdapterLogitsProcessor(LogitsProcessor):
         process = self.new_req_logits_processor(params)
         if process is None:
             return None
-        if _positional_count(process) >= 3:
+        if _positional_parameters(process)[0] >= 3:  # as vLLM reads it: *args is not the three-argument form
             return lambda row: process(prompt_ids, output_ids, row)
         return lambda row: process(output_ids, row)
 
 
-def _positional_count(function: Callable[..., Any]) -> int:
+def _positional_parameters(function: Callable[..., Any]) -> tuple[int, bool]:
+    """How many named positional parameters ``function`` takes, and whether it takes ``*args`` too."""
     try:
         parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
-        return 2
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: taken as two named ones
+        return 2, False
+    named = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+    return named, any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 @dataclass(frozen=True)
@@ -223,9 +225,8 @@ class RegisteredProcessor:
 
     def instantiate(self, config: Any, device: torch.device) -> LogitsProcessor:
         """``cls(config, device)``, with ``is_pin_memory=False`` for vLLM's three-argument form."""
-        params = list(inspect.signature(self.cls.__init__).parameters.values())[1:]
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        named, any_number = _positional_parameters(self.cls.__init__)
+        if named - 1 >= 3 or any_number:  # self aside
             return self.cls(config, device, False)  # type: ignore[call-arg]
         return self.cls(config, device)
 
