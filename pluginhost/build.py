@@ -98,12 +98,13 @@ def _registered_by_plugins_not_loaded(architectures: list[str], host: PluginHost
     only where the plugin is loaded.
     """
     loaded = {(r.name, r.distribution) for r in host.records if r.kind == "installed" and r.status == "loaded"}
+    registered = [ModelRegistry.get(arch) for arch in architectures if arch in ModelRegistry]
     found = [
-        ModelRegistry.get(arch)
-        for arch in architectures
-        if arch in ModelRegistry and ModelRegistry.get(arch).registered_by.distribution is not None
+        r
+        for r in registered
+        if r.registered_by.distribution is not None
+        and (r.registered_by.name, r.registered_by.distribution) not in loaded
     ]
-    found = [r for r in found if (r.registered_by.name, r.registered_by.distribution) not in loaded]
     if not found:
         return ""
     entry = found[0]

@@ -698,7 +698,7 @@ def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what availabl
 
     runner = llm.engine.runner
     runner.check_memory(1, 1)  # the caches set up: what a slot costs
-    per_slot = sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in runner._caches)
+    per_slot = runner.slot_bytes()
     return lambda device: int(rows * slots * per_slot / CACHE_SHARE) + 1
 
 

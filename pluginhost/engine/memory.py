@@ -9,9 +9,10 @@ whole process (Linux hands out memory it does not have until it is touched).
 
 On a CPU: ``MemAvailable`` of ``/proc/meminfo``, and under cgroup limits (a
 container, a systemd slice) what the tightest of the process's cgroup and its
-parents leaves, reclaimable page cache not counted as used; whichever is smaller. On CUDA: the device's
-free memory plus what torch's caching allocator holds unused. Elsewhere (or
-when nothing can be read): unknown, and the cache grows unchecked, as before.
+parents leaves, reclaimable page cache not counted as used; whichever is
+smaller. On CUDA: the device's free memory plus what torch's caching allocator
+holds unused. Elsewhere (or when nothing can be read): unknown, and the cache
+grows unchecked, as before.
 """
 
 from __future__ import annotations

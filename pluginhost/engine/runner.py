@@ -11,9 +11,9 @@ sequence's whole text each step instead: slower, same result.
 The KV cache grows on demand, never more than ``max_num_seqs`` rows and
 ``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
 sequences get longer, keeping what it holds, and never past what the memory
-left allows (``check_memory``: ``KVCacheMemoryError`` says what it can hold). A compiled decoding step
-(``pluginhost.engine.compiled``) is compiled for each cache shape, so then the
-cache takes every row at once and doubles its slots.
+left allows (``check_memory``: ``KVCacheMemoryError`` says what it can hold).
+A compiled decoding step (``pluginhost.engine.compiled``) is compiled for each
+cache shape, so then the cache takes every row at once and doubles its slots.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class ModelRunner:
         available = available_bytes(self.device)
         if available is None:
             return
-        per_slot = self.memory_sharers * sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in self._caches)
+        per_slot = self.slot_bytes()
         budget = CACHE_SHARE * available
         grown_rows, grown_slots = self._grown_shape(rows, slots)
         if grown_rows * grown_slots * per_slot <= budget:
@@ -185,6 +185,10 @@ class ModelRunner:
             rows=allowed[0],
             slots=allowed[1],
         )
+
+    def slot_bytes(self) -> int:
+        """Bytes one row's slot takes: keys and values of every layer, on every rank sharing this memory."""
+        return self.memory_sharers * sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in self._caches)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> Tensor:
