@@ -4,9 +4,9 @@ The model is built, and the engine loop runs, in a thread of its own, so model
 work never blocks the event loop: ``generate`` only queues the request and
 awaits its outputs, which the loop thread hands over with
 ``call_soon_threadsafe``. Outputs are cumulative; when a consumer falls behind,
-it gets the latest one (nothing is lost: each holds everything so far). Leaving the ``async for`` early (a
-client that went away, a cancelled task) aborts the request, which frees its
-row at the next step.
+it gets the latest one (nothing is lost: each holds everything so far).
+Leaving the ``async for`` early (a client that went away, a cancelled task)
+aborts the request, which frees its row at the next step.
 
 >>> engine = AsyncLLM(model="path/to/opt")                                      # doctest: +SKIP
 >>> async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "r1"):  # doctest: +SKIP
