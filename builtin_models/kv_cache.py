@@ -36,6 +36,8 @@ class KVCache(nn.Module):
         shape = (max_batch_size, n_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # Each row's own index, for writing one token a row: made once, not per layer and step.
+        self.register_buffer("row_index", torch.arange(max_batch_size, device=device)[:, None], persistent=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,12 +49,19 @@ class KVCache(nn.Module):
 
         The result is (B, H, S, D): a view for a slice of rows, a gathered copy for a tensor of rows.
         """
-        B = k.shape[0]
+        B, _, T, _ = k.shape
         if isinstance(rows, slice):
             k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
-            batch = torch.arange(B, device=k.device)[:, None]  # (B, 1)
-            k_rows[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
-            v_rows[batch, :, positions] = v.transpose(1, 2)  # likewise
+            # Decoding one sequence: a slice copy costs a third of indexing. Not on a GPU (int() would
+            # wait for it) nor while compiling (a position read on the host would split the graph).
+            if B == 1 and T == 1 and k.is_cpu and not torch.compiler.is_compiling():
+                p = int(positions)
+                k_rows[:, :, p : p + 1].copy_(k)  # (1, H, 1, D)
+                v_rows[:, :, p : p + 1].copy_(v)
+            else:
+                batch = self.row_index[:B]  # (B, 1)
+                k_rows[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
+                v_rows[batch, :, positions] = v.transpose(1, 2)  # likewise
             return k_rows[:, :, :n_slots], v_rows[:, :, :n_slots]  # (B, H, S, D) views
         self.k[rows[:, None], :, positions] = k.transpose(1, 2)  # (B, T, H, D) into rows (B,), T slots each
         self.v[rows[:, None], :, positions] = v.transpose(1, 2)
@@ -69,6 +78,7 @@ class KVCache(nn.Module):
             new = old.new_zeros((rows, old.shape[1], slots, old.shape[3]))
             new[:keep_rows, :, :keep_slots] = old[:keep_rows, :, :keep_slots]
             setattr(self, name, new)
+        self.row_index = torch.arange(rows, device=self.k.device)[:, None]
 
     def move(self, src: int, dst: int, n_slots: int) -> None:
         """Copy the first ``n_slots`` slots of row ``src`` into row ``dst``."""
