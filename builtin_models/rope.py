@@ -22,7 +22,13 @@ __all__ = ["RotaryEmbedding", "apply_rotary"]
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin (B, T, D) for positions (B, T).
+    """cos and signed sin (B, T, D) for positions (B, T), as :func:`apply_rotary` takes them.
+
+    The sin's first half is negated: rotating a head is then ``x * cos +
+    roll(x) * sin``, where transformers writes ``x * cos + rotate_half(x) *
+    sin`` with ``rotate_half(x) = cat(-x2, x1)``. Both give the same bits (a
+    sign moved between the factors of a product changes no rounding), and the
+    roll is one operation where ``rotate_half`` is three.
 
     Holds no buffer: frequencies are computed on first use on the positions'
     device, so the module can be built on the meta device.
@@ -63,7 +69,9 @@ class RotaryEmbedding(nn.Module):
             self._longrope_update(positions)
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # (B, T, D) each
 
     def _dynamic_update(self, positions: Tensor) -> None:
         """Grow the frequencies past the trained length; back to the originals below it (transformers' rule)."""
@@ -84,12 +92,10 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.long_inv_freq if seq_len > original else self.original_inv_freq
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate every head of x (B, H, T, D) by cos and sin (B, T, D): queries and keys alike, in one pass."""
+    """Rotate every head of x (B, H, T, D) by :class:`RotaryEmbedding`'s cos and signed sin (B, T, D).
+
+    Queries and keys alike, in one pass.
+    """
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin  # roll: the halves swapped, (x2, x1)

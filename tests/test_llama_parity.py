@@ -111,6 +111,27 @@ def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path, ass
         assert_decoding_matches(llm.generate([prompt], params), [prompt], reference, TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama, multi-head", "llama, linear rope scaling", "llama 3.1 rope"])
+@torch.no_grad()
+def test_rotary_embedding_is_transformers_bit_for_bit(name, dtype):
+    """The rotation (one roll against transformers' rotate_half, the sign carried by sin) changes no bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from builtin_models.rope import RotaryEmbedding, apply_rotary
+
+    config = LlamaConfig(**{"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **VARIANTS[name][1]})
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [17, 18, 19, 40, 41, 42]])  # (B, T)
+    generator = torch.Generator().manual_seed(0)
+    n_kv = config.num_key_value_heads
+    q, k = (torch.randn(2, n, 6, 16, generator=generator).to(dtype) * 4 for n in (4, n_kv))  # (B, H, T, D)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    theirs = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = apply_rotary(torch.cat((q, k), dim=1), *RotaryEmbedding(config)(positions, dtype))
+    assert torch.equal(ours, torch.cat(theirs, dim=1))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @torch.no_grad()
 def test_half_precision_stays_close_to_transformers(tmp_path, dtype):
