@@ -770,6 +770,20 @@ def test_a_sequence_waiting_while_newcomers_are_prefilled_is_not_ended_for_their
     assert long.error is None and sum(r.sequences[0].num_computed > 0 for r in newcomers) == 15
 
 
+def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):
+    """With tensor parallelism only rank 0 checks the memory: another rank's cache takes the shape its steps say."""
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    other_rank = LLM(str(long_opt), load_installed_plugins=False).engine.runner  # runs what it is sent, as a rank does
+    sent = []
+    run = llm.engine.runner.run
+    monkeypatch.setattr(llm.engine.runner, "run", lambda inputs: (sent.append(inputs), run(inputs))[1])
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 3, 256))
+    llm.generate([[2, 10 + i, 20 + i] for i in range(5)], SamplingParams(max_tokens=5, temperature=0))
+    for inputs in sent:
+        other_rank.run(inputs)
+    assert other_rank.cache_shape == llm.engine.runner.cache_shape == (3, 256)  # not the 8 rows it grows by
+
+
 def test_the_memory_available_is_known_on_this_machine():
     from pluginhost.engine.memory import available_bytes
 

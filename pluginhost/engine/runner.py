@@ -19,7 +19,7 @@ cache shape, so then the cache takes every row at once and doubles its slots.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +62,9 @@ class StepInputs:
     #: prefill: the rows prefilled and their prompts; recompute: the active rows' whole texts.
     rows: list[int] = field(default_factory=list)
     texts: list[list[int]] = field(default_factory=list)
+    #: The (rows, slots) the cache grows to first, when it must: decided where the memory is checked,
+    #: so every rank's cache has the same shape. ``None``: as this process's runner would grow it.
+    cache_shape: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, step: ScheduledStep, *, cached: bool) -> StepInputs:
@@ -132,6 +135,8 @@ class ModelRunner:
         inputs = StepInputs.of(step, cached=self.cached)
         if inputs.kind != "recompute":
             self.check_memory(inputs.num_rows, inputs.slots_needed)
+            if not self._fits(inputs.num_rows, inputs.slots_needed):
+                inputs = replace(inputs, cache_shape=self._grown_shape(inputs.num_rows, inputs.slots_needed))
         return self.run(inputs)
 
     def apply_moves(self, step: ScheduledStep) -> None:
@@ -150,7 +155,7 @@ class ModelRunner:
         ``CACHE_SHARE`` of the memory available now. The error says what can be had: the slots the
         step needs with as many rows as then fit, else as many slots as the rows held now allow.
         """
-        if rows <= self._rows and slots <= self._slots:
+        if self._fits(rows, slots):
             return
         if not self._caches:
             self._setup_caches()
@@ -200,7 +205,8 @@ class ModelRunner:
                 cache.move(src, dst, length)
         if inputs.kind == "move":
             return None  # type: ignore[return-value]  # nothing to compute
-        self._ensure_capacity(inputs.num_rows, inputs.slots_needed)
+        if not self._fits(inputs.num_rows, inputs.slots_needed):
+            self._grow(inputs.cache_shape or self._grown_shape(inputs.num_rows, inputs.slots_needed))
         if inputs.kind == "decode":
             if self.compiled is not None:
                 return self.compiled.logits(
@@ -274,10 +280,11 @@ class ModelRunner:
             slots, size = size, size * 2
         return min(self.max_model_len, slots)
 
-    def _ensure_capacity(self, rows: int, slots: int) -> None:
-        if rows <= self._rows and slots <= self._slots:
-            return
-        new_rows, new_slots = self._grown_shape(rows, slots)
+    def _fits(self, rows: int, slots: int) -> bool:
+        return rows <= self._rows and slots <= self._slots
+
+    def _grow(self, shape: tuple[int, int]) -> None:
+        new_rows, new_slots = shape
         if not self._caches:
             self._setup_caches()
         for cache in self._caches:
