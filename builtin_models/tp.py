@@ -24,6 +24,7 @@ all-reduces per transformer block and one all-gather for the logits.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,18 @@ from torch import Tensor, nn
 from builtin_models.weights import SHARD_ATTR, Shard
 from pluginhost.errors import ModelClassError
 
-__all__ = ["Colwise", "Heads", "Rowwise", "Style", "VocabParallel", "has_tp_plan", "shard_model", "unshard_tied"]
+__all__ = [
+    "Collectives",
+    "Colwise",
+    "Heads",
+    "Rowwise",
+    "Style",
+    "VocabParallel",
+    "has_tp_plan",
+    "keep_collectives",
+    "shard_model",
+    "unshard_tied",
+]
 
 
 @dataclass(frozen=True)
@@ -66,21 +78,55 @@ def has_tp_plan(model: nn.Module) -> bool:
     return callable(getattr(model, "tp_plan", None))
 
 
-def shard_model(model: nn.Module, rank: int, world: int, group: Any = None) -> None:
-    """Apply ``model.tp_plan()`` for ``rank`` of ``world``; the model must still be on the meta device."""
+#: The split layers whose outputs are combined over the ranks: module name -> (the module split, its hook).
+Collectives = dict[str, tuple[nn.Module, Callable[..., Tensor]]]
+
+
+def shard_model(model: nn.Module, rank: int, world: int, group: Any = None) -> Collectives:
+    """Apply ``model.tp_plan()`` for ``rank`` of ``world``; the model must still be on the meta device.
+
+    Returns the layers whose outputs an all-reduce or all-gather completes, for :func:`keep_collectives`.
+    """
     if not has_tp_plan(model):
         raise ModelClassError(
             f"{type(model).__name__} has no tensor-parallel plan (a tp_plan() method), so it cannot be split over "
             f"{world} ranks: use tensor_parallel_size=1, or give the class a tp_plan (see builtin_models.tp)."
         )
     modules = dict(model.named_modules())
+    collectives: Collectives = {}
     for pattern, style in model.tp_plan().items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))  # "*": one name, never a dotted path
         matched = [name for name in modules if regex.fullmatch(name)]
         if not matched:
             raise ModelClassError(f"{type(model).__name__}.tp_plan() names {pattern!r}, which matches no module")
         for name in matched:
-            _apply(style, name, modules[name], rank, world, group)
+            hook = _apply(style, name, modules[name], rank, world, group)
+            if hook is not None:
+                collectives[name] = (modules[name], hook)
+    return collectives
+
+
+def keep_collectives(model: nn.Module, collectives: Collectives) -> None:
+    """After ``post_load``: a split layer a plugin replaced still has its output summed or gathered over the ranks.
+
+    The collective belongs to the layer's place in the model, not to the module object: a
+    replacement computing from this rank's shard (``int8_quant``'s ``Int8Linear``) gives a partial
+    result too, and takes the same hook. A split module still in the model (kept inside a wrapper,
+    say) keeps its own hook, so no output is summed twice.
+    """
+    modules = dict(model.named_modules())
+    present = {id(module) for module in modules.values()}
+    for name, (split, hook) in collectives.items():
+        if id(split) in present:
+            continue
+        replacement = modules.get(name)
+        if replacement is None:
+            raise ModelClassError(
+                f"{name} was split over the ranks and is gone from the model after post_load: its partial "
+                "results can no longer be combined. A post_load hook may replace a split layer (the replacement "
+                "computes from this rank's shard), not remove it."
+            )
+        replacement.register_forward_hook(hook)
 
 
 def unshard_tied(model: nn.Module) -> None:
@@ -92,10 +138,11 @@ def unshard_tied(model: nn.Module) -> None:
             module.weight = nn.Parameter(shard.take(module.weight.data), requires_grad=False)
 
 
-def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, group: Any) -> None:
+def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, group: Any) -> Callable | None:
+    """Split ``module`` as ``style`` says; the forward hook that completes its output, if it needs one."""
     if isinstance(style, Heads):
         _split_heads(name, module, world)
-        return
+        return None
     if not isinstance(module, nn.Linear):
         raise ModelClassError(f"tp_plan: {name} is a {type(module).__name__}; {type(style).__name__} splits nn.Linear")
     out_features, in_features = module.weight.shape
@@ -118,7 +165,9 @@ def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, gr
         if module.bias is not None:
             _replace(module, "bias", (out_features,), Shard(rank, world, rank0_only=True))
         module.in_features = in_features // world
-        module.register_forward_hook(_all_reduce_output(group))
+        hook = _all_reduce_output(group)
+        module.register_forward_hook(hook)
+        return hook
     elif isinstance(style, VocabParallel):
         chunk = -(-out_features // world)
         shard = Shard(rank, world, dim=0, pad=True)
@@ -126,7 +175,10 @@ def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, gr
         if module.bias is not None:
             _replace(module, "bias", (chunk,), shard)
         module.tp_vocab, module.tp_vocab_shard = out_features, shard
-        module.register_forward_hook(_gather_vocab(out_features, world, group))
+        hook = _gather_vocab(out_features, world, group)
+        module.register_forward_hook(hook)
+        return hook
+    return None
 
 
 def _split_heads(name: str, module: nn.Module, world: int) -> None:

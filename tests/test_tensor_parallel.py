@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.engine.parallel import free_port
@@ -139,6 +140,41 @@ def test_an_in_process_plugin_travels_by_importable_name(tiny_opt):
         assert llm.config.max_num_seqs == 5 and llm.generate(PROMPTS[:2], GREEDY)
     finally:
         llm.close()
+
+
+class PlainLinear(torch.nn.Module):
+    """What a quantizing plugin swaps in: a new module computing from the weight (this rank's shard) it replaces."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class ReplacesLinears:
+    @hookimpl
+    def post_load(self, config, model):
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, PlainLinear(child))
+
+
+REPLACES_LINEARS = ReplacesLinears()
+
+
+def test_split_layers_a_plugin_replaces_in_post_load_are_still_summed_and_gathered(tiny_opt):
+    """The all-reduces and the head's all-gather go with the layer's place, not the module replaced (int8_quant)."""
+    settings = {"plugins": [REPLACES_LINEARS], "load_installed_plugins": False, "dtype": "float32"}
+    expected = LLM(str(tiny_opt), **settings).generate(PROMPTS, GREEDY)
+    two = LLM(str(tiny_opt), tensor_parallel_size=2, **settings)
+    try:
+        assert isinstance(two.model.lm_head, PlainLinear)
+        assert_same(expected, two.generate(PROMPTS, GREEDY))
+    finally:
+        two.close()
 
 
 def test_an_in_process_plugin_without_a_name_is_refused_before_anything_starts(tiny_opt):

@@ -123,10 +123,11 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
+    collectives = None
     if ranks is not None:
         from builtin_models.tp import shard_model
 
-        shard_model(model, ranks.rank, ranks.world_size)
+        collectives = shard_model(model, ranks.rank, ranks.world_size)
     size = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     weights = checkpoint.tensors(
         dtype=dtype, device=device, max_numel=size, refuse_nonfinite=config.refuse_nonfinite_weights
@@ -139,6 +140,10 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     _check_loaded(model, loaded, plan.model_dir)
     model.eval().requires_grad_(False)
     host.call("post_load", config=config, model=model)
+    if collectives is not None:
+        from builtin_models.tp import keep_collectives
+
+        keep_collectives(model, collectives)
     if agreement is not None:
         agreement.reach("built")
     logger.info(
