@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
@@ -692,6 +693,13 @@ def _importable_name(index: int, plugin: object) -> str:
                 name = f"{module_name}:{found}"
                 break
     if name is not None and (not name.startswith("__main__") or main_is_a_file):
+        attr = name.partition(":")[2].partition(".")[0]
+        if name.startswith("__main__:") and attr in _bound_only_when_run(main.__file__):  # type: ignore[union-attr]
+            raise ConfigError(
+                f"plugins[{index}] ({_in_process_name(plugin)}) is made inside the script's `if __name__ == "
+                '"__main__":` block, which the other processes of a tensor-parallel engine do not run when they '
+                f"import the script to load it: define {attr!r} above that block, at the top level."
+            )
         try:
             if _import_by_name(name) is plugin:
                 return name
@@ -703,6 +711,42 @@ def _importable_name(index: int, plugin: object) -> str:
         "module, or a class, function or object defined at the top level of a module or script, not inside a "
         "function). Move it to the top level of a module, or install it as a plugin."
     )
+
+
+def _bound_only_when_run(script: str) -> set[str]:
+    """Names the script binds only in an ``if __name__ == "__main__":`` block (empty if it cannot be read)."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return set()
+
+    def is_main_guard(node: ast.stmt) -> bool:
+        test = node.test if isinstance(node, ast.If) else None
+        return (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+        )
+
+    def bound(statements: list[ast.stmt], skip_guard: bool) -> set[str]:
+        names: set[str] = set()
+        for node in statements:
+            if skip_guard and is_main_guard(node):
+                names |= bound(node.orelse, skip_guard)  # type: ignore[attr-defined]
+                continue
+            for child in ast.walk(node):
+                if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                    names.add(child.id)
+                elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    names.add(child.name)
+                elif isinstance(child, ast.Import | ast.ImportFrom):
+                    names |= {(a.asname or a.name).partition(".")[0] for a in child.names}
+        return names
+
+    return bound(tree.body, skip_guard=False) - bound(tree.body, skip_guard=True)
 
 
 def _import_by_name(name: str) -> object:

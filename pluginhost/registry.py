@@ -135,7 +135,9 @@ def _target_of(model: type | str) -> str:
             raise ValueError(f'{model!r} is not of the form "package.module:ClassName"')
         return f"{module.strip()}:{qualname.strip()}"
     if inspect.isclass(model):
-        return f"{model.__module__}:{model.__qualname__}"
+        # A class of the script is __main__'s in every process: a spawned one imports it as __mp_main__.
+        module = "__main__" if model.__module__ == "__mp_main__" else model.__module__
+        return f"{module}:{model.__qualname__}"
     raise ValueError(f"expected a class or a 'package.module:ClassName' string, got {type(model).__name__}")
 
 

@@ -187,6 +187,56 @@ def test_an_in_process_plugin_without_a_name_is_refused_before_anything_starts(t
         LLM(str(tiny_opt), plugins=[Local()], load_installed_plugins=False, tensor_parallel_size=2)
 
 
+SCRIPT = """
+import sys
+
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, SamplingParams, hookimpl
+from pluginhost.testing.plugins import RegistersModel
+
+
+class ScriptOPT(OPTForCausalLM):
+    pass
+
+
+REGISTERS = RegistersModel("OPTForCausalLM", ScriptOPT)
+
+
+class MaxSeqs:
+    @hookimpl
+    def modify_config(self, config):
+        config.max_num_seqs = 3
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "made under the guard":
+        made_here = MaxSeqs()
+        plugins = [made_here]
+    else:
+        plugins = [REGISTERS]
+    llm = LLM(sys.argv[1], plugins=plugins, load_installed_plugins=False, tensor_parallel_size=2)
+    print(type(llm.model).__name__, llm.generate([[2, 5, 6]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids)
+    llm.close()
+"""
+
+
+@pytest.mark.parametrize("case", ["defined at the top level", "made under the guard"])
+def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_at_once(tmp_path, tiny_opt, case):
+    """The other rank imports the script as __mp_main__, without running its `if __name__ == "__main__":` block."""
+    script = tmp_path / "generate.py"
+    script.write_text(SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tiny_opt), case], capture_output=True, text=True, timeout=240
+    )
+    if case == "defined at the top level":  # ScriptOPT is __main__:ScriptOPT on both ranks
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("ScriptOPT [")
+    else:
+        assert result.returncode == 1 and "Traceback" in result.stderr
+        assert 'plugins[0] (MaxSeqs) is made inside the script\'s `if __name__ == "__main__":` block' in result.stderr
+        assert "define 'made_here' above that block" in result.stderr
+
+
 DIFFERS_BY_RANK = """
 from pluginhost import hookimpl
 from pluginhost.distributed import get_rank
