@@ -468,6 +468,7 @@ def test_max_model_len_is_enforced_with_a_clear_error(tiny_opt):
     ("prompts", "params", "message"),
     [
         ([""], None, "prompt 0 is an empty string"),
+        (["ok", "caf\udce9"], None, r"prompt 1 is not valid Unicode: character 3 is '\\udce9', surrogates not allowed"),
         ([[]], None, "prompt 0 is an empty list of token ids"),
         ([[2, 5], [2, 384]], None, r"prompt 1 has token id\(s\) \[384\] outside the vocabulary \[0, 384\)"),
         ([[2, -1]], None, r"token id\(s\) \[-1\]"),
@@ -491,6 +492,19 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
     assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def test_text_encoding_outside_the_models_vocabulary_is_refused_before_it_reaches_the_model(tmp_path):
+    """A tokenizer with more tokens than the model's embedding: the prompt is refused, not the whole batch."""
+    from pluginhost.testing import make_tiny_opt
+    from pluginhost.testing.models import make_byte_tokenizer
+
+    path = make_tiny_opt(tmp_path, tokenizer=False, vocab_size=200)
+    make_byte_tokenizer(path, vocab_size=320)
+    llm = LLM(str(path), load_installed_plugins=False)
+    with pytest.raises(ValueError, match=r"prompt 1 encodes to token id\(s\) \[.*\] outside the model's vocabulary "):
+        llm.generate(["Hi", "The quick brown fox"], SamplingParams(max_tokens=2))
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 
 
 @pytest.mark.parametrize(

@@ -315,6 +315,13 @@ def test_sse_framing_is_exact(url):
         ("/v1/completions", {"model": "demo", "prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1]"),
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**6}, 400, "more than max_model_len=256"),
         ("/v1/completions", {"model": "demo", "prompt": [10**7]}, 400, "outside the vocabulary"),
+        ("/v1/completions", {"model": "demo", "prompt": "caf\udce9"}, 400, "prompt 0 is not valid Unicode"),
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "user", "content": "caf\udce9"}]},
+            400,
+            "the messages are not valid Unicode: '\\udce9', surrogates not allowed",
+        ),
         (
             "/v1/completions",
             {"model": "demo", "prompt": "x", "n": 10**7},
@@ -355,7 +362,9 @@ def test_sse_framing_is_exact(url):
     ],
 )
 def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url, client, path, body, status, fragment):
-    response = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+    # JSON escapes as a client sends them: a lone surrogate travels as "\udce9" (httpx's json= cannot encode it).
+    content, headers = json.dumps(body), {"content-type": "application/json"}
+    response = httpx.post(f"{url}{path}", content=content, headers=headers, timeout=TIMEOUT)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()

@@ -142,7 +142,22 @@ class InputProcessor:
                     f"prompt {index} is text, but {loaded.config.model} has no tokenizer files; "
                     "pass token ids instead (a list of ints)"
                 )
-            return prompt, list(loaded.tokenizer(prompt)["input_ids"])
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: tokenizers raise a TypeError on it
+                raise ValueError(
+                    f"prompt {index} is not valid Unicode: character {exc.start} is {prompt[exc.start]!r}, "
+                    f"{exc.reason} (text decoded with errors='surrogateescape'?)"
+                ) from None
+            token_ids = list(loaded.tokenizer(prompt)["input_ids"])
+            outside = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"prompt {index} encodes to token id(s) {outside[:5]} outside the model's vocabulary "
+                    f"[0, {loaded.vocab_size}): the tokenizer of {loaded.config.model} does not match the model "
+                    "(tokens added to the tokenizer that the model has no embedding for?)"
+                )
+            return prompt, token_ids
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise ValueError(
                 f"prompt {index} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"

@@ -318,6 +318,12 @@ class _API:
             text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
             raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\udce9"): the tokenizer would raise a TypeError
+            raise bad_request(
+                f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
+            ) from None
         prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
         top = (body.top_logprobs or 0) if body.logprobs else None
         budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
