@@ -494,6 +494,28 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
     assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 
 
+def test_a_request_whose_logits_are_not_numbers_ends_with_a_clear_error_and_the_others_go_on(tiny_opt):
+    """NaN logits (a float16 overflow, say): greedy decoding chose token 0 for ever, sampling crashed."""
+    llm = LLM(str(tiny_opt), load_installed_plugins=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].token_ids
+    compute_logits, overflow = llm.model.compute_logits, []
+    llm.model.compute_logits = lambda hidden: (
+        compute_logits(hidden).fill_(float("nan")) if overflow and overflow.pop() else compute_logits(hidden)
+    )
+    first = llm._inputs.make_request("first", PROMPTS[0], params)
+    llm.engine.submit([first])
+    llm.engine.step(), llm.engine.step()  # its prefill, then a decoding step (a prefill step is followed by one)
+    second = llm._inputs.make_request("second", PROMPTS[1], params)
+    llm.engine.submit([second])
+    overflow.append(True)  # the next step, the second's prefill alone, overflows
+    while not (first.finished and second.finished):
+        llm.engine.step()
+    assert isinstance(second.error, ModelRunError)
+    assert "gave logits that are not finite numbers (NaN or infinity) for this request" in str(second.error)
+    assert first.error is None and first.output().token_ids == alone
+
+
 def test_text_encoding_outside_the_models_vocabulary_is_refused_before_it_reaches_the_model(tmp_path):
     """A tokenizer with more tokens than the model's embedding: the prompt is refused, not the whole batch."""
     from pluginhost.testing import make_tiny_opt

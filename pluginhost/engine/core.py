@@ -212,6 +212,9 @@ class EngineCore:
             except _ProcessorFailure as failure:
                 self._processor_failed(failure, plan, plan.active_rows)  # apply saw every row of the step
                 return True
+            except _NonFiniteLogits as nonfinite:
+                self._nonfinite(plan, nonfinite.rows)
+                return True
             except Exception as exc:
                 self._fail(plan, self._blame(exc))
                 return True
@@ -237,6 +240,11 @@ class EngineCore:
         """Logits, log-probabilities (of the model's own distribution) and tokens of the active rows."""
         logits = self.runner.execute(plan)  # (A, V): the active rows
         active = plan.active_rows
+        # NaN or +inf anywhere in a row (a float16 overflow, say), or nothing but -inf: greedy decoding would
+        # pick token 0 for ever, sampling would fail. One pass over the logits; NaN propagates through amax.
+        broken = ~logits.amax(dim=-1).isfinite()  # (A,)
+        if broken.any():
+            raise _NonFiniteLogits([active[i] for i in broken.nonzero().flatten().tolist()])
         wanted = any(plan.rows[r].params.logprobs is not None for r in active)
         logprobs = logits.log_softmax(dim=-1) if wanted else None  # before the sampler changes the logits
         if not self.processors:
@@ -270,6 +278,22 @@ class EngineCore:
             added = [a[0] for a in plan.batch_update.added] if plan.batch_update is not None else []
             self._processor_failed(failure, plan, added or plan.active_rows)
         return not failures
+
+    def _nonfinite(self, plan: ScheduledStep, rows: list[int]) -> None:
+        """End the requests of ``rows``, whose logits are not numbers; the others run this step again."""
+        if self.loaded.dtype == torch.float16:
+            hint = "float16's range (up to 65504) overflowed: use dtype bfloat16 or float32"
+        else:
+            hint = "check the model's weights and configuration (hf_overrides?), or use dtype float32"
+        error = ModelRunError(
+            f"The model {self.loaded.describe()} gave logits that are not finite numbers (NaN or infinity) for "
+            f"this request: {hint}. The request was ended; the others go on."
+        )
+        logger.warning(
+            "ended %d of a step's %d rows: their logits were not finite numbers", len(rows), len(plan.active_rows)
+        )
+        for request in {id(plan.rows[r].request): plan.rows[r].request for r in rows}.values():
+            self._end(request, error)
 
     def _processor_failed(self, failure: _ProcessorFailure, plan: ScheduledStep, rows: list[int]) -> None:
         """End the requests of ``rows`` with an error naming the plugin; rebuild the processor for the rest."""
@@ -498,6 +522,12 @@ class _LiveProcessor:
             return bool(self.instance.is_argmax_invariant())
         except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
             raise _ProcessorFailure(self, "is_argmax_invariant", exc) from exc
+
+
+class _NonFiniteLogits(Exception):
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"logits not finite in rows {rows}")
+        self.rows = rows
 
 
 class _ProcessorFailure(Exception):
