@@ -561,3 +561,14 @@ def test_an_async_engine_starts_its_ranks_deaf_to_ctrl_c_and_they_generate_as_on
 def test_a_model_without_a_plan_is_not_split(tiny_opt):
     with pytest.raises(PluginhostError, match="has no tensor-parallel plan"):
         LLM(str(tiny_opt), load_installed_plugins=False, model_impl="transformers", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-5"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_one_clear_error(monkeypatch, value):
+    from pluginhost.engine.parallel import TIMEOUT_ENV, dist_timeout
+
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    with pytest.raises(ConfigError, match=rf"PLUGINHOST_DIST_TIMEOUT='{value}' is not a number of seconds above 0"):
+        dist_timeout()
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    assert dist_timeout() == 2.5

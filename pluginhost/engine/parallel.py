@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -70,11 +71,20 @@ _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 def dist_timeout() -> float:
+    """``PLUGINHOST_DIST_TIMEOUT``: how long ranks wait for each other, in seconds (finite, above 0)."""
     value = os.environ.get(TIMEOUT_ENV, "")
+    if not value:
+        return _DEFAULT_TIMEOUT_S
     try:
-        return float(value) if value else _DEFAULT_TIMEOUT_S
+        seconds = float(value)
     except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not 0 < seconds < 1e9:  # NaN fails too
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={value!r} is not a number of seconds above 0 (default {_DEFAULT_TIMEOUT_S:g}); "
+            "set it to how long the ranks may take to meet and to answer, e.g. 120"
+        )
+    return seconds
 
 
 # -- the ranks, from rank 0 ---------------------------------------------------------------------
