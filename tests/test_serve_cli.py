@@ -134,8 +134,17 @@ def test_served_name_and_api_key(tiny_opt):
         assert process.wait(TIMEOUT) == 0
 
 
-@pytest.mark.parametrize("args", [["--model", "/nonexistent/model"], ["--dtype", "float8"]])
-def test_bad_settings_exit_2_before_serving(args):
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--api-key", ""], "--api-key is empty (an unset shell variable?), which would serve without a key"),
+        (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
+        (["--shutdown-timeout", "-5"], "--shutdown-timeout must be a number of seconds >= 0, got -5"),
+    ],
+)
+def test_bad_settings_exit_2_before_serving(args, message):
     result = subprocess.run(
         [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--no-plugins", *args],
         capture_output=True,
@@ -143,3 +152,4 @@ def test_bad_settings_exit_2_before_serving(args):
         timeout=TIMEOUT,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr

@@ -224,6 +224,13 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
 
         settings["model"] = str(ensure_demo_model())
     served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError(
+            "--api-key is empty (an unset shell variable?), which would serve without a key: give the key, or "
+            "leave the flag out to serve without one"
+        )
+    if not 0 <= args.shutdown_timeout < float("inf"):  # NaN fails too
+        raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get("PLUGINHOST_API_KEY") or None
     _check_launcher(settings)
     if torchrun_rank() not in (None, 0):  # a torchrun rank other than 0 runs steps; rank 0 serves
@@ -241,5 +248,12 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
     except BaseException:
         sock.close()
         raise
-    run_server(app, engine, sock, served_model_name=served, shutdown_timeout=args.shutdown_timeout)
+    run_server(
+        app,
+        engine,
+        sock,
+        served_model_name=served,
+        shutdown_timeout=args.shutdown_timeout,
+        requires_key=api_key is not None,
+    )
     return EXIT_OK

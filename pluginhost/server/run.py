@@ -62,10 +62,18 @@ def bind(host: str, port: int) -> socket.socket:
 
 class _Server(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, url: str, describe: str, *, grace: float, end_requests: Callable[[], None]
+        self,
+        config: uvicorn.Config,
+        url: str,
+        describe: str,
+        *,
+        grace: float,
+        end_requests: Callable[[], None],
+        requires_key: bool,
     ) -> None:
         super().__init__(config)
         self._url, self._describe = url, describe
+        self._note = "API key required; Ctrl-C to stop" if requires_key else "Ctrl-C to stop"
         self._grace, self._end_requests = grace, end_requests
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -81,7 +89,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            print(f"pluginhost: serving {self._describe} at {self._url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            print(f"pluginhost: serving {self._describe} at {self._url} ({self._note})", file=sys.stderr, flush=True)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -105,6 +113,7 @@ def run_server(
     *,
     served_model_name: str,
     shutdown_timeout: float = 10.0,
+    requires_key: bool = False,
 ) -> None:
     """Serve ``app`` on ``sock`` until SIGINT or SIGTERM; then end cleanly and stop ``engine``."""
     host, port = sock.getsockname()[:2]
@@ -124,7 +133,12 @@ def run_server(
         engine.engine.abort_all()
 
     server = _Server(
-        config, f"http://{shown}:{port}", f"{served_model_name!r}", grace=shutdown_timeout, end_requests=end_requests
+        config,
+        f"http://{shown}:{port}",
+        f"{served_model_name!r}",
+        grace=shutdown_timeout,
+        end_requests=end_requests,
+        requires_key=requires_key,
     )
     try:
         server.run(sockets=[sock])
