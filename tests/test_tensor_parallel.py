@@ -524,6 +524,44 @@ def test_the_server_splits_the_model_and_its_sigterm_ends_every_rank(tiny_opt):
     assert all(_state(pid) in ("Z", "gone") for pid in rank_1)
 
 
+def test_a_served_engine_that_lost_a_rank_answers_503_engine_stopped_and_its_health_says_so(tiny_opt):
+    import httpx
+
+    from pluginhost import AsyncLLM
+    from pluginhost.server.app import build_app
+    from pluginhost.testing.server import running_server
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as url:
+            assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
+            rank_1 = engine.engine.runner.ranks.processes[1]
+            rank_1.kill()
+            rank_1.join(30)
+            health = httpx.get(f"{url}/health", timeout=30)  # a load balancer sends no more requests here
+            assert health.status_code == 503 and health.json()["status"] == "stopped"
+            assert f"rank 1 (pid {rank_1.pid}) exited" in health.json()["error"]
+            body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3}
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_stopped"
+    finally:
+        engine.shutdown()
+
+
+def test_the_server_exits_with_the_error_when_its_engine_loses_a_rank(tiny_opt):
+    """Not serving on as a shell every request fails in: a supervisor restarts it."""
+    from test_serve_cli import TIMEOUT, serving
+
+    with serving("--model", str(tiny_opt), "--tensor-parallel-size", "2") as (process, url):
+        ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == process.pid]
+        rank_1 = next(pid for pid in ranks if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(rank_1, signal.SIGKILL)
+        assert process.wait(TIMEOUT) == 2
+    stderr = "".join(process.stderr_lines)
+    assert f"error: rank 1 (pid {rank_1}) exited with status -9; the engine is stopped." in stderr
+    assert "Traceback" not in stderr
+
+
 def test_an_async_engine_starts_its_ranks_deaf_to_ctrl_c_and_they_generate_as_one_process(tiny_opt, monkeypatch):
     """AsyncLLM builds in its own thread, where no signal handler can be set: its ranks start with Ctrl-C blocked.
 

@@ -102,6 +102,11 @@ class EngineCore:
         self._hooked = {hook: loaded.host.has_implementations(hook) for hook in ("on_output", "record_stats")}
         self.processors = [_LiveProcessor.create(entry, loaded) for entry in loaded.logits_processors]
 
+    @property
+    def stopped(self) -> Exception | None:
+        """The error that stopped this engine for good (a tensor-parallel rank lost), else ``None``."""
+        return self.runner.stopped
+
     # -- callers ----------------------------------------------------------------------
 
     def submit(self, requests: Iterable[EngineRequest], *, bounded: bool = True) -> None:

@@ -551,6 +551,16 @@ class DistributedRunner(ModelRunner):
             local = ranks.world_size if ranks.processes else int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
             self.memory_sharers = local
 
+    @property
+    def stopped(self) -> TensorParallelError | None:
+        """The error that stopped the ranks, noticed between steps too (a rank gone is found at once)."""
+        if self.ranks.broken is None:
+            try:
+                self.ranks.check_alive()
+            except TensorParallelError:
+                pass  # recorded as ranks.broken
+        return self.ranks.broken
+
     def run(self, inputs: StepInputs):  # noqa: ANN201 - a Tensor
         self.ranks.check_alive()
         try:

@@ -123,6 +123,11 @@ class ModelRunner:
         self.row_cap = max_num_seqs
 
     @property
+    def stopped(self) -> Exception | None:
+        """The error that stopped this runner for good (a tensor-parallel rank lost), else ``None``."""
+        return None
+
+    @property
     def cache_shape(self) -> tuple[int, int]:
         """(rows, slots) of the KV cache now."""
         return self._rows, self._slots

@@ -10,8 +10,9 @@ Every error is OpenAI's error object ``{"error": {"message", "type", "param",
 FastAPI's 422; ``param`` names the request's field, and a prompt too long for
 the model has ``code`` ``context_length_exceeded``, as OpenAI answers), 401 for
 a missing or wrong key when an API key is set (checked on every route, plugins'
-too), 404 for an unknown model or route, 503 when the engine's queue is full,
-500 when the model fails. A stream that has begun ends with an error chunk
+too), 404 for an unknown model or route, 503 when the engine's queue is full
+or the engine has stopped for good (a tensor-parallel rank lost; ``/health``
+then answers 503 too), 500 when the model fails. A stream that has begun ends with an error chunk
 instead, then ``[DONE]``. A client that goes away aborts its requests, which
 frees their rows at the next engine step.
 """
@@ -42,6 +43,7 @@ from pluginhost.errors import (
     PluginhostError,
     PromptTooLongError,
     RequestRefusedError,
+    TensorParallelError,
 )
 from pluginhost.outputs import CompletionOutput, RequestOutput
 from pluginhost.sampling import SamplingParams
@@ -101,8 +103,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     api = _API(engine, served_model_name, metrics)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        stopped = engine.engine.stopped  # a tensor-parallel rank lost: no request can be served again
+        if stopped is not None:
+            return JSONResponse({"status": "stopped", "error": str(stopped)}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     card = {
         "id": served_model_name,
@@ -277,7 +282,7 @@ class _API:
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
             if isinstance(exc, ValueError):  # bad input, or a plugin's refusal
                 raise names.bad_request(exc) from None
-            raise APIError(500, str(exc), type="server_error", code="plugin_error") from None
+            raise APIError(_status(exc), str(exc), type="server_error", code=_error_code(exc)) from None
         return streams
 
     def _params(self, build: Callable[[], SamplingParams], names: _FieldNames) -> SamplingParams:
@@ -362,7 +367,14 @@ class _FieldNames:
 def _error_code(error: Exception) -> str:
     if isinstance(error, KVCacheMemoryError):
         return "out_of_memory"
+    if isinstance(error, TensorParallelError):
+        return "engine_stopped"
     return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
+
+
+def _status(error: Exception) -> int:
+    """503 for an engine stopped for good (a load balancer should send the request elsewhere), else 500."""
+    return 503 if isinstance(error, TensorParallelError) else 500
 
 
 def _usage_info(prompt: int, completion: int) -> dict[str, int]:
@@ -443,7 +455,7 @@ class _Shape:
             async for index, output in _merged(streams):
                 last[index] = output
         except PluginhostError as exc:  # the model failed, or a plugin in the engine did
-            raise APIError(500, str(exc), type="server_error", code=_error_code(exc)) from None
+            raise APIError(_status(exc), str(exc), type="server_error", code=_error_code(exc)) from None
         finally:
             self.record(streams)
         return last

@@ -7,7 +7,8 @@ then aborts what is left: each answer still ends as the API says (its
 choices' ``finish_reason`` ``"abort"``; a stream then ``data: [DONE]``), not
 cut off mid-body. Then it stops the engine loop and returns, so the command
 exits 0 (uvicorn alone would re-raise the signal at the end). A second
-Ctrl-C quits at once.
+Ctrl-C quits at once. An engine that stops for good (a tensor-parallel rank
+lost) ends the server the same way, and ``run_server`` then raises its error.
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ class _Server(uvicorn.Server):
         grace: float,
         end_requests: Callable[[], None],
         requires_key: bool,
+        stopped: Callable[[], Exception | None],
     ) -> None:
         super().__init__(config)
+        self._stopped = stopped
+        #: The error that stopped the engine, once the server has seen it.
+        self.engine_stopped: Exception | None = None
         self._url, self._describe = url, describe
         self._note = "API key required; Ctrl-C to stop" if requires_key else "Ctrl-C to stop"
         self._grace, self._end_requests = grace, end_requests
@@ -85,6 +90,16 @@ class _Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             ending.cancel()
+
+    async def on_tick(self, counter: int) -> bool:
+        # Once a second: an engine stopped for good (a tensor-parallel rank lost) ends the server, so a
+        # supervisor restarts it instead of a load balancer sending requests that can only fail.
+        if counter % 10 == 0 and self.engine_stopped is None:
+            self.engine_stopped = self._stopped()
+            if self.engine_stopped is not None:
+                logger.error("the engine has stopped (%s): the server stops", self.engine_stopped)
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -139,12 +154,15 @@ def run_server(
         grace=shutdown_timeout,
         end_requests=end_requests,
         requires_key=requires_key,
+        stopped=lambda: engine.engine.stopped,
     )
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
         sock.close()
+    if server.engine_stopped is not None:
+        raise server.engine_stopped
 
 
 def _is_loopback(host: str) -> bool:
