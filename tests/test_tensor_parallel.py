@@ -19,7 +19,7 @@ import torch
 
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.engine.parallel import free_port
-from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
+from pluginhost.errors import ConfigError, ModelRunError, PluginhostError, TensorParallelError
 from pluginhost.testing import make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -363,6 +363,42 @@ def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, 
         with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with status 7"):
             llm.generate(PROMPTS[:1], GREEDY)
         assert time.monotonic() - start < 60
+    finally:
+        llm.close()
+
+
+RAISES_MID_STEP = """
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank
+
+@hookimpl
+def post_load(config, model):
+    calls = []
+
+    def check_activations(module, args, output):
+        calls.append(1)
+        if get_rank() == {rank} and len(calls) == 3:
+            raise RuntimeError(f"activation check failed on rank {{get_rank()}}")
+
+    model.register_forward_hook(check_activations)
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_plugin_failing_inside_a_step_is_named_and_the_engine_stops(install_plugin, tiny_opt, rank):
+    install_plugin("raisy", RAISES_MID_STEP.format(rank=rank), dist="raisy-dist")
+    llm = LLM(str(tiny_opt), tensor_parallel_size=2)
+    try:
+        if rank == 0:  # the plugin named, as with one process; then the engine is stopped, as the ranks are out of step
+            with pytest.raises(ModelRunError, match=r"Code of plugin 'raisy' .* activation check failed on rank 0"):
+                llm.generate(PROMPTS[:1], GREEDY)
+            stopped = r"rank 0 failed in a step \(RuntimeError: activation check failed on rank 0\).*engine is stopped"
+        else:  # rank 1 logs its error and exits; rank 0 names it (not "the ranks lost each other")
+            stopped = r"rank 1 \(pid \d+\) exited with status 1 while running a step \(its own error is in its log"
+            with pytest.raises(TensorParallelError, match=stopped):
+                llm.generate(PROMPTS[:1], GREEDY)
+        with pytest.raises(TensorParallelError, match=stopped):
+            llm.generate(PROMPTS[:1], GREEDY)
     finally:
         llm.close()
 

@@ -151,10 +151,14 @@ class Ranks:
 
     def explain(self, exc: BaseException, doing: str) -> TensorParallelError:
         """A failed collective, said in terms of ranks: which died, or that one did not answer in time."""
-        time.sleep(0.2)  # a rank that just died: let its exit status arrive
+        deadline = time.monotonic() + 2.0  # a rank that just died: let its exit status arrive
+        while self.processes and not self.dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
         dead = self.dead_ranks()
         if dead:
-            message = f"{dead} while {doing}"
+            failed = any(process.exitcode == 1 for process in self.processes.values())  # it logged its error
+            logged = " (its own error is in its log: lines starting 'pluginhost rank')" if failed else ""
+            message = f"{dead} while {doing}{logged}"
         elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             message = (
                 f"a rank did not answer within {self.timeout_s:g} s while {doing} ({TIMEOUT_ENV} sets the limit): "
@@ -486,6 +490,11 @@ def _rank_main(spec: RankSpec) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"pluginhost rank {spec.rank}: %(levelname)s: %(message)s")
     torch.set_num_threads(spec.num_threads)
     os.environ[TIMEOUT_ENV] = str(spec.timeout_s)
+    # tqdm's default lock is a multiprocessing semaphore, left registered when a rank is ended by a
+    # signal ("leaked semaphore objects" at exit); a rank has no child process to share it with.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     from pluginhost.engine.loader import load_model
     from pluginhost.host import PluginHost
 
@@ -570,7 +579,28 @@ class DistributedRunner(ModelRunner):
             if isinstance(exc, TensorParallelError):
                 raise
             if isinstance(exc, KeyboardInterrupt):  # the others may be mid-collective: end them
-                self.ranks.fail(TensorParallelError("interrupted in a step"))
+                self.ranks.fail(
+                    TensorParallelError(
+                        "interrupted (Ctrl-C) in a step, which leaves the ranks out of step: the engine is stopped; "
+                        "build a new one to go on"
+                    )
+                )
+                raise
+            if not _raised_in_a_collective(exc):  # this rank's model or plugin code: the engine names the culprit
+                self.ranks.fail(
+                    TensorParallelError(
+                        f"rank 0 failed in a step ({type(exc).__name__}: {exc}), which leaves the ranks out of "
+                        "step: the engine is stopped; build a new one to go on"
+                    )
+                )
                 raise
             error = self.ranks.explain(exc, "running a step")
             raise self.ranks.fail(error) from exc
+
+
+def _raised_in_a_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of torch.distributed (a peer gone, a timeout), not the model's own code."""
+    tb, innermost = exc.__traceback__, ""
+    while tb is not None:
+        innermost, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return "torch/distributed/" in innermost.replace("\\", "/")
