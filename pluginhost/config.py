@@ -85,7 +85,12 @@ class EngineConfig(BaseModel):
         "KV-cache length (256 slots, doubling); the cache takes all max_num_seqs rows at once. Decoding falls back "
         "to eager if compiling fails.",
     )
-    seed: int = Field(default=0, description="Seed of the sampler for requests that set none themselves.")
+    seed: int = Field(
+        default=0,
+        ge=-(2**63),
+        le=2**64 - 1,
+        description="Seed of the sampler for requests that set none themselves (what torch.manual_seed takes).",
+    )
     max_logprobs: int = Field(
         default=20,
         ge=0,

@@ -42,7 +42,8 @@ def resolve_device(device: str) -> torch.device:
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
     """The dtype config.json declares (``dtype``, or the older ``torch_dtype``), if any."""
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 4 keeps torch_dtype as an attribute; 5 reads it into dtype, and warns on reading torch_dtype.
+    declared = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     if isinstance(declared, str):
         declared = _DTYPES.get(declared.removeprefix("torch."))
     return declared if isinstance(declared, torch.dtype) else None

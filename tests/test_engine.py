@@ -603,6 +603,26 @@ def test_invalid_engine_settings_are_one_clear_error(tiny_opt):
         LLM(str(tiny_opt), load_installed_plugins=False, dtype="fp64")
     with pytest.raises(ConfigError, match="unknown setting"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_len=3)
+    with pytest.raises(ConfigError, match=r"seed: Input should be less than or equal to 18446744073709551615"):
+        LLM(str(tiny_opt), load_installed_plugins=False, seed=2**70)  # torch.manual_seed's range, not an overflow
+
+
+def test_a_checkpoint_declaring_no_dtype_loads_without_transformers_deprecation_warning(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from pluginhost.testing import make_tiny_opt
+
+    path = make_tiny_opt(tmp_path, tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(config))
+    # A fresh process: transformers says it once per process, and where pytest cannot capture it.
+    code = f"from pluginhost import LLM; print(LLM({str(path)!r}, load_installed_plugins=False).dtype)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "torch.float32", result.stderr
+    assert "torch_dtype" not in result.stderr  # "`torch_dtype` is deprecated! Use `dtype` instead!"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: CUDA is available")

@@ -265,3 +265,11 @@ def test_bad_values_are_one_clear_value_error_and_the_engine_stays_usable(llm, k
         with pytest.raises(ValueError, match="n must be"):
             llm.generate([PROMPTS[0]], params)
     assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_a_misspelt_field_set_after_construction_is_an_error_not_ignored():
+    params = SamplingParams(temperature=0)
+    with pytest.raises(AttributeError, match="max_token"):
+        params.max_token = 40  # type: ignore[attr-defined]  # max_tokens meant: 16 tokens would be generated
+    params.max_tokens = 40  # the fields themselves stay assignable
+    assert params.clone().max_tokens == 40
