@@ -188,9 +188,15 @@ def test_allow_list_naming_nothing_installed_exits_2_listing_what_is(install_plu
     assert "'absent', which matches no installed plugin" in err and "present (present-dist)" in err
 
 
-def test_text_prompt_without_tokenizer_exits_2(capsys, tiny_opt_no_tokenizer):
+def test_text_prompt_without_tokenizer_exits_2_before_the_model_loads(capsys, tiny_opt_no_tokenizer, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("pluginhost.engine.frontend.load_model", no_loading)
     assert main(["generate", "--model", str(tiny_opt_no_tokenizer), "--prompt", "Hello"]) == 2
-    assert "has no tokenizer files; pass token ids" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has no tokenizer files (tokenizer.json, " in err and "--prompt is text" in err
+    assert "the model was loaded" not in err
 
 
 NOISY = """

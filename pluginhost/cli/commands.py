@@ -138,6 +138,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         from pluginhost.demo import ensure_demo_model
 
         settings["model"] = str(ensure_demo_model())
+    _check_tokenizer(settings["model"])
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -200,6 +201,21 @@ def _check_utf8(text: str, what: str) -> None:
             f"{what} is not valid UTF-8 (byte 0x{byte:02x} at character {exc.start}); "
             "pass the prompt as UTF-8 text, or check the terminal's or script's encoding"
         ) from None
+
+
+def _check_tokenizer(model: str) -> None:
+    """Before anything loads: ``--prompt`` is text, so the model directory needs a tokenizer."""
+    from pathlib import Path
+
+    from pluginhost.tokenizer import has_tokenizer_files
+
+    model_dir = Path(model)
+    if model_dir.is_dir() and not has_tokenizer_files(model_dir):
+        raise UsageError(
+            f"{model} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json or "
+            "tokenizer.model), and --prompt is text: copy the tokenizer's files into it, or generate from token "
+            "ids with the Python API (LLM.generate)"
+        )
 
 
 def serve(args: argparse.Namespace, out: ResultStream) -> int:
