@@ -4,6 +4,7 @@ A pydantic model that validates every assignment and refuses unknown fields,
 so a typo or a bad value from a user or a plugin fails where it is made.
 Each field remembers who set it last: ``default``, ``user`` or
 ``plugin:NAME`` (a plugin assigning inside its ``modify_config`` hook).
+Once the engine is built, every setting is read-only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from pluginhost.attribution import current_plugin
+from pluginhost.errors import ConfigError
 
 __all__ = ["EngineConfig", "describe_validation_error"]
 
@@ -105,6 +107,8 @@ class EngineConfig(BaseModel):
     )
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
+    #: Set once the engine is built: a change then would describe an engine that is not the one running.
+    _fixed: bool = PrivateAttr(default=False)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -150,6 +154,12 @@ class EngineConfig(BaseModel):
         }
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if self._fixed and name in type(self).model_fields:
+            raise ConfigError(
+                f"EngineConfig.{name} cannot change once the engine is built (it is {getattr(self, name)!r}): "
+                f"the engine would go on as built, and the config would no longer describe it. Build a new engine "
+                f"with {name}={value!r} instead."
+            )
         super().__setattr__(name, value)
         if name in type(self).model_fields:
             plugin = current_plugin()
@@ -166,6 +176,10 @@ class EngineConfig(BaseModel):
             source = self._provenance[name]
             setattr(self, name, value)
             self._provenance[name] = source
+
+    def fix(self) -> None:
+        """Make every setting read-only: the engine calls this once it is built (after ``post_load``)."""
+        self._fixed = True
 
     @property
     def provenance(self) -> dict[str, str]:
