@@ -85,6 +85,7 @@ def test_a_built_engines_settings_are_read_only(tiny_opt):
     from pluginhost.errors import ConfigError
 
     llm = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=4)
-    with pytest.raises(ConfigError, match=r"EngineConfig.max_num_seqs cannot change once the engine is built \(it is 4"):
+    refused = r"EngineConfig.max_num_seqs cannot change once the engine is built \(it is 4\)"
+    with pytest.raises(ConfigError, match=refused):
         llm.config.max_num_seqs = 1  # the scheduler would go on with 4, and llm.config would say 1
     assert llm.config.max_num_seqs == 4 and llm.engine.scheduler.max_num_seqs == 4
