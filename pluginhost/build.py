@@ -7,11 +7,13 @@
 4. the model directory is checked and its ``config.json`` read, then
    ``hf_overrides`` and the architecture override applied;
 5. the architecture is picked from the registry, by ``model_impl``: the
-   registered model, or the transformers fallback;
+   registered model, or the transformers fallback; ``max_model_len`` is
+   decided (the model's positions unless set, never more) and written into
+   the config, and settings that cannot run together are refused;
 6. (``LLM``) the tokenizer is loaded and the weight files found, so a broken
    tokenizer or missing weights fail before anything heavy; the model class
-   is resolved (imported and checked); device, dtype and ``max_model_len``
-   are decided and written into the config; ``pre_load`` sees all of it;
+   is resolved (imported and checked); device and dtype are decided and
+   written into the config; ``pre_load`` sees all of it;
 7. (``LLM``) the model is constructed on the meta device (no memory yet), its
    weights are loaded straight onto the target device and dtype, and
    ``post_load`` sees the loaded model.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pluginhost.config import EngineConfig
-from pluginhost.errors import UnknownArchitectureError
+from pluginhost.errors import ConfigError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
@@ -38,7 +40,14 @@ from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, Mod
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["TRANSFORMERS_FALLBACK", "BuildPlan", "plan_build", "transformers_builds", "transformers_causal_lms"]
+__all__ = [
+    "TRANSFORMERS_FALLBACK",
+    "BuildPlan",
+    "check_combination",
+    "plan_build",
+    "transformers_builds",
+    "transformers_causal_lms",
+]
 
 
 @dataclass
@@ -87,7 +96,53 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
         raise UnknownArchitectureError(
             f"{exc} Installed plugins left out by the selection, one of which may register it: {left_out}."
         ) from None
+    config.settle(max_model_len=_max_model_len(config, hf_config))
+    check_combination(config)
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
+
+
+def check_combination(config: EngineConfig) -> None:
+    """Settings valid alone that the engine cannot run together (checked again after the plugins' changes)."""
+    if config.compile_decode and config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"compile_decode cannot be combined with tensor parallelism (tensor_parallel_size is "
+            f"{config.tensor_parallel_size}): the split model's collectives are not compiled yet. "
+            "Leave one of them out."
+        )
+
+
+def _position_limit(hf_config: Any) -> int | None:
+    """The longest sequence the model takes: its positions, stretched by RoPE scaling that stretches them.
+
+    As in vLLM: ``linear``, ``dynamic`` and ``yarn`` scaling multiply the trained
+    length by their factor; ``llama3`` and ``longrope`` configs already give the
+    stretched length.
+    """
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if limit is None or not isinstance(rope, dict):
+        return limit
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind in ("linear", "dynamic") and factor:
+        return int(limit * factor)
+    if kind == "yarn" and factor:
+        return int(rope.get("original_max_position_embeddings", limit) * factor)
+    return limit
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = _position_limit(hf_config)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        stretched = ", stretched by its RoPE scaling" if getattr(hf_config, "rope_parameters", None) else ""
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
+            f"(max_position_embeddings{stretched}); lower it."
+        )
+    return config.max_model_len
 
 
 def _registered_by_plugins_not_loaded(architectures: list[str], host: PluginHost) -> str:

@@ -147,6 +147,14 @@ def test_config_table(capsys, tiny_opt):
     assert code == 0
     assert any(line.split()[:1] == ["hf_overrides"] and line.endswith("user") for line in out.splitlines())
     assert "architecture: OPTForCausalLM -> builtin_models.opt:OPTForCausalLM (registered by builtin_models)" in out
+    assert any(line.split() == ["max_model_len", "128", "default"] for line in out.splitlines())  # not null
+
+
+def test_config_refuses_what_the_build_would_refuse_without_reading_weights(capsys, tiny_opt):
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-model-len", "4096")
+    assert code == 2 and "max_model_len=4096 is more than the model's 128 positions (max_position_embeddings)" in err
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--compile-decode", "--tensor-parallel-size", "2")
+    assert code == 2 and "compile_decode cannot be combined with tensor parallelism" in err
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from pluginhost.build import plan_build
+from pluginhost.build import check_combination, plan_build
 from pluginhost.checkpoint import find_checkpoint
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
@@ -78,18 +78,8 @@ def validated_config(settings: dict[str, Any]) -> EngineConfig:
         config = EngineConfig(**settings)
     except ValueError as exc:
         raise ConfigError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
-    _check_combination(config)
+    check_combination(config)
     return config
-
-
-def _check_combination(config: EngineConfig) -> None:
-    """Settings valid alone that the engine cannot run together (checked again after the plugins' changes)."""
-    if config.compile_decode and config.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"compile_decode cannot be combined with tensor parallelism (tensor_parallel_size is "
-            f"{config.tensor_parallel_size}): the split model's collectives are not compiled yet. "
-            "Leave one of them out."
-        )
 
 
 def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreement | None = None) -> LoadedModel:
@@ -107,7 +97,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
             f"was started with {ranks.world_size if ranks is not None else 1} process(es): it is fixed before plugins "
             "load, so set it in the engine's settings, not in a plugin"
         )
-    _check_combination(config)
+    check_combination(config)  # again: a plugin's modify_config may have set one of the two
     if agreement is not None:
         from pluginhost.engine.parallel import fingerprint
 
@@ -119,7 +109,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     if ranks is not None and device.type == "cuda":  # one device per rank (torchrun's LOCAL_RANK on several machines)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     dtype = resolve_dtype(config.dtype, plan.hf_config, device)
-    config.settle(device=str(device), dtype=dtype_name(dtype), max_model_len=_max_model_len(config, plan.hf_config))
+    config.settle(device=str(device), dtype=dtype_name(dtype))
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
@@ -170,39 +160,6 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         code_files=_code_files(model),
         logits_processors=plan.logits_processors,
     )
-
-
-def _position_limit(hf_config: Any) -> int | None:
-    """The longest sequence the model takes: its positions, stretched by RoPE scaling that stretches them.
-
-    As in vLLM: ``linear``, ``dynamic`` and ``yarn`` scaling multiply the trained
-    length by their factor; ``llama3`` and ``longrope`` configs already give the
-    stretched length.
-    """
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if limit is None or not isinstance(rope, dict):
-        return limit
-    kind, factor = rope.get("rope_type"), rope.get("factor")
-    if kind in ("linear", "dynamic") and factor:
-        return int(limit * factor)
-    if kind == "yarn" and factor:
-        return int(rope.get("original_max_position_embeddings", limit) * factor)
-    return limit
-
-
-def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = _position_limit(hf_config)
-    if config.max_model_len is None:
-        if limit is None:
-            raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
-        return int(limit)
-    if limit is not None and config.max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
-            "(max_position_embeddings, stretched by its RoPE scaling); lower it."
-        )
-    return config.max_model_len
 
 
 class _Constructing(TorchFunctionMode):
