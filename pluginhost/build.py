@@ -89,6 +89,11 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
         elsewhere = _registered_by_plugins_not_loaded(hf_config.architectures, host)
         if elsewhere:
             raise UnknownArchitectureError(f"{exc} {elsewhere}") from None
+        if getattr(hf_config, "auto_map", None):
+            raise UnknownArchitectureError(
+                f"{exc} config.json names code of its own (auto_map), which pluginhost never runs from a model "
+                "directory: install a plugin that registers the architecture."
+            ) from None
         blocked = [r for r in host.records if r.status == "blocked"]
         if not blocked:
             raise

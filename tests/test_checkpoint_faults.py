@@ -283,6 +283,22 @@ def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt, tmp_
     assert snapshot(model) == before
 
 
+def test_a_models_own_code_is_never_run_and_the_refusal_says_so(tiny_opt_no_tokenizer, tmp_path):
+    import json
+
+    model = tmp_path / "custom"
+    shutil.copytree(tiny_opt_no_tokenizer, model)
+    config = json.loads((model / "config.json").read_text())
+    config |= {"architectures": ["MyCustomLM"], "auto_map": {"AutoModelForCausalLM": "modeling_my.MyCustomLM"}}
+    (model / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "code-ran"
+    (model / "modeling_my.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass MyCustomLM: pass\n")
+    refused = r"'MyCustomLM' is not registered.*auto_map.*never runs.*install a plugin"
+    with pytest.raises(PluginhostError, match=refused):
+        LLM(str(model), load_installed_plugins=False)
+    assert not marker.exists()
+
+
 # -- what the table above cannot express: warnings, opt-ins, limits -------------------------
 
 

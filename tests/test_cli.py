@@ -176,6 +176,8 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
         (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
         (["plugins", "--disable-plugin", "builtin_models"], "pluginhost's own builtin architectures, which cannot"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", "ab\udcff"], "--prompt 2 is not valid UTF-8"),
+        (["generate", "--model", "{tiny}", "--prompt", "ok", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["generate", "--model", "{tiny}", "--prompt", "ok", "--max-tokens", "0"], "--max-tokens must be an integer"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_no_traceback(capsys, tiny_opt, argv, message):
@@ -206,6 +208,13 @@ def test_internal_failure_exits_1(capsys, monkeypatch):
     monkeypatch.setattr(commands, "list_plugins", explode)
     code, _, err = run(capsys, "plugins")
     assert code == 1 and "internal error: AttributeError: a bug" in err and "--debug" in err
+
+
+def test_only_these_plugins_and_no_plugins_together_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["plugins", "--plugins", "a", "--no-plugins"])  # --plugins was silently ignored
+    assert exit.value.code == 2
+    assert "argument --no-plugins: not allowed with argument --plugins" in capsys.readouterr().err
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

@@ -31,10 +31,11 @@ class UsageError(PluginhostError):
 def _selection_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
-    group.add_argument(
+    which = group.add_mutually_exclusive_group()  # "only these" and "none": one or the other
+    which.add_argument(
         "--plugins", metavar="A,B", help="load only these installed plugins (entry-point or distribution names)"
     )
-    group.add_argument("--no-plugins", action="store_true", help="load no installed plugin (builtins still load)")
+    which.add_argument("--no-plugins", action="store_true", help="load no installed plugin (builtins still load)")
     group.add_argument(
         "--disable-plugin", metavar="NAME", action="append", default=[], help="never load this plugin (repeatable)"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -129,6 +130,7 @@ def show_config(args: argparse.Namespace, out: ResultStream) -> int:
 
 
 def generate(args: argparse.Namespace, out: ResultStream) -> int:
+    from pluginhost.errors import InvalidParameterError
     from pluginhost.sampling import SamplingParams
 
     for number, prompt in enumerate(args.prompt, 1):
@@ -139,14 +141,18 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
 
         settings["model"] = str(ensure_demo_model())
     _check_tokenizer(settings["model"])
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    except InvalidParameterError as exc:  # in the flags' words: "--top-p must be in (0, 1]"
+        flag = "--" + exc.param.replace("_", "-")
+        raise UsageError(re.sub(rf"\b{exc.param}\b", flag, str(exc).removeprefix("SamplingParams: "))) from None
     host = make_host(args)
     from pluginhost.engine import LLM
 
