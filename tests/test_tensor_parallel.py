@@ -646,3 +646,14 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_one_clear_error(m
         dist_timeout()
     monkeypatch.setenv(TIMEOUT_ENV, "2.5")
     assert dist_timeout() == 2.5
+
+
+class SplitsItself:
+    @hookimpl
+    def modify_config(self, config):
+        config.tensor_parallel_size = 2
+
+
+def test_a_plugin_changing_the_number_of_ranks_is_named(tiny_opt):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size is 2 after plugin 'SplitsItself''s modify_config"):
+        LLM(str(tiny_opt), plugins=[SplitsItself()], load_installed_plugins=False)

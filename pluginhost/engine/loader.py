@@ -92,8 +92,10 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     plan = plan_build(config, host)
     ranks = agreement.ranks if agreement is not None else None
     if config.tensor_parallel_size != (ranks.world_size if ranks is not None else 1):
+        setter = config.provenance["tensor_parallel_size"]
+        who = f"plugin {setter.removeprefix('plugin:')!r}'s" if setter.startswith("plugin:") else "the"
         raise ConfigError(
-            f"tensor_parallel_size is {config.tensor_parallel_size} after the modify_config hooks, but the engine "
+            f"tensor_parallel_size is {config.tensor_parallel_size} after {who} modify_config, but the engine "
             f"was started with {ranks.world_size if ranks is not None else 1} process(es): it is fixed before plugins "
             "load, so set it in the engine's settings, not in a plugin"
         )

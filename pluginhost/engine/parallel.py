@@ -395,7 +395,8 @@ class Agreement:
             dist.all_gather_object(reports, mine)
         except Exception as exc:
             self._next = len(self.PHASES)
-            raise self.ranks.explain(exc, f"building the model ({phase})") from exc
+            doing = "planning the build" if phase == "plan" else "building and loading the model"
+            raise self.ranks.explain(exc, doing) from exc
         return reports
 
 
