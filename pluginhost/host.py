@@ -153,6 +153,7 @@ class PluginHost:
         skip_broken: bool | None = None,
     ) -> None:
         self._in_process = _checked_in_process(plugins)
+        self._installed_names: set[str] = set()  # every installed plugin's name, loaded or not
         self._load_installed = load_installed
         self._selection = selection
         self._skip_broken = skip_broken
@@ -261,6 +262,7 @@ class PluginHost:
 
     def _import_installed(self, pm: pluggy.PluginManager) -> list[tuple[PluginRecord, object | None]]:
         installed = discover_installed()
+        self._installed_names = {p.name for p in installed}
         selection = self._selection or PluginSelection.from_env()
         builtin_name = normalize_name(BUILTIN_PLUGIN)
         if builtin_name in selection.deny:
@@ -351,14 +353,14 @@ class PluginHost:
                 )
                 return replace(record, status="failed", reason=reason), None
             what = (
-                "module"
+                "a module"
                 if inspect.ismodule(plugin)
-                else f"class {plugin.__name__}"
+                else f"the class {plugin.__name__}"
                 if inspect.isclass(plugin)
-                else f"{type(plugin).__name__} object"
+                else f"an instance of {type(plugin).__name__}"
             )
             reason = (
-                f"{target} is a {what} that holds no hook implementation: mark its functions "
+                f"{target} is {what} that holds no hook implementation: mark its functions "
                 "with @hookimpl, or point the entry point at a function taking no arguments that does the "
                 "registering (vLLM's register() shape)"
             )
@@ -397,7 +399,8 @@ class PluginHost:
         and its name goes into ``twins``: broken, it stops the engine as a broken in-process plugin does.
         """
         out: list[tuple[PluginRecord, object | None]] = []
-        names: set[str] = {BUILTIN_PLUGIN}
+        # Installed plugins' names are theirs (a blocked one's too: pluggy ignores a blocked name's plugins).
+        names: set[str] = {BUILTIN_PLUGIN, *self._installed_names}
         for plugin in self._in_process:
             twin = already.get(id(plugin))
             if twin is not None:
@@ -406,6 +409,8 @@ class PluginHost:
                 continue
             base = _in_process_name(plugin)
             name, n = base, 1
+            if name in names and name != BUILTIN_PLUGIN and name in self._installed_names:
+                name = base = f"{base} (in-process)"  # beside the installed plugin of that name
             while name in names:
                 n += 1
                 name = f"{base}#{n}"
@@ -416,8 +421,12 @@ class PluginHost:
     def _register(self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object) -> PluginRecord:
         impls = _hookimpls_of(pm, plugin)
         record = replace(record, hooks=tuple(sorted({impl.hook for impl in impls})))
+        problem = _signature_problem(pm, impls)
+        if problem is not None:
+            return replace(record, status="failed", reason=problem)
         try:
-            pm.register(plugin, name=record.name)
+            if pm.register(plugin, name=record.name) is None:  # pluggy's answer for a blocked name
+                return replace(record, status="failed", reason=f"the plugin name {record.name!r} is blocked")
         except pluggy.PluginValidationError as exc:
             problem = self._describe_mismatch(pm, impls) or str(exc).replace("\n", "; ")
             if pm.get_plugin(record.name) is plugin:
@@ -636,6 +645,26 @@ class PluginHost:
             )
 
 
+def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:
+    """What pluggy would take but never call rightly: an async hook, keyword-only or variadic parameters."""
+    for impl in impls:
+        function = inspect.unwrap(impl.function)
+        if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            return f"its {impl.hook} implementation is async: hooks are called, not awaited; use def"
+        try:
+            params = inspect.signature(impl.function).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        odd = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if odd and getattr(pm.hook, impl.hook, None) is not None and getattr(pm.hook, impl.hook).has_spec():
+            return (
+                f"its {impl.hook} implementation takes {', '.join(odd)} as keyword-only or variadic (*, **) "
+                f"parameters, which pluggy never passes; the spec is {_spec_signature(pm, impl.hook)}: make them "
+                "plain parameters"
+            )
+    return None
+
+
 def _describe_exception(exc: BaseException) -> str:
     if "pydantic" in sys.modules:  # only a configuration change can raise its ValidationError
         from pydantic import ValidationError
@@ -664,6 +693,7 @@ def _checked_in_process(plugins: Sequence[object]) -> list[object]:
             f"plugins must be a list of plugin objects (modules, classes or instances with @hookimpl "
             f"functions, or register() functions), got {type(plugins).__name__}: {plugins!r:.80}"
         )
+    plugins = list(plugins)  # once: a generator would be used up by the checks below
     for i, plugin in enumerate(plugins):
         if plugin is None or isinstance(plugin, str | bytes | int | float | bool):
             raise ConfigError(
@@ -671,7 +701,7 @@ def _checked_in_process(plugins: Sequence[object]) -> list[object]:
                 "instance with @hookimpl functions, or a register() function); installed plugins are chosen by "
                 "name with PLUGINHOST_PLUGINS or --plugins instead"
             )
-    return list(plugins)
+    return plugins
 
 
 def _importable_name(index: int, plugin: object) -> str:
@@ -762,7 +792,8 @@ def _import_by_name(name: str) -> object:
 def _in_process_name(plugin: object) -> str:
     """A module's name, ``module:function`` for a function, else the object's class name."""
     if inspect.isroutine(plugin):
-        return f"{getattr(plugin, '__module__', None) or '?'}:{getattr(plugin, '__qualname__', None) or plugin!r}"
+        qualname = getattr(plugin, "__qualname__", None) or repr(plugin)
+        return f"{getattr(plugin, '__module__', None) or '?'}:{qualname}"
     return getattr(plugin, "__name__", None) or type(plugin).__name__
 
 

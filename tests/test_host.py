@@ -17,6 +17,7 @@ from pluginhost.errors import (
     UnknownArchitectureError,
 )
 from pluginhost.host import PluginHost
+from pluginhost.registry import BUILTIN_PLUGIN
 from pluginhost.selection import PluginSelection
 
 RECORDING_PLUGIN = """
@@ -524,9 +525,9 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         (
             "class Thing:\n    pass\nTHING = Thing()\n",
             "fn:THING",
-            "is a Thing object that holds no hook implementation",
+            "is an instance of Thing that holds no hook implementation",
         ),
-        ("class Thing:\n    pass\n", "fn:Thing", "fn:Thing is a class Thing that holds no hook implementation"),
+        ("class Thing:\n    pass\n", "fn:Thing", "fn:Thing is the class Thing that holds no hook implementation"),
         (
             "from pluginhost.logits_processors import LogitsProcessor\nclass Dummy(LogitsProcessor):\n    pass\n",
             "fn:Dummy",
@@ -540,6 +541,17 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
             "instance of it",
         ),
         ("async def register():\n    pass\n", "fn:register", "is async: plugin functions are called, not awaited"),
+        (
+            "from pluginhost import hookimpl\n@hookimpl\ndef register_models(*, registry):\n    pass\n",
+            None,
+            "its register_models implementation takes registry as keyword-only or variadic (*, **) parameters, "
+            "which pluggy never passes; the spec is register_models(registry)",
+        ),
+        (
+            "from pluginhost import hookimpl\n@hookimpl\nasync def modify_config(config):\n    pass\n",
+            None,
+            "its modify_config implementation is async: hooks are called, not awaited; use def",
+        ),
     ],
     ids=[
         "module-without-hooks",
@@ -550,6 +562,8 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         "logits-processor-entry-point",
         "class-instead-of-instance",
         "async-function",
+        "keyword-only-hook-argument",
+        "async-hook",
     ],
 )
 def test_an_entry_point_with_no_hook_implementation_is_a_broken_plugin(install_plugin, code, target, reason):
@@ -558,3 +572,26 @@ def test_an_entry_point_with_no_hook_implementation_is_a_broken_plugin(install_p
     assert record.status == "failed" and reason in record.reason
     with pytest.raises(PluginLoadError, match=re.escape(reason)):
         PluginHost().load()
+
+
+def test_an_in_process_plugin_named_like_a_blocked_installed_one_still_loads(install_plugin, monkeypatch):
+    """The README's layout: my_plugin installed but disabled, the working copy passed in-process (it was dropped)."""
+    install_plugin("my_plugin", "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n")
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "my_plugin")
+    import my_plugin
+
+    host = PluginHost(plugins=[my_plugin])
+    records = {r.name: r for r in host.load()}
+    assert records["my_plugin"].status == "blocked"
+    assert records["my_plugin (in-process)"].status == "loaded"
+    assert host.plugin_manager.get_plugin("my_plugin (in-process)") is my_plugin  # its hooks run
+
+
+def test_plugins_given_as_a_generator_are_all_loaded():
+    class Hooks:
+        @hookimpl
+        def modify_config(self, config):
+            pass
+
+    host = PluginHost(plugins=(p for p in [Hooks()]), load_installed=False)
+    assert [r.name for r in host.load()] == [BUILTIN_PLUGIN, "Hooks"]
