@@ -266,10 +266,14 @@ def on_output(request: EngineRequest, output: RequestOutput) -> None:
 
     May: change ``output`` in place (``output.outputs[i].text``, for example).
 
-    Must not: block for long (the engine waits), or replace the object. When
-    the request was streamed, the text already sent cannot be taken back: a
-    change shows only in the final output. An exception ends this request
-    with an error naming the plugin; other requests are not affected.
+    Must not: block for long (the engine waits), replace the object, or
+    change a sample's ``token_ids`` without its ``logprobs`` (one per token;
+    an uneven pair ends the request with an error naming the plugin). When
+    the request was streamed, the text already sent cannot be taken back:
+    the change shows in the final output, and the server's stream sends
+    what follows the text it sent, as the changed text has it. An exception
+    ends this request with an error naming the plugin; other requests are
+    not affected.
 
     Example::
 

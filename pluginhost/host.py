@@ -550,6 +550,12 @@ class PluginHost:
         """The loaded plugins whose hook implementations are in ``filename``: what runs code from it."""
         return self._owners.plugins_of_file(filename)
 
+    def implementers(self, hook: str) -> list[PluginRef]:
+        """The plugins implementing ``hook``, in the order their implementations run."""
+        refs = {record.name: record.ref for record in self.records}
+        impls = getattr(self.plugin_manager.hook, hook).get_hookimpls()
+        return [refs[impl.plugin_name] for impl in reversed(impls) if impl.plugin_name in refs]
+
     def has_implementations(self, hook: str) -> bool:
         """Whether any loaded plugin implements ``hook`` (so the engine can skip calling it)."""
         return bool(getattr(self.plugin_manager.hook, hook).get_hookimpls())

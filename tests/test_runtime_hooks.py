@@ -12,6 +12,7 @@ import logging
 import random
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -431,6 +432,55 @@ def test_on_output_changes_the_final_output_and_a_failure_ends_only_that_request
     with pytest.raises(PluginHookError, match=r"plugin 'Redacts' failed in its on_output hook: KeyError"):
         llm.generate(["Hello", "world"], [greedy(4, extra_args={"fail": True}), greedy(4)])
     assert llm.generate(["world"], greedy(2))[0].text == "[redacted]"
+
+
+class DoublesAndMarks:
+    @hookimpl
+    def on_request(self, request):
+        if (request.params.extra_args or {}).get("double"):
+            request.params.n = 2
+
+    @hookimpl
+    def on_output(self, request, output):
+        for sample in output.outputs:  # the start of the text: a stream has sent it already
+            sample.text = "X" + (sample.text or "")[1:]
+
+
+def test_the_server_numbers_choices_and_streams_text_as_the_hooks_left_them(tiny_opt):
+    """n changed by on_request: every choice its own index; text changed by on_output: a stream is not garbled."""
+    generated = LLM(str(tiny_opt), load_installed_plugins=False).generate(["Hello world"], greedy(12))[0].text
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[DoublesAndMarks()])
+    try:
+        with running_server(build_app(engine, served_model_name="m")) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+            asked = {"model": "m", "max_tokens": 4, "temperature": 0, "extra_body": {"extra_args": {"double": 1}}}
+            whole = client.completions.create(prompt=["Hello", "world"], **asked)
+            assert sorted(c.index for c in whole.choices) == [0, 1, 2, 3]  # two prompts x the n the plugin set
+            finished = {}
+            for chunk in client.completions.create(prompt=["Hello", "world"], stream=True, **asked):
+                for c in chunk.choices:
+                    finished[c.index] = finished.get(c.index) or c.finish_reason
+            assert finished == dict.fromkeys(range(4), "length")
+            plain = {"model": "m", "prompt": "Hello world", "max_tokens": 12, "temperature": 0}
+            assert client.completions.create(**plain).choices[0].text == "X" + generated[1:]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **plain) if c.choices)
+            assert streamed == generated  # what was sent stays; the rest follows it, not cut at a length
+    finally:
+        engine.shutdown()
+
+
+class TrimsTokens:
+    @hookimpl
+    def on_output(self, request, output):
+        for sample in output.outputs:
+            sample.token_ids = sample.token_ids[:-1]
+
+
+def test_token_ids_changed_without_their_logprobs_end_the_request_naming_the_plugin(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TrimsTokens()])
+    assert len(llm.generate([PROMPTS[0]], greedy(4))[0].token_ids) == 3  # no logprobs asked: nothing to pair
+    with pytest.raises(PluginHookError, match=r"the on_output hook of plugin 'TrimsTokens' left sample\(s\) \[0\]"):
+        llm.generate([PROMPTS[0]], greedy(4, logprobs=1))  # a server's answer failed on it: "internal error"
 
 
 def test_record_stats_sees_every_step_and_a_failing_one_is_logged_once_and_dropped(tiny_opt, caplog):

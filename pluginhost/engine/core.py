@@ -370,6 +370,17 @@ class EngineCore:
             except PluginHookError as exc:
                 request.error = exc
                 return exc
+            uneven = [c.index for c in output.outputs if c.logprobs is not None and len(c.logprobs) != len(c.token_ids)]
+            if uneven:  # one log-probability per token: answers pair them up
+                plugins = self._host.implementers("on_output")
+                request.error = PluginHookError(
+                    f"the on_output hook of {' or '.join(p.describe() for p in plugins)} left sample(s) {uneven} "
+                    "with token_ids and logprobs of different lengths: change both together, or neither. The request "
+                    "ended with this error.",
+                    plugin=plugins[0].name,
+                    hook="on_output",
+                )
+                return request.error
         request.final_output = output
         return None
 

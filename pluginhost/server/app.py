@@ -305,7 +305,7 @@ class _API:
         params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
         request_id = random_id("cmpl")
         streams = self._start(prompts, params, request_id, names)
-        shape = _Completions(self, request_id, body.n)
+        shape = _Completions(self, request_id)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return JSONResponse(await shape.whole(streams))
@@ -336,7 +336,7 @@ class _API:
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
         streams = self._start([prompt], params, request_id, names)
-        shape = _Chat(self, request_id, body.n, top)
+        shape = _Chat(self, request_id, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return JSONResponse(await shape.whole(streams))
@@ -362,6 +362,35 @@ class _FieldNames:
         for engine_name, api_name in self.renamed.items():
             message = re.sub(rf"\b{engine_name}\b", api_name, message)
         return message
+
+
+def _choice_offsets(streams: Sequence[RequestStream]) -> list[int]:
+    """The first choice index of each prompt: the samples of the prompts before it (an on_request may change n)."""
+    offsets, total = [], 0
+    for stream in streams:
+        offsets.append(total)
+        total += stream.request.params.n
+    return offsets
+
+
+def _text_after(sent: str, text: str, request_id: str) -> str:
+    """What of ``text`` (a choice's text so far) a stream has not sent yet, given it sent ``sent``.
+
+    The text only grows, unless an ``on_output`` hook changed the final output's text (it runs once
+    the request has finished): what was sent cannot be taken back, so the rest follows the end of
+    the sent text where the changed text still has it, and nothing more where it does not.
+    """
+    if text.startswith(sent):
+        return text[len(sent) :]
+    # The longest end of the sent text (32 characters at most) that the changed text still has.
+    ends = (sent[-size:] for size in range(min(len(sent), 32), 0, -1))
+    found = next(((end, at) for end in ends if (at := text.rfind(end)) >= 0), None)
+    logger.warning(
+        "%s: an on_output hook changed text the stream had already sent; the client keeps what it got%s",
+        request_id,
+        "" if found else ", and no more of this choice's text",
+    )
+    return text[found[1] + len(found[0]) :] if found else ""
 
 
 def _error_code(error: Exception) -> str:
@@ -441,8 +470,8 @@ class _Shape:
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, api: _API, request_id: str, n: int) -> None:
-        self.api, self.request_id, self.n = api, request_id, n
+    def __init__(self, api: _API, request_id: str) -> None:
+        self.api, self.request_id = api, request_id
         self.created = now()
         self.tokenizer = api.engine.tokenizer
 
@@ -496,24 +525,25 @@ class _Shape:
         self, streams: Sequence[RequestStream], usage: _Usage, choice: Callable[..., dict[str, Any]]
     ) -> AsyncIterator[dict[str, Any]]:
         """Streamed chunks: for each choice, what its text (and tokens) grew by; errors as an error chunk."""
-        sent_text: dict[int, int] = {}
+        sent_text: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         last: dict[int, RequestOutput] = {}
+        offsets = _choice_offsets(streams)
         try:
             async for index, output in _merged(streams):
                 last[index] = output
                 for completion in output.outputs:
-                    number = index * self.n + completion.index
+                    number = offsets[index] + completion.index
                     if number in finished:
                         continue
                     text = completion.text or ""
-                    start_text, start_tokens = sent_text.get(number, 0), sent_tokens.get(number, 0)
+                    sent, start_tokens = sent_text.get(number, ""), sent_tokens.get(number, 0)
                     first = number not in sent_text
-                    delta, new_tokens = text[start_text:], completion.token_ids[start_tokens:]
+                    delta, new_tokens = _text_after(sent, text, self.request_id), completion.token_ids[start_tokens:]
                     if not (delta or new_tokens or completion.finished or first):
                         continue
-                    sent_text[number], sent_tokens[number] = len(text), len(completion.token_ids)
+                    sent_text[number], sent_tokens[number] = sent + delta, len(completion.token_ids)
                     if completion.finished:
                         finished.add(number)
                     chunk = choice(number, completion, delta, start_tokens, first)
@@ -544,9 +574,10 @@ class _Completions(_Shape):
 
     async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
         finals = await self.finals(streams)
+        offsets = _choice_offsets(streams)
         choices = [
             {
-                "index": index * self.n + c.index,
+                "index": offsets[index] + c.index,
                 "text": c.text if c.text is not None else "",
                 "logprobs": self.logprobs(c, 0),
                 "finish_reason": c.finish_reason,
@@ -591,8 +622,8 @@ class _Chat(_Shape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, api: _API, request_id: str, n: int, top_logprobs: int | None) -> None:
-        super().__init__(api, request_id, n)
+    def __init__(self, api: _API, request_id: str, top_logprobs: int | None) -> None:
+        super().__init__(api, request_id)
         self.top_logprobs = top_logprobs or 0
 
     async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
