@@ -50,7 +50,7 @@ class PluginRef:
             name = self.distribution if by_distribution else self.name
             flag, variable = f"--disable-plugin {name}", f"PLUGINHOST_DISABLED_PLUGINS={name}"
             return f"Fix or uninstall it, or disable it with {flag} or {variable}."
-        return f"Fix {self.name}, or stop passing or calling it."
+        return f"Fix {self.name}, or leave it out of the plugins passed to the engine (plugins=[...])."
 
 
 class HookOwners:

@@ -608,3 +608,26 @@ def test_runtime_hooks_are_listed_by_pluginhost_plugins(install_plugin, capsys):
     assert row["hooks"] == sorted(
         ["on_request", "on_output", "record_stats", "register_routes", "register_logits_processors"]
     )
+
+
+class CreatedOnce(TargetToken):
+    """Fails in apply, and cannot be created a second time: the engine's rebuild fails too."""
+
+    made = 0
+
+    def __init__(self, vllm_config, device, is_pin_memory=False):
+        CreatedOnce.made += 1
+        if CreatedOnce.made > 1:
+            raise RuntimeError("resource already taken")
+        super().__init__(vllm_config, device, is_pin_memory)
+
+    def apply(self, logits):
+        raise RuntimeError("apply broke")
+
+
+def test_a_processor_that_cannot_be_created_again_is_named_at_every_step_it_fails(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[AddsProcessors(CreatedOnce)])
+    with pytest.raises(PluginHookError, match=r"CreatedOnce .* failed in apply: RuntimeError: apply broke"):
+        llm.generate([PROMPTS[0]], greedy(3))
+    with pytest.raises(PluginHookError, match=r"CreatedOnce .* could not be created again .* resource already taken"):
+        llm.generate([PROMPTS[0]], greedy(3))  # a bare RuntimeError escaped the engine step, naming no plugin

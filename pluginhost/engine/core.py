@@ -328,7 +328,10 @@ class EngineCore:
             for row, *_ in remaining:
                 if not plan.rows[row].request.finished:
                     self._end(plan.rows[row].request, error)
-            processor.rebuild(self.loaded, None)
+            try:
+                processor.rebuild(self.loaded, None)
+            except Exception:  # noqa: BLE001, S110 - its stand-in fails each later step, naming it, and tries again
+                pass
 
     def _advance(self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None) -> list:
         """Give every active sequence its token; free the finished; collect the outputs to hand out."""
@@ -517,8 +520,12 @@ class _LiveProcessor:
             ) from exc
 
     def rebuild(self, loaded: LoadedModel, replay: BatchUpdate | None) -> None:
-        """A fresh instance, told about the rows still running."""
-        self.instance = self.entry.instantiate(loaded.config, loaded.device)
+        """A fresh instance, told about the rows still running; if none can be made, one that says so."""
+        try:
+            self.instance = self.entry.instantiate(loaded.config, loaded.device)
+        except Exception as exc:
+            self.instance = _Unbuilt(exc)
+            raise
         if replay is not None:
             self.instance.update_state(replay)
 
@@ -538,6 +545,22 @@ class _LiveProcessor:
             return bool(self.instance.is_argmax_invariant())
         except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
             raise _ProcessorFailure(self, "is_argmax_invariant", exc) from exc
+
+
+class _Unbuilt:
+    """In place of a processor that could not be created again: each step's call fails, naming the cause.
+
+    The engine then ends that step's requests with an error naming the plugin, and tries to create
+    the processor anew, as after any failure of it.
+    """
+
+    def __init__(self, cause: Exception) -> None:
+        self.cause = cause
+
+    def _fail(self, *args: object) -> None:
+        raise RuntimeError(f"it could not be created again after failing: {type(self.cause).__name__}: {self.cause}")
+
+    update_state = apply = is_argmax_invariant = _fail
 
 
 class _NonFiniteLogits(Exception):
