@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -166,11 +167,21 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def clone(self, **changes: Any) -> SamplingParams:
-        """A validated copy with ``changes`` applied (``extra_args`` copied, not shared)."""
+        """A validated copy with ``changes`` applied (``extra_args`` copied all the way down, not shared)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["extra_args"] = dict(self.extra_args) if self.extra_args is not None else None
+        values["extra_args"] = _copied(self.extra_args)
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _copied(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A deep copy (a plugin appending to a list in one request's must not change another's); else shallow."""
+    if extra_args is None:
+        return None
+    try:
+        return copy.deepcopy(extra_args)
+    except Exception:  # noqa: BLE001 - something that cannot be copied: shared, as before
+        return dict(extra_args)
 
 
 def _is_int(value: object) -> bool:

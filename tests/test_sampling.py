@@ -273,3 +273,10 @@ def test_a_misspelt_field_set_after_construction_is_an_error_not_ignored():
         params.max_token = 40  # type: ignore[attr-defined]  # max_tokens meant: 16 tokens would be generated
     params.max_tokens = 40  # the fields themselves stay assignable
     assert params.clone().max_tokens == 40
+
+
+def test_each_requests_extra_args_are_its_own_all_the_way_down():
+    shared = SamplingParams(extra_args={"tags": ["site"]})
+    mine = shared.clone()
+    mine.extra_args["tags"].append("mine")  # an on_request hook adding to one request's list
+    assert shared.extra_args == {"tags": ["site"]} and mine.extra_args == {"tags": ["site", "mine"]}
