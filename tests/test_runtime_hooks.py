@@ -402,6 +402,22 @@ def test_on_request_changes_a_request_or_refuses_it_naming_the_plugin(tiny_opt):
     assert len(llm.generate([PROMPTS[0]], greedy(10))[0].token_ids) == 3
 
 
+class EmptiesPrompts:
+    @hookimpl
+    def on_request(self, request):
+        if (request.params.extra_args or {}).get("empty"):
+            request.prompt_token_ids = []
+
+
+def test_a_request_an_on_request_hook_made_invalid_is_the_plugins_error_not_the_callers(tiny_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[EmptiesPrompts(), Guard()])
+    with pytest.raises(PluginHookError, match=r"prompt 0 became invalid in the on_request hook of plugin '"):
+        llm.generate([PROMPTS[0]], greedy(3, extra_args={"empty": 1}))  # it said "prompt 0 is an empty list"
+    with pytest.raises(ValueError, match=r"^logprobs=100 is more than this engine allows") as caught:
+        llm.generate([PROMPTS[0]], greedy(10, logprobs=100))  # Guard lowered max_tokens; the logprobs are the caller's
+    assert not isinstance(caught.value, PluginHookError)
+
+
 def test_a_refusal_is_a_400_and_the_server_keeps_serving(tiny_opt):
     engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Guard()])
     try:

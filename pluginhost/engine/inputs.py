@@ -53,9 +53,41 @@ class InputProcessor:
         # The request's own parameters: plugins may change them, and one SamplingParams may serve many prompts.
         request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
         if self._on_request:
+            given = (list(token_ids), request.params.clone())
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
-            request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
-        params = request.params
+            try:
+                request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
+                max_tokens = self._checked(index, request.prompt_token_ids, request.params)
+            except ValueError as exc:
+                if isinstance(exc, RequestRefusedError) or (request.prompt_token_ids, request.params) == given:
+                    raise
+                self._checked(index, *given)  # the caller's own request fails too: the error is the caller's
+                plugins = loaded.host.implementers("on_request")
+                raise PluginHookError(
+                    f"prompt {index} became invalid in the on_request hook of "
+                    f"{' or '.join(p.describe() for p in plugins)}: {exc}. The request was not run.",
+                    plugin=plugins[0].name,
+                    hook="on_request",
+                ) from exc
+        else:
+            max_tokens = self._checked(index, token_ids, request.params)
+        params, token_ids = request.params, request.prompt_token_ids
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
+        for sample in range(params.n):
+            if params.seed is not None:  # sample i draws from seed + i, as in vLLM
+                generator = torch.Generator(loaded.device).manual_seed(params.seed + sample)
+            else:
+                generator = self._generator
+            detokenizer = None
+            if loaded.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
+            sampling = SamplingState(params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device)
+            request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
+        return request
+
+    def _checked(self, index: int, token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request's parameters against its prompt and this engine; the tokens it may generate."""
+        loaded = self._loaded
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -87,7 +119,6 @@ class InputProcessor:
                     plugin=processor.registered_by.name,
                     hook="register_logits_processors",
                 ) from exc
-        token_ids = request.prompt_token_ids
         if params.max_tokens is None and len(token_ids) >= loaded.max_model_len:
             raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves no room to generate within "
@@ -112,18 +143,7 @@ class InputProcessor:
                 f"prompt {index} has stop_token_ids {outside[:5]} outside the vocabulary [0, {loaded.vocab_size})",
                 param="stop_token_ids",
             )
-        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
-        for sample in range(params.n):
-            if params.seed is not None:  # sample i draws from seed + i, as in vLLM
-                generator = torch.Generator(loaded.device).manual_seed(params.seed + sample)
-            else:
-                generator = self._generator
-            detokenizer = None
-            if loaded.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
-            sampling = SamplingState(params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device)
-            request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
-        return request
+        return max_tokens
 
     def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         loaded = self._loaded
