@@ -86,7 +86,7 @@ class Checkpoint:
             reads = self._read_bins(max_numel)
         total = self.nbytes
         # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
-        quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE")
+        quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE", strict=False)
         nonfinite: list[str] = []
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(

@@ -43,7 +43,8 @@ def discover_installed() -> list[InstalledPlugin]:
             key,
             InstalledPlugin(entry_point.name, entry_point.value, distribution, version, entry_point),
         )
-    return sorted(found.values(), key=lambda p: (p.name, p.distribution or ""))
+    # Alphabetical as people read it ("alpha" before "Zed"), then exactly, so the order is always the same.
+    return sorted(found.values(), key=lambda p: (p.name.casefold(), p.name, p.distribution or ""))
 
 
 def _module_of(plugin: InstalledPlugin) -> str:

@@ -217,11 +217,12 @@ class PluginHost:
         only recorded with status ``failed``. A broken in-process plugin always
         raises, and so does an allow-list naming nothing installed.
         """
+        # Read first: a malformed switch is an error whether or not a plugin is broken.
+        skip = strict and (self._skip_broken if self._skip_broken is not None else env_flag(SKIP_BROKEN_ENV))
         if self._pm is None:
             self._pm = self._load()
         failed = [r for r in self._records if r.status == "failed"]
         if failed and strict:
-            skip = self._skip_broken if self._skip_broken is not None else env_flag(SKIP_BROKEN_ENV)
             if not skip:
                 raise PluginLoadError("\n".join(self._failure_message(r) for r in failed))
             for record in failed:

@@ -75,10 +75,8 @@ class PluginSelection:
         deny = dict(self.deny)
         if no_plugins:
             allow, allow_source = (), "--no-plugins"
-        elif plugins is not None:
+        elif plugins is not None:  # beats the environment's denial too: see decide()
             allow, allow_source = parse_name_list(plugins), "--plugins"
-            for name in allow:  # an explicit CLI choice beats the environment's denial
-                deny.pop(normalize_name(name), None)
         for value in disable:
             for name in parse_name_list(value):
                 deny[normalize_name(name)] = "--disable-plugin"
@@ -87,8 +85,10 @@ class PluginSelection:
     def decide(self, entry_point: str, distribution: str | None) -> str | None:
         """Return ``None`` when the plugin may load, else why it is blocked."""
         names = _names_of([(entry_point, distribution)])
+        # Named by --plugins (by either of its names): an explicit CLI choice beats the environment's denial.
+        chosen = self.allow_source == "--plugins" and bool(names & {normalize_name(n) for n in self.allow or ()})
         for name in sorted(names):
-            if name in self.deny:
+            if name in self.deny and not (chosen and self.deny[name] == DISABLED_ENV):
                 return f"disabled by {self.deny[name]}"
         if self.allow is None:
             return None

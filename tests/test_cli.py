@@ -174,6 +174,7 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
             "Did you mean 'OPTForCausalLM'",
         ),
         (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
+        (["plugins", "--plugins", " , "], "--plugins ' , ' names no plugin (an unset shell variable?)"),
         (["plugins", "--disable-plugin", "builtin_models"], "pluginhost's own builtin architectures, which cannot"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", "ab\udcff"], "--prompt 2 is not valid UTF-8"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),

@@ -183,6 +183,26 @@ def test_cli_selection_takes_precedence_over_the_environment(three_plugins, monk
     assert {s for n, s in statuses(no_plugins).items() if n != "builtin_models"} == {"blocked"}
 
 
+@pytest.mark.parametrize(("disabled", "chosen"), [("beta-dist", "beta"), ("beta", "beta-dist")])
+def test_cli_choice_beats_an_environment_denial_by_the_other_kind_of_name(three_plugins, monkeypatch, disabled, chosen):
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", disabled)
+    host = PluginHost(selection=PluginSelection.from_env().with_cli(plugins=chosen))
+    host.load()
+    assert statuses(host)["beta"] == "loaded"  # it stayed "disabled by PLUGINHOST_DISABLED_PLUGINS"
+
+
+def test_installed_plugins_run_in_alphabetical_order_whatever_the_case(install_plugin):
+    install_plugin("Zed", dist="zed-dist")
+    install_plugin("alpha", dist="alpha-dist")
+    assert [r.name for r in PluginHost().load(strict=False)][1:] == ["alpha", "Zed"]  # not code-point order
+
+
+def test_a_skip_broken_switch_that_is_neither_on_nor_off_is_an_error(monkeypatch):
+    monkeypatch.setenv("PLUGINHOST_SKIP_BROKEN_PLUGINS", "banana")
+    with pytest.raises(ValueError, match=r"PLUGINHOST_SKIP_BROKEN_PLUGINS='banana' is neither on"):
+        PluginHost().load()
+
+
 def test_allow_list_naming_nothing_installed_lists_what_is(three_plugins, monkeypatch):
     monkeypatch.setenv("PLUGINHOST_PLUGINS", "alpha,nope")
     with pytest.raises(PluginSelectionError) as info:

@@ -204,8 +204,13 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_host(args: argparse.Namespace):  # -> PluginHost
     from pluginhost.host import PluginHost
-    from pluginhost.selection import PluginSelection
+    from pluginhost.selection import PluginSelection, parse_name_list
 
+    if args.plugins is not None and not parse_name_list(args.plugins):
+        raise UsageError(
+            f"--plugins {args.plugins!r} names no plugin (an unset shell variable?): name the plugins to load, or "
+            "use --no-plugins to load none"
+        )
     selection = PluginSelection.from_env().with_cli(
         plugins=args.plugins, no_plugins=args.no_plugins, disable=args.disable_plugin
     )

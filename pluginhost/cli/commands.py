@@ -102,7 +102,7 @@ def list_models(args: argparse.Namespace, out: ResultStream) -> int:
                 out.print(f"\n{TRANSFORMERS_FALLBACK} serves these {len(serves)} architectures transformers can build:")
                 out.print("\n".join(f"  {name}" for name in serves))
     failed = [r for r in host.records if r.status == "failed"]
-    if failed and not args.json:
+    if failed:  # on stderr, so --json stays valid JSON and a script still learns of it
         print(f"\n{len(failed)} plugin(s) failed to load; see `pluginhost plugins`.", file=sys.stderr)
     return EXIT_OK
 
