@@ -311,7 +311,7 @@ class PluginHost:
             except BaseException as exc:  # noqa: BLE001 - a plugin's import may raise anything
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                reason = f"import of {plugin.value} failed: {_describe_exception(exc)}"
+                reason = f"import of {plugin.value} failed: {_describe_exception(exc)}{_raised_at(exc)}"
                 out.append((replace(base, status="failed", reason=reason, import_seconds=_since(start)), None))
                 continue
             out.append((replace(base, import_seconds=_since(start)), obj))
@@ -670,6 +670,19 @@ def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | No
                 "plain parameters"
             )
     return None
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (at file:line)``: where the import failed, in the plugin's code rather than importlib's."""
+    if isinstance(exc, SyntaxError):  # its own message says where
+        return ""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith("<frozen importlib") and "importlib/" not in filename.replace("\\", "/"):
+            where = f" (at {filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
 
 
 def _describe_exception(exc: BaseException) -> str:

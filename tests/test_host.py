@@ -304,11 +304,12 @@ def test_skip_broken_turns_the_failure_into_a_warning(install_plugin, monkeypatc
 
 
 def test_listing_never_fails_because_of_a_broken_plugin(install_plugin):
-    install_plugin("broken", "raise RuntimeError('boom')\n")
+    site = install_plugin("broken", "import os\nraise RuntimeError('boom')\n")
     host = PluginHost()
     records = {r.name: r for r in host.load(strict=False)}
     assert records["broken"].status == "failed"
-    assert records["broken"].reason == "import of broken failed: RuntimeError: boom"
+    # Where: the plugin's line, not importlib's.
+    assert records["broken"].reason == f"import of broken failed: RuntimeError: boom (at {site / 'broken.py'}:2)"
 
 
 def test_exception_in_a_hook_names_the_plugin_and_the_hook(install_plugin):
