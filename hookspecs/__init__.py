@@ -298,7 +298,9 @@ def record_stats(stats: EngineStats) -> None:
 
     Must not: block (every step waits for it) or change anything. An
     exception is logged once, naming the plugin, and this plugin's
-    ``record_stats`` is not called again by that engine.
+    ``record_stats`` is not called again by that engine (implementations
+    after it in the call order miss that one step). A step that fails (the
+    model raised, a processor failed) has no statistics and no call.
 
     Example::
 
@@ -322,8 +324,14 @@ def register_routes(app: FastAPI, engine: AsyncLLM) -> None:
     May: add routes (``@app.get(...)``, ``app.add_api_route``, routers).
 
     Must not: take a builtin path (``/health``, ``/v1/models``,
-    ``/v1/completions``, ``/v1/chat/completions``, ``/metrics``) or another
-    plugin's: ``serve`` then stops at start with an error naming the plugin.
+    ``/v1/models/{model}``, ``/v1/completions``, ``/v1/chat/completions``,
+    ``/metrics``), also through a path parameter or a mount that would
+    answer it, or another plugin's path: ``serve`` then stops at start with
+    an error naming the plugin. Routes below a model's path
+    (``/v1/models/{name}/info``) are the plugin's to add. Each
+    implementation is called on its own, so its routes are known to be its
+    own: ``wrapper=True`` implementations of this hook are not called (a
+    warning says so).
 
     Example::
 

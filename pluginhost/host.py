@@ -35,6 +35,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -600,8 +601,9 @@ class PluginHost:
             plugin = next((r.ref for r in self._records if r.name == impl.plugin_name), PluginRef(impl.plugin_name))
             for route in [r for r in app.routes if id(r) not in before]:
                 path, route_methods = getattr(route, "path", ""), getattr(route, "methods", None) or {"*"}
-                if path in builtin:
-                    holder = "the server itself"
+                shadowed = _builtin_answered_by(route, builtin)
+                if shadowed is not None:
+                    holder = "the server itself" if shadowed == path else f"the server itself ({shadowed})"
                 else:
                     mine = plugin.name
                     others = {taken[(path, m)] for m in route_methods if taken.get((path, m), mine) != mine}
@@ -669,6 +671,26 @@ def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | No
                 f"parameters, which pluggy never passes; the spec is {_spec_signature(pm, impl.hook)}: make them "
                 "plain parameters"
             )
+    return None
+
+
+def _builtin_answered_by(route: Any, builtin: set[str]) -> str | None:
+    """The builtin path a plugin's route would answer (same path, a parameter in its place, or a mount above it)."""
+    path = getattr(route, "path", "")
+    if path in builtin:
+        return path
+    matches = getattr(route, "matches", None)  # Starlette's routes and mounts
+    if matches is None:
+        return None
+    for taken in sorted(builtin):
+        sample = re.sub(r"\{[^}]*\}", "x", taken)  # a URL the builtin answers: /v1/models/{model:path} -> /v1/models/x
+        scope = {"type": "http", "path": sample, "root_path": "", "method": "GET", "path_params": {}}
+        try:
+            match, _ = matches(scope)
+        except Exception:  # noqa: BLE001, S112 - a route type that cannot be asked: only its path is compared
+            continue
+        if match.value:  # partial (another method) or full
+            return taken
     return None
 
 

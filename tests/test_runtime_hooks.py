@@ -575,12 +575,36 @@ def test_a_plugin_route_under_v1_models_is_reached_before_the_models_route(tiny_
         engine.shutdown()
 
 
-def test_a_route_taking_a_builtin_path_stops_the_server_naming_the_plugin(tiny_opt):
-    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[TakesHealth()])
+class TakesModelCards:
+    @hookimpl
+    def register_routes(self, app):
+        @app.get("/v1/models/{name}")  # another name for the builtin's parameter: the same URLs
+        async def card(name: str):
+            return {"mine": name}
+
+
+class MountsV1:
+    @hookimpl
+    def register_routes(self, app):
+        from fastapi import FastAPI
+
+        app.mount("/v1", FastAPI())  # would answer /v1/models/NAME, registered after it
+
+
+@pytest.mark.parametrize(
+    ("plugin", "taken"),
+    [
+        (TakesHealth, r"route /health is already taken by the server itself\."),
+        (TakesModelCards, r"route /v1/models/\{name\} is already taken by the server itself \(/v1/models/"),
+        (MountsV1, r"route /v1 is already taken by the server itself \(/v1/"),
+    ],
+)
+def test_a_route_taking_a_builtin_path_stops_the_server_naming_the_plugin(tiny_opt, plugin, taken):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin()])
     try:
-        with pytest.raises(
-            PluginHookError, match=r"plugin 'TakesHealth' failed in its register_routes hook: route /health"
-        ):
+        with pytest.raises(PluginHookError, match=rf"plugin '{plugin.__name__}' failed in its register_routes hook: "):
+            build_app(engine, served_model_name="tiny")
+        with pytest.raises(PluginHookError, match=taken):
             build_app(engine, served_model_name="tiny")
     finally:
         engine.shutdown()
