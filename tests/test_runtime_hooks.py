@@ -564,6 +564,27 @@ def test_register_routes_adds_routes_behind_the_api_key(tiny_opt):
         engine.shutdown()
 
 
+class BrokenRoute:
+    @hookimpl
+    def register_routes(self, app):
+        @app.get("/v1/broken")
+        async def broken():
+            raise RuntimeError("route handler broke")
+
+
+def test_a_plugin_route_that_raises_is_a_500_naming_the_plugin_logged_once(tiny_opt, caplog):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[BrokenRoute()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base, caplog.at_level("ERROR"):
+            answer = httpx.get(f"{base}/v1/broken", timeout=TIMEOUT)
+            assert answer.status_code == 500 and answer.json()["error"]["code"] == "plugin_error"
+            assert "internal error in a route of plugin 'BrokenRoute': RuntimeError: route handler broke" in answer.text
+            assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200  # and it serves on
+        assert len([r for r in caplog.records if "route handler broke" in str(r.exc_info)]) == 1
+    finally:
+        engine.shutdown()
+
+
 def test_a_plugin_route_under_v1_models_is_reached_before_the_models_route(tiny_opt):
     engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[ModelInfo()])
     try:

@@ -167,8 +167,20 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error answering %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        return _internal_error(request, exc)
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A 500 for an exception no handler answered, naming the plugin whose route raised it, if one did."""
+    host = request.app.state.engine.plugin_host
+    tb, plugins = exc.__traceback__, []
+    while tb is not None:  # the innermost frame of a plugin's file decides
+        plugins = host.plugins_of_file(tb.tb_frame.f_code.co_filename) or plugins
+        tb = tb.tb_next
+    where = f"a route of {plugins[0].describe()}" if plugins else "the server"
+    logger.error("%s failed answering %s %s", where, request.method, request.url.path, exc_info=exc)
+    message = f"internal error in {where}: {type(exc).__name__}: {exc}"
+    return APIError(500, message, type="server_error", code="plugin_error" if plugins else None).response()
 
 
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
@@ -189,7 +201,10 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
                 # Counted under the route the path would reach: a path of the caller's choosing is no label.
                 metrics.record_http(_route_path(app, request.scope), 401)
                 return response
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as exc:  # noqa: BLE001 - answered here, so it is logged once (Starlette would re-raise it)
+            response = _internal_error(request, exc)
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
