@@ -144,9 +144,11 @@ def _target_of(model: type | str) -> str:
 class ArchitectureRegistry:
     """Architecture names mapped to model classes, with their provenance."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, log_replacements: bool = False) -> None:
         self._entries: dict[str, Registration] = {}
         self._resolved: dict[str, type] = {}
+        # Only the registry an engine uses (``merged``) logs a replacement: once, not per registry it passed.
+        self._log_replacements = log_replacements
 
     def register_model(self, architecture: str, model: type | str) -> None:
         """Register ``model`` (a class, or a lazy ``"package.module:ClassName"``) as ``architecture``.
@@ -173,7 +175,7 @@ class ArchitectureRegistry:
             return
         self._entries[architecture] = Registration(architecture, implementation, source, model_class, previous)
         self._resolved.pop(architecture, None)
-        if previous is not None:
+        if previous is not None and self._log_replacements:
             # Two installed plugins claiming one name deserve a warning; overriding a builtin is what
             # registration is for, and is only logged.
             builtin = builtin_ref()
@@ -207,7 +209,7 @@ class ArchitectureRegistry:
             for entry in reversed([latest, *latest.overrides])
             if include(entry.registered_by)
         ]
-        merged = cls()
+        merged = cls(log_replacements=True)
         for entry in sorted(replay, key=lambda e: rank(e.registered_by)):
             merged._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
         return merged
