@@ -199,6 +199,8 @@ def describe_validation_error(exc: Exception) -> str:
         if error.get("type") in ("extra_forbidden", "no_such_attribute"):
             known = ", ".join(EngineConfig.model_fields)
             parts.append(f"{where}: unknown setting (known settings: {known})")
+        elif error.get("type") == "value_error":  # our validators' messages say what was given
+            parts.append(f"{where}: {message.removeprefix('Value error, ')}")
         else:
             parts.append(f"{where}: {message} (got {error.get('input')!r})")
     return "; ".join(parts)

@@ -139,7 +139,9 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
         return config
     except Exception as exc:  # noqa: BLE001 - transformers' configs validate their fields with many error types
         detail = " ".join(str(exc).split())
-        raise ConfigError(f"{model_dir / 'config.json'} cannot be used as a {model_type} config: {detail}") from None
+        raise ConfigError(
+            f"{model_dir / 'config.json'} cannot be used as a config of model type {model_type!r}: {detail}"
+        ) from None
 
 
 #: Config sizes and their largest sane value: far above any real model, far below what would exhaust the machine.
