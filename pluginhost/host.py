@@ -436,7 +436,13 @@ class PluginHost:
                 # implementations checked before the failing one would still run.
                 pm.unregister(plugin, name=record.name)
         except ValueError as exc:  # the same object registered twice
-            problem = str(exc).splitlines()[0]
+            other = pm.get_name(plugin)
+            problem = (
+                f"it is the object plugin {other!r} already is (two entry points, or the same object passed "
+                "twice, name it): keep one"
+                if other is not None
+                else str(exc).splitlines()[0]
+            )
         else:
             problem = self._check_after(pm, plugin, impls)
             if problem is not None:

@@ -616,3 +616,14 @@ def test_plugins_given_as_a_generator_are_all_loaded():
 
     host = PluginHost(plugins=(p for p in [Hooks()]), load_installed=False)
     assert [r.name for r in host.load()] == [BUILTIN_PLUGIN, "Hooks"]
+
+
+def test_two_entry_points_naming_one_module_load_it_once_and_say_why_the_other_did_not(install_plugin):
+    hooks = "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n"
+    install_plugin("newname", hooks, dist="alias-dist", module="shared_mod")
+    install_plugin("oldname", hooks, dist="alias-dist", module="shared_mod")  # an old name kept working
+    records = {r.name: r for r in PluginHost().load(strict=False)}
+    (loaded,) = [name for name in ("newname", "oldname") if records[name].status == "loaded"]
+    (other,) = {"newname", "oldname"} - {loaded}
+    assert records[other].status == "failed"
+    assert records[other].reason.startswith(f"it is the object plugin {loaded!r} already is (two entry points")
