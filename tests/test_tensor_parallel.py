@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -315,8 +316,9 @@ def test_a_rank_that_cannot_load_a_plugin_is_named_with_the_plugin(install_plugi
     message = two_rank_build_error(tiny_opt)
     assert message.startswith(
         "Building the model failed on rank 1: Cannot start: plugin 'needs_lib' (distribution needs-lib-dist 1.0) is "
-        "broken: import of needs_lib failed: ImportError: libfoo.so.1: cannot open shared object file."
+        "broken: import of needs_lib failed: ImportError: libfoo.so.1: cannot open shared object file (at "
     )
+    assert re.search(r"site-packages/needs_lib\.py:\d+\)\. ", message)  # the line that raised, on rank 1
     assert message.endswith("skip broken plugins. No rank was built.")
 
 
