@@ -158,7 +158,7 @@ class KernelTable:
     @classmethod
     def from_environment(cls, runners: dict[str, Runner]) -> KernelTable:
         """The table the engine uses: the switches above, the cache file of this machine."""
-        if env_flag(PLAIN_LINEAR_ENV):
+        if env_flag(PLAIN_LINEAR_ENV, strict=False):  # read at the first product: a typo must not fail a request
             return cls(runners, mode=F_LINEAR)
         forced = os.environ.get(KERNEL_ENV, "").strip()
         if forced:

@@ -120,6 +120,8 @@ def keep_collectives(model: nn.Module, collectives: Collectives) -> None:
         if id(split) in present:
             continue
         replacement = modules.get(name)
+        if replacement is not None and hook in replacement._forward_hooks.values():
+            continue  # the plugin moved the hooks over itself (as torch.ao.quantization.swap_module does)
         if replacement is None:
             raise ModelClassError(
                 f"{name} was split over the ranks and is gone from the model after post_load: its partial "

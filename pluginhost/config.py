@@ -178,8 +178,21 @@ class EngineConfig(BaseModel):
             self._provenance[name] = source
 
     def fix(self) -> None:
-        """Make every setting read-only: the engine calls this once it is built (after ``post_load``)."""
+        """Make every setting read-only: the engine calls this once it is built (after ``post_load``).
+
+        A copy (``model_copy()``, ``copy.deepcopy``) is free again: it describes no engine yet.
+        """
         self._fixed = True
+
+    def __copy__(self) -> EngineConfig:
+        copied = super().__copy__()
+        copied._fixed = False
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> EngineConfig:
+        copied = super().__deepcopy__(memo)
+        copied._fixed = False
+        return copied
 
     @property
     def provenance(self) -> dict[str, str]:

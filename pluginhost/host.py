@@ -312,7 +312,8 @@ class PluginHost:
             except BaseException as exc:  # noqa: BLE001 - a plugin's import may raise anything
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                reason = f"import of {plugin.value} failed: {_describe_exception(exc)}{_raised_at(exc)}"
+                where = _raised_at(exc, plugin.value.partition(":")[0])
+                reason = f"import of {plugin.value} failed: {_describe_exception(exc)}{where}"
                 out.append((replace(base, status="failed", reason=reason, import_seconds=_since(start)), None))
                 continue
             out.append((replace(base, import_seconds=_since(start)), obj))
@@ -596,6 +597,7 @@ class PluginHost:
         """
         caller = self.plugin_manager.hook.register_routes
         builtin = set(builtin_paths)
+        late = [path for path in builtin_paths if path not in {getattr(r, "path", None) for r in app.routes}]
         taken: dict[tuple[str, str], str] = {}  # (path, method) -> the plugin whose route it is
         for impl in reversed(caller.get_hookimpls()):  # pluggy's call order
             if impl.hookwrapper or getattr(impl, "wrapper", False):
@@ -607,7 +609,7 @@ class PluginHost:
             plugin = next((r.ref for r in self._records if r.name == impl.plugin_name), PluginRef(impl.plugin_name))
             for route in [r for r in app.routes if id(r) not in before]:
                 path, route_methods = getattr(route, "path", ""), getattr(route, "methods", None) or {"*"}
-                shadowed = _builtin_answered_by(route, builtin)
+                shadowed = _builtin_answered_by(route, builtin, late)
                 if shadowed is not None:
                     holder = "the server itself" if shadowed == path else f"the server itself ({shadowed})"
                 else:
@@ -616,8 +618,8 @@ class PluginHost:
                     holder = f"plugin {sorted(others)[0]!r}" if others else None
                 if holder is not None:
                     raise PluginHookError(
-                        f"{plugin.describe()} failed in its register_routes hook: route {path} is already taken by "
-                        f"{holder}. The server was not started. {plugin.remedy()}",
+                        f"{plugin.describe()} failed in its register_routes hook: route {path or '/'} is already "
+                        f"taken by {holder}. The server was not started. {plugin.remedy()}",
                         plugin=plugin.name,
                         hook="register_routes",
                     )
@@ -661,7 +663,7 @@ class PluginHost:
 
 
 def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:
-    """What pluggy would take but never call rightly: an async hook, keyword-only or variadic parameters."""
+    """What pluggy would take but never call rightly: an async hook, keyword-only parameters."""
     for impl in impls:
         function = inspect.unwrap(impl.function)
         if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
@@ -670,44 +672,59 @@ def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | No
             params = inspect.signature(impl.function).parameters.values()
         except (TypeError, ValueError):
             continue
-        odd = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if odd and getattr(pm.hook, impl.hook, None) is not None and getattr(pm.hook, impl.hook).has_spec():
+        keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        if keyword_only and getattr(pm.hook, impl.hook, None) is not None and getattr(pm.hook, impl.hook).has_spec():
             return (
-                f"its {impl.hook} implementation takes {', '.join(odd)} as keyword-only or variadic (*, **) "
-                f"parameters, which pluggy never passes; the spec is {_spec_signature(pm, impl.hook)}: make them "
-                "plain parameters"
+                f"its {impl.hook} implementation takes {', '.join(keyword_only)} as keyword-only parameters (after "
+                f"*), which pluggy never passes; the spec is {_spec_signature(pm, impl.hook)}: make them plain "
+                "parameters"
             )
     return None
 
 
-def _builtin_answered_by(route: Any, builtin: set[str]) -> str | None:
-    """The builtin path a plugin's route would answer (same path, a parameter in its place, or a mount above it)."""
+def _builtin_answered_by(route: Any, builtin: set[str], late: Sequence[str]) -> str | None:
+    """The builtin path a plugin's route takes: the same path, or a ``late`` one it would answer first.
+
+    Routes answer in the order they were added. The builtins come before the plugins' routes, except
+    the ``late`` ones (``/v1/models/{model:path}``, which would take every path below it): a route
+    or mount answering a GET for one of those (``/v1/models/{name}``, ``app.mount("/v1", ...)``) takes it.
+    """
     path = getattr(route, "path", "")
     if path in builtin:
         return path
     matches = getattr(route, "matches", None)  # Starlette's routes and mounts
     if matches is None:
         return None
-    for taken in sorted(builtin):
+    for taken in late:
         sample = re.sub(r"\{[^}]*\}", "x", taken)  # a URL the builtin answers: /v1/models/{model:path} -> /v1/models/x
         scope = {"type": "http", "path": sample, "root_path": "", "method": "GET", "path_params": {}}
         try:
             match, _ = matches(scope)
         except Exception:  # noqa: BLE001, S112 - a route type that cannot be asked: only its path is compared
             continue
-        if match.value:  # partial (another method) or full
+        if match.name == "FULL":  # PARTIAL: the path, for another method (DELETE /v1/models/{name})
             return taken
     return None
 
 
-def _raised_at(exc: BaseException) -> str:
-    """`` (at file:line)``: where the import failed, in the plugin's code rather than importlib's."""
+def _raised_at(exc: BaseException, module: str) -> str:
+    """`` (at file:line)``: the innermost line of the plugin's own code (``module``'s package) it came through."""
     if isinstance(exc, SyntaxError):  # its own message says where
         return ""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None and spec.origin else None
+    if origin is None:
+        return ""
+    own = Path(origin).parent if Path(origin).name == "__init__.py" else Path(origin)
     tb, where = exc.__traceback__, ""
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith("<frozen importlib") and "importlib/" not in filename.replace("\\", "/"):
+        filename = Path(tb.tb_frame.f_code.co_filename)
+        if filename == own or own in filename.parents:
             where = f" (at {filename}:{tb.tb_lineno})"
         tb = tb.tb_next
     return where
@@ -764,8 +781,9 @@ def _importable_name(index: int, plugin: object) -> str:
     elif getattr(plugin, "__qualname__", None) and getattr(plugin, "__module__", None):
         if "<locals>" not in plugin.__qualname__:
             name = f"{plugin.__module__}:{plugin.__qualname__}"
-    else:  # an instance: a module-level name bound to it
-        for module_name, module in list(sys.modules.items()):
+    else:  # an instance: a module-level name bound to it, the script's last (it may only have imported it)
+        modules = sorted(sys.modules.items(), key=lambda item: item[0] == "__main__")
+        for module_name, module in modules:
             found = next((attr for attr, value in list(vars(module).items()) if value is plugin), None)
             if found is not None and module_name != "__mp_main__":
                 name = f"{module_name}:{found}"
@@ -800,13 +818,13 @@ def _bound_only_when_run(script: str) -> set[str]:
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return set()
 
-    def is_main_guard(node: ast.stmt) -> bool:
+    def is_main_guard(node: ast.stmt) -> bool:  # if __name__ == "__main__": (either way round)
         test = node.test if isinstance(node, ast.If) else None
-        return (
-            isinstance(test, ast.Compare)
-            and isinstance(test.left, ast.Name)
-            and test.left.id == "__name__"
-            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = [test.left, *test.comparators]
+        return any(isinstance(n, ast.Name) and n.id == "__name__" for n in sides) and any(
+            isinstance(n, ast.Constant) and n.value == "__main__" for n in sides
         )
 
     def bound(statements: list[ast.stmt], skip_guard: bool) -> set[str]:

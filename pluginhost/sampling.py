@@ -15,7 +15,7 @@ __all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
 GREEDY_TEMPERATURE = 1e-5
 
 
-@dataclass(slots=True)  # slots: a misspelt field set later (params.max_token = 8) is an error
+@dataclass(slots=True, weakref_slot=True)  # slots: a misspelt field set later (params.max_token = 8) is an error
 class SamplingParams:
     """Decoding settings of one request; invalid values raise ``ValueError`` at once.
 

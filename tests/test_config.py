@@ -89,3 +89,6 @@ def test_a_built_engines_settings_are_read_only(tiny_opt):
     with pytest.raises(ConfigError, match=refused):
         llm.config.max_num_seqs = 1  # the scheduler would go on with 4, and llm.config would say 1
     assert llm.config.max_num_seqs == 4 and llm.engine.scheduler.max_num_seqs == 4
+    copied = llm.config.model_copy()  # copy, change, build anew: a copy describes no engine yet
+    copied.max_num_seqs = 2
+    assert copied.max_num_seqs == 2 and llm.config.max_num_seqs == 4

@@ -416,6 +416,9 @@ def test_a_request_an_on_request_hook_made_invalid_is_the_plugins_error_not_the_
     with pytest.raises(ValueError, match=r"^logprobs=100 is more than this engine allows") as caught:
         llm.generate([PROMPTS[0]], greedy(10, logprobs=100))  # Guard lowered max_tokens; the logprobs are the caller's
     assert not isinstance(caught.value, PluginHookError)
+    with pytest.raises(ValueError, match=r"^logprobs=100 is more than") as caught:  # extra_args that == cannot compare
+        llm.generate([PROMPTS[0]], greedy(10, logprobs=100, extra_args={"bias": torch.zeros(3)}))
+    assert not isinstance(caught.value, PluginHookError)
 
 
 def test_a_refusal_is_a_400_and_the_server_keeps_serving(tiny_opt):
@@ -483,6 +486,21 @@ def test_the_server_numbers_choices_and_streams_text_as_the_hooks_left_them(tiny
             assert streamed == generated  # what was sent stays; the rest follows it, not cut at a length
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("sent", "changed", "rest"),
+    [
+        ("A plugin is a modu", "A [REDACTED] is a module", "le"),  # a change in what was sent
+        (" the cat the cat", "the cat the cat the cat", " the cat"),  # repeated text: the nearest place, not the last
+        ("abc", "xyz", ""),  # nothing of it left: no more
+    ],
+)
+def test_a_stream_goes_on_after_the_text_it_sent(sent, changed, rest):
+    from pluginhost.server.app import _text_after
+
+    assert _text_after(sent, changed, "cmpl-1") == rest
+    assert _text_after(sent, sent + "more", "cmpl-1") == "more"  # the usual case: the text grew
 
 
 class TrimsTokens:
@@ -617,7 +635,7 @@ class MountsV1:
     [
         (TakesHealth, r"route /health is already taken by the server itself\."),
         (TakesModelCards, r"route /v1/models/\{name\} is already taken by the server itself \(/v1/models/"),
-        (MountsV1, r"route /v1 is already taken by the server itself \(/v1/"),
+        (MountsV1, r"route /v1 is already taken by the server itself \(/v1/models/\{model:path\}\)"),
     ],
 )
 def test_a_route_taking_a_builtin_path_stops_the_server_naming_the_plugin(tiny_opt, plugin, taken):
@@ -627,6 +645,32 @@ def test_a_route_taking_a_builtin_path_stops_the_server_naming_the_plugin(tiny_o
             build_app(engine, served_model_name="tiny")
         with pytest.raises(PluginHookError, match=taken):
             build_app(engine, served_model_name="tiny")
+    finally:
+        engine.shutdown()
+
+
+class DeletesModels:
+    @hookimpl
+    def register_routes(self, app):
+        @app.delete("/v1/models/{name}")  # another method: GET /v1/models/NAME is still the server's
+        async def unload(name: str):
+            return {"unloaded": name}
+
+        @app.post("/{rest:path}")  # a POST catch-all: every builtin came first
+        async def anything(rest: str):
+            return {"rest": rest}
+
+
+def test_routes_that_take_no_builtin_url_are_added(tiny_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[DeletesModels()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            assert httpx.delete(f"{base}/v1/models/tiny", timeout=TIMEOUT).json() == {"unloaded": "tiny"}
+            assert httpx.get(f"{base}/v1/models/tiny", timeout=TIMEOUT).json()["id"] == "tiny"
+            body = {"model": "tiny", "prompt": [2, 5], "max_tokens": 2}
+            completion = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+            assert completion["object"] == "text_completion"
+            assert httpx.post(f"{base}/v1/other", timeout=TIMEOUT).json() == {"rest": "v1/other"}
     finally:
         engine.shutdown()
 

@@ -166,9 +166,28 @@ class ReplacesLinears:
 REPLACES_LINEARS = ReplacesLinears()
 
 
-def test_split_layers_a_plugin_replaces_in_post_load_are_still_summed_and_gathered(tiny_opt):
-    """The all-reduces and the head's all-gather go with the layer's place, not the module replaced (int8_quant)."""
-    settings = {"plugins": [REPLACES_LINEARS], "load_installed_plugins": False, "dtype": "float32"}
+class ReplacesLinearsKeepingHooks:
+    """As torch.ao.quantization.swap_module does: the replacement takes the replaced module's forward hooks."""
+
+    @hookimpl
+    def post_load(self, config, model):
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    replacement = PlainLinear(child)
+                    for hook in child._forward_hooks.values():
+                        replacement.register_forward_hook(hook)
+                    setattr(parent, name, replacement)
+
+
+REPLACES_LINEARS_KEEPING_HOOKS = ReplacesLinearsKeepingHooks()
+
+
+@pytest.mark.parametrize("plugin", [REPLACES_LINEARS, REPLACES_LINEARS_KEEPING_HOOKS], ids=["new", "hooks-kept"])
+def test_split_layers_a_plugin_replaces_in_post_load_are_still_summed_and_gathered(tiny_opt, plugin):
+    """The all-reduces and the head's all-gather go with the layer's place, not the module replaced (int8_quant);
+    once: a replacement that took the replaced module's hooks is not given them again."""
+    settings = {"plugins": [plugin], "load_installed_plugins": False, "dtype": "float32"}
     expected = LLM(str(tiny_opt), **settings).generate(PROMPTS, GREEDY)
     two = LLM(str(tiny_opt), tensor_parallel_size=2, **settings)
     try:

@@ -59,7 +59,8 @@ class InputProcessor:
                 request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
                 max_tokens = self._checked(index, request.prompt_token_ids, request.params)
             except ValueError as exc:
-                if isinstance(exc, RequestRefusedError) or (request.prompt_token_ids, request.params) == given:
+                now = (request.prompt_token_ids, request.params)
+                if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
                     raise
                 self._checked(index, *given)  # the caller's own request fails too: the error is the caller's
                 plugins = loaded.host.implementers("on_request")
@@ -222,3 +223,11 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # a single prompt of token ids
     return prompts
+
+
+def _unchanged(now: object, given: object) -> bool:
+    """Whether an on_request hook left the request as given (values that cannot be compared count as changed)."""
+    try:
+        return bool(now == given)
+    except Exception:  # noqa: BLE001 - extra_args may hold anything (a tensor's == is not a bool)
+        return False

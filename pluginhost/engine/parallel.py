@@ -79,9 +79,10 @@ def dist_timeout() -> float:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < 1e9:  # NaN fails too
+    if not 0 < seconds < 1e9:  # NaN fails too; past 1e9 s (31 years), torch's timedelta overflows
         raise ConfigError(
-            f"{TIMEOUT_ENV}={value!r} is not a number of seconds above 0 (default {_DEFAULT_TIMEOUT_S:g}); "
+            f"{TIMEOUT_ENV}={value!r} is not a number of seconds above 0 and below 1e9 (default "
+            f"{_DEFAULT_TIMEOUT_S:g}); "
             "set it to how long the ranks may take to meet and to answer, e.g. 120"
         )
     return seconds

@@ -397,15 +397,32 @@ def _text_after(sent: str, text: str, request_id: str) -> str:
     """
     if text.startswith(sent):
         return text[len(sent) :]
-    # The longest end of the sent text (32 characters at most) that the changed text still has.
-    ends = (sent[-size:] for size in range(min(len(sent), 32), 0, -1))
-    found = next(((end, at) for end in ends if (at := text.rfind(end)) >= 0), None)
+    # Where an end of the sent text (8 to 32 characters; shorter only if none is found) is in the changed
+    # text, ending nearest to where the sent text ended: repeated text has it more than once.
+    cut = None
+    longest = min(len(sent), 32)
+    for sizes in (range(longest, min(longest, 8) - 1, -1), range(min(longest, 8) - 1, 0, -1)):
+        found = [
+            (abs(at + size - len(sent)), -size, at + size) for size in sizes for at in _occurrences(text, sent[-size:])
+        ]
+        if found:
+            cut = min(found)[2]
+            break
     logger.warning(
         "%s: an on_output hook changed text the stream had already sent; the client keeps what it got%s",
         request_id,
-        "" if found else ", and no more of this choice's text",
+        "" if cut is not None else ", and no more of this choice's text",
     )
-    return text[found[1] + len(found[0]) :] if found else ""
+    return text[cut:] if cut is not None else ""
+
+
+def _occurrences(text: str, part: str) -> list[int]:
+    """Where ``part`` starts in ``text``, every time."""
+    found, at = [], text.find(part)
+    while at >= 0:
+        found.append(at)
+        at = text.find(part, at + 1)
+    return found
 
 
 def _error_code(error: Exception) -> str:
