@@ -4,7 +4,8 @@ A pydantic model that validates every assignment and refuses unknown fields,
 so a typo or a bad value from a user or a plugin fails where it is made.
 Each field remembers who set it last: ``default``, ``user`` or
 ``plugin:NAME`` (a plugin assigning inside its ``modify_config`` hook).
-Once the engine is built, every setting is read-only.
+Once the engine is built, every setting is read-only (assignment refused; the
+contents of ``hf_overrides``, a dict, are not guarded).
 """
 
 from __future__ import annotations
