@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-__all__ = ["HookOwners", "PluginRef", "acting_as", "current_plugin", "end_dispatch", "start_dispatch"]
+__all__ = [
+    "HookOwners",
+    "PluginRef",
+    "acting_as",
+    "current_plugin",
+    "end_dispatch",
+    "importing_plugin",
+    "start_dispatch",
+]
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,11 @@ def current_plugin() -> PluginRef | None:
         return importing
     owners = _dispatching.get()
     return owners.in_stack(sys._getframe(1)) if owners is not None else None
+
+
+def importing_plugin() -> PluginRef | None:
+    """The plugin being imported (or whose ``register()`` runs), if any: ``acting_as``'s plugin."""
+    return _importing.get()
 
 
 @contextmanager

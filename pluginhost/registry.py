@@ -36,7 +36,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from pluginhost.attribution import PluginRef, current_plugin
+from pluginhost.attribution import PluginRef, current_plugin, importing_plugin
 from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
 
 __all__ = [
@@ -105,12 +105,27 @@ class RegistrySnapshot:
     entries: MappingProxyType[str, Registration]
 
 
-def _caller_ref() -> PluginRef:
+def _registering() -> PluginRef:
+    """Who makes a registration now: the distribution whose code makes it.
+
+    In a hook call, the hook's plugin (code it calls acts for it). While a plugin is imported, the
+    installed plugin whose module is on the stack innermost (a plugin importing another's module
+    does not make that module's registrations its own), else the plugin imported. Otherwise, the
+    code on the stack (``_caller_ref``).
+    """
+    importing = importing_plugin()
+    if importing is not None:
+        return _caller_ref(installed_only=True) or importing
+    return current_plugin() or _caller_ref()
+
+
+def _caller_ref(*, installed_only: bool = False) -> PluginRef | None:
     """Who made a registration outside plugin loading and hook calls: the code on the stack.
 
     The innermost frame whose module belongs to an installed plugin (by its
     entry point's package) attributes the registration to that plugin, however
-    the module came to be imported; otherwise it is the calling module's.
+    the module came to be imported; otherwise it is the calling module's
+    (``installed_only``: ``None``).
     """
     from pluginhost.discovery import discover_installed, owner_of_module
 
@@ -125,7 +140,7 @@ def _caller_ref() -> PluginRef:
             if owner is not None:
                 return PluginRef(owner.name, owner.distribution, owner.version)
         frame = frame.f_back
-    return PluginRef(name=caller or "<unknown>")
+    return None if installed_only else PluginRef(name=caller or "<unknown>")
 
 
 def _target_of(model: type | str) -> str:
@@ -157,7 +172,7 @@ class ArchitectureRegistry:
         logged; the same model registered again by the same source changes
         nothing.
         """
-        self._add(architecture, model, current_plugin() or _caller_ref())
+        self._add(architecture, model, _registering())
 
     def _add(self, architecture: str, model: type | str, source: PluginRef) -> None:
         if not isinstance(architecture, str) or not architecture.strip():
@@ -365,7 +380,7 @@ class _ProcessRegistry(ArchitectureRegistry):
                 builtin_models.register_models(self)
 
     def register_model(self, architecture: str, model: type | str) -> None:
-        source = current_plugin() or _caller_ref()
+        source = _registering()
         collecting = _collecting.get()
         if collecting is not None:
             collecting._add(architecture, model, source)

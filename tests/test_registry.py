@@ -221,3 +221,15 @@ def test_a_plugin_module_imported_by_other_code_first_still_registers_as_that_pl
     assert "LeakyArch" not in PluginHost().collect_models()
     monkeypatch.delenv("PLUGINHOST_PLUGINS")
     assert "LeakyArch" in PluginHost().collect_models()
+
+
+def test_a_registration_made_at_import_belongs_to_the_plugin_whose_module_makes_it(install_plugin, monkeypatch):
+    """a_plug imports b_plug's module, which registers at import: b_plug's registration, gone when b_plug is off."""
+    hook = "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n"
+    registers = "from pluginhost import ModelRegistry\nModelRegistry.register_model('BArch', 'b_plug:Model')\n"
+    install_plugin("b_plug", hook + registers, dist="b-dist")
+    install_plugin("a_plug", "import b_plug\n" + hook, dist="a-dist")
+    entry = PluginHost().collect_models().get("BArch")
+    assert (entry.registered_by.name, entry.registered_by.distribution) == ("b_plug", "b-dist")  # it said a_plug
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "b_plug")
+    assert "BArch" not in PluginHost().collect_models().get_supported_archs()  # a_plug still imports b_plug
