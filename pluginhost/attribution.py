@@ -16,6 +16,7 @@ Two sources, and nothing on the hot path of a hook call:
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,12 +75,15 @@ class HookOwners:
 
     def add(self, function: Any, plugin: PluginRef) -> None:
         instance = getattr(function, "__self__", None)
-        code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if isinstance(code, CodeType):
-            self._owners.setdefault(code, []).append((instance, plugin))
-            plugins = self._files.setdefault(code.co_filename, [])
-            if plugin not in plugins:
-                plugins.append(plugin)
+        # A decorated hook (functools.wraps) also by the function it wraps: a decorator several plugins
+        # share has one code object, the functions under it are each plugin's own.
+        for each in {function, inspect.unwrap(function)}:
+            code = getattr(getattr(each, "__func__", each), "__code__", None)
+            if isinstance(code, CodeType):
+                self._owners.setdefault(code, []).append((instance, plugin))
+                plugins = self._files.setdefault(code.co_filename, [])
+                if plugin not in plugins:
+                    plugins.append(plugin)
 
     def plugins_of_file(self, filename: str) -> list[PluginRef]:
         """The plugins whose hook implementations are in ``filename`` (none for other files)."""

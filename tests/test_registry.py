@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -233,3 +234,35 @@ def test_a_registration_made_at_import_belongs_to_the_plugin_whose_module_makes_
     assert (entry.registered_by.name, entry.registered_by.distribution) == ("b_plug", "b-dist")  # it said a_plug
     monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "b_plug")
     assert "BArch" not in PluginHost().collect_models().get_supported_archs()  # a_plug still imports b_plug
+
+
+def traced(function):
+    """A decorator several plugins share (as a site's logging helper would be): one code object for all."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class RegistersThroughADecorator:
+    def __init__(self, architecture: str) -> None:
+        self.architecture = architecture
+
+    @hookimpl
+    @traced
+    def register_models(self, registry):
+        if self.architecture == "fail":
+            raise RuntimeError("this one fails")
+        registry.register_model(self.architecture, "somewhere:Model")
+
+
+def test_hooks_under_a_shared_decorator_are_attributed_to_their_own_plugins():
+    first, second = RegistersThroughADecorator("FirstArch"), RegistersThroughADecorator("SecondArch")
+    registry = collect(first, second)
+    assert registry.get("FirstArch").registered_by.name == "RegistersThroughADecorator"
+    assert registry.get("SecondArch").registered_by.name == "RegistersThroughADecorator#2"  # not both the last one
+    with pytest.raises(PluginHookError) as info:
+        collect(RegistersThroughADecorator("fail"), first)
+    assert info.value.plugin == "RegistersThroughADecorator"  # the failing one, not the other
