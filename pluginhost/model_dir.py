@@ -200,14 +200,16 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
     if architecture is not None:
         hf_config.architectures = [architecture]
     architectures = getattr(hf_config, "architectures", None)
+    overridden = "architectures" in overrides
+    source, source_of = ("hf_overrides", "hf_overrides'") if overridden else ("config.json", "config.json's")
     if not architectures:
         raise ConfigError(
-            "config.json names no architecture ('architectures' is missing or empty). "
+            f"{source} names no architecture ('architectures' is missing or empty). "
             "Pass model_architecture_override (--model-architecture-override) with a registered architecture."
         )
     if not isinstance(architectures, list) or not all(isinstance(a, str) and a for a in architectures):
         raise ConfigError(
-            f"config.json's 'architectures' must be a list of class names such as [\"OPTForCausalLM\"], "
+            f"{source_of} 'architectures' must be a list of class names such as [\"OPTForCausalLM\"], "
             f"got {architectures!r}."
         )
     check_model_config(hf_config)
