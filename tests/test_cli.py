@@ -168,6 +168,7 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
             "hf_overrides sets vocab_size to '300', which OPTConfig refuses (TypeError: Field 'vocab_size' expected",
         ),
         (["config", "--model", "{tiny}", "--hf-overrides", '{"num_hidden_layers": 2.0}'], "sets num_hidden_layers"),
+        (["config", "--model", "{tiny}", "--hf-overrides", '{"architectures": "X"}'], "hf_overrides' 'architectures'"),
         (["config", "--model", "{tiny}", "--device", "tpu"], "unknown device 'tpu'"),
         (
             ["config", "--model", "{tiny}", "--model-architecture-override", "OPTForCausalLm"],
