@@ -249,8 +249,17 @@ class ArchitectureRegistry:
 
     def _unknown_message(self, architecture: str) -> str:
         names = [name for name in self._entries if name != TRANSFORMERS_FALLBACK]
-        close = difflib.get_close_matches(architecture, names, n=3, cutoff=0.6)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        base = architecture.removesuffix("Model")
+        with_head = [n for n in names if base and architecture != base and n.startswith(base)]
+        if with_head:  # OPTModel, GPT2Model: the model without its head, which generation needs
+            hint = (
+                f" {architecture} is a model without its language-modelling head, which generation needs; "
+                f"the architecture with it is {with_head[0]!r} (--model-architecture-override {with_head[0]}, "
+                "if the checkpoint holds the head's weights)."
+            )
+        else:
+            close = difflib.get_close_matches(architecture, names, n=3, cutoff=0.7)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         return (
             f"Architecture {architecture!r} is not registered.{hint} "
             "Run `pluginhost models` to list every registered architecture; "

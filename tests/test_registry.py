@@ -138,6 +138,8 @@ def test_unknown_architecture_names_close_matches_and_how_to_list():
         collect().get("OPTForCausalLm")
     assert "Did you mean 'OPTForCausalLM'" in str(info.value)
     assert "pluginhost models" in str(info.value)
+    with pytest.raises(UnknownArchitectureError, match=r"OPTModel is a model without its language-modelling head"):
+        collect().get("OPTModel")  # it suggested 'GPT2LMHeadModel', by spelling
 
 
 @pytest.mark.parametrize(
