@@ -134,6 +134,8 @@ def _caller_ref(*, installed_only: bool = False) -> PluginRef | None:
     caller = None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
+        if module == BUILTIN_PLUGIN or module.startswith(f"{BUILTIN_PLUGIN}."):  # the builtins' own registrations
+            return builtin_ref()
         if not module.startswith("pluginhost.") and module != "pluginhost":
             caller = caller or module
             owner = owner_of_module(module, installed) if installed else None

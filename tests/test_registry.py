@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 
@@ -268,3 +269,19 @@ def test_hooks_under_a_shared_decorator_are_attributed_to_their_own_plugins():
     with pytest.raises(PluginHookError) as info:
         collect(RegistersThroughADecorator("fail"), first)
     assert info.value.plugin == "RegistersThroughADecorator"  # the failing one, not the other
+
+
+def test_the_builtins_stay_the_builtins_when_a_vllm_style_plugin_is_first_to_touch_the_registry(
+    install_plugin, run_pluginhost
+):
+    """In a fresh process the builtins are registered when ModelRegistry is first used: by a plugin's register()."""
+    install_plugin(
+        "dummy",
+        "from pluginhost import ModelRegistry\ndef register():\n    ModelRegistry.register_model('Dummy', 'd:M')\n",
+        target="dummy:register",
+    )
+    result = run_pluginhost("models", "--json")
+    assert result.returncode == 0, result.stderr
+    registered_by = {e["architecture"]: e["registered_by"] for e in json.loads(result.stdout)}
+    assert registered_by["OPTForCausalLM"] == "builtin_models" and registered_by["Dummy"] == "dummy"
+    assert "replaces" not in result.stderr  # each builtin was credited to the plugin, replacing itself
