@@ -577,7 +577,7 @@ class PluginHost:
         try:
             self._dispatch(self._stats_caller, "record_stats", "", {"stats": stats})
         except PluginHookError as exc:
-            logger.error("%s; its record_stats is not called again by this engine", exc)
+            logger.error("%s Its record_stats is not called again by this engine.", str(exc).rstrip())
             self._stats_dropped.append(pm.get_plugin(exc.plugin))
             self._stats_caller = pm.subset_hook_caller("record_stats", remove_plugins=self._stats_dropped)
 

@@ -7,6 +7,9 @@ editable), then ``pluginhost plugins``, ``models`` and ``generate``, checked.
 By default the new environment gets pluginhost and the plugin only, and sees
 their dependencies (torch, transformers, ...) from the environment running
 this script through a ``.pth`` file: offline, and seconds instead of minutes.
+Plugins installed there are visible too, so the checks select the plugin
+under test (``PLUGINHOST_PLUGINS=mock_opt``); ``--full-install`` needs no
+selection.
 ``--full-install`` installs everything from the package index instead, the way
 a fresh CI machine would (``torch==2.13.0``, the CPU build, is pinned).
 
@@ -92,6 +95,8 @@ def main() -> int:
 
     bin_dir = make_env(workdir, args.full_install)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLUGINHOST_") and k != "PYTHONPATH"}
+    if not args.full_install:  # the shared packages may hold other plugins: select the one under test
+        env["PLUGINHOST_PLUGINS"] = "mock_opt"
     failures = 0
 
     def check(name: str, ok: bool, detail: str = "") -> None:
@@ -119,7 +124,8 @@ def main() -> int:
         models.get("MockOPTForCausalLM", {}).get("registered_by") == "mock_opt",
         json.dumps(models),
     )
-    check("the builtin OPT is still there", models.get("OPTForCausalLM", {}).get("registered_by") == "builtin_models")
+    opt = models.get("OPTForCausalLM", {})
+    check("the builtin OPT is still there", opt.get("registered_by") == "builtin_models", json.dumps(opt))
 
     generated = pluginhost(
         bin_dir,

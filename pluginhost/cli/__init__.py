@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config = commands.add_parser(
         "config",
-        parents=[_engine_options(model_required=True), selection],
-        help="show the final engine configuration and who set each field",
+        parents=[_engine_options(model_required=False), selection],
+        help="show the final engine configuration and who set each field (of the demo model unless --model is given)",
     )
     config.add_argument("--json", action="store_true")
     return parser

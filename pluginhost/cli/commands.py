@@ -111,7 +111,12 @@ def show_config(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.build import plan_build
     from pluginhost.config import EngineConfig
 
-    config = EngineConfig(**engine_settings(args))
+    settings = engine_settings(args)
+    if "model" not in settings:  # as generate and serve
+        from pluginhost.demo import ensure_demo_model
+
+        settings["model"] = str(ensure_demo_model())
+    config = EngineConfig(**settings)
     plan = plan_build(config, make_host(args))
     data = {
         "config": plan.config.model_dump(mode="json"),

@@ -34,7 +34,7 @@ def test_leaves_smaller_settings_alone(make_host):
     ("variable", "value", "message"),
     [
         ("PLUGINHOST_SITE_MAX_NUM_SEQS", "lots", "PLUGINHOST_SITE_MAX_NUM_SEQS='lots' must be a positive integer"),
-        ("PLUGINHOST_SITE_DTYPE", "float64", "invalid value: dtype"),
+        ("PLUGINHOST_SITE_DTYPE", "float64", "PLUGINHOST_SITE_DTYPE=.float64.: dtype: Input should be"),
     ],
 )
 def test_a_bad_variable_stops_the_engine_naming_the_plugin(make_host, monkeypatch, variable, value, message):

@@ -40,4 +40,9 @@ def modify_config(config):
         config.max_model_len = max_model_len
     dtype = os.environ.get("PLUGINHOST_SITE_DTYPE", "").strip()
     if dtype and config.dtype != dtype:
-        config.dtype = dtype  # validated by EngineConfig: a bad value names this plugin
+        try:
+            config.dtype = dtype  # validated by EngineConfig
+        except ValueError as exc:  # the error names this plugin; say which variable held the value
+            from pluginhost.config import describe_validation_error
+
+            raise ValueError(f"PLUGINHOST_SITE_DTYPE={dtype!r}: {describe_validation_error(exc)}") from None
