@@ -293,3 +293,10 @@ def test_an_unwritable_home_and_cache_do_not_stop_generation(run_pluginhost, tmp
     result = run_pluginhost("generate", "--prompt", "A plugin is", "--max-tokens", "3", "--json", env=env)
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)[0]["token_ids"]) == 3
+
+
+def test_config_without_a_model_shows_the_demo_models(capsys):
+    code, out, err = run(capsys, "config", "--json", "--no-plugins")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["config"]["model"].endswith("demo_model") and data["config"]["max_model_len"] == 256
