@@ -300,3 +300,10 @@ def test_config_without_a_model_shows_the_demo_models(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert data["config"]["model"].endswith("demo_model") and data["config"]["max_model_len"] == 256
+
+
+def test_models_json_stays_json_and_still_says_on_stderr_that_plugins_failed(install_plugin, capsys):
+    install_plugin("broken", "raise RuntimeError('boom')\n", dist="broken-dist")
+    code, out, err = run(capsys, "models", "--json")
+    assert code == 0 and json.loads(out)  # a script reading the JSON
+    assert "1 plugin(s) failed to load; see `pluginhost plugins`." in err  # and one reading stderr learns of it
