@@ -157,7 +157,8 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         )
     except InvalidParameterError as exc:  # in the flags' words: "--top-p must be in (0, 1]"
         flag = "--" + exc.param.replace("_", "-")
-        raise UsageError(re.sub(rf"\b{exc.param}\b", flag, str(exc).removeprefix("SamplingParams: "))) from None
+        message = str(exc).removeprefix("SamplingParams: ").replace(" (or None)", "")  # a flag cannot be None
+        raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
     host = make_host(args)
     from pluginhost.engine import LLM
 
