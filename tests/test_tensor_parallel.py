@@ -678,3 +678,17 @@ class SplitsItself:
 def test_a_plugin_changing_the_number_of_ranks_is_named(tiny_opt):
     with pytest.raises(ConfigError, match=r"tensor_parallel_size is 2 after plugin 'SplitsItself''s modify_config"):
         LLM(str(tiny_opt), plugins=[SplitsItself()], load_installed_plugins=False)
+
+
+class CompilesInPostLoad:
+    @hookimpl
+    def post_load(self, config, model):
+        config.compile_decode = True  # too late to be checked with the other settings
+
+
+COMPILES_IN_POST_LOAD = CompilesInPostLoad()
+
+
+def test_a_combination_a_post_load_sets_is_refused_too(tiny_opt):
+    with pytest.raises(PluginhostError, match="compile_decode cannot be combined with tensor parallelism"):
+        LLM(str(tiny_opt), plugins=[COMPILES_IN_POST_LOAD], load_installed_plugins=False, tensor_parallel_size=2)

@@ -132,6 +132,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     _check_loaded(model, loaded, plan.model_dir)
     model.eval().requires_grad_(False)
     host.call("post_load", config=config, model=model)
+    check_combination(config)  # a post_load may still have set a field
     config.fix()
     if collectives is not None:
         from builtin_models.tp import keep_collectives
