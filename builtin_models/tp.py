@@ -120,15 +120,14 @@ def keep_collectives(model: nn.Module, collectives: Collectives) -> None:
         if id(split) in present:
             continue
         replacement = modules.get(name)
-        if replacement is not None and hook in replacement._forward_hooks.values():
-            continue  # the plugin moved the hooks over itself (as torch.ao.quantization.swap_module does)
         if replacement is None:
             raise ModelClassError(
                 f"{name} was split over the ranks and is gone from the model after post_load: its partial "
                 "results can no longer be combined. A post_load hook may replace a split layer (the replacement "
                 "computes from this rank's shard), not remove it."
             )
-        replacement.register_forward_hook(hook)
+        if hook not in replacement._forward_hooks.values():  # unless the plugin moved the hooks over itself
+            replacement.register_forward_hook(hook)  # (as torch.ao.quantization.swap_module does)
 
 
 def unshard_tied(model: nn.Module) -> None:

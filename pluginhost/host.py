@@ -38,6 +38,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -411,9 +412,9 @@ class PluginHost:
                 twins.add(twin.name)
                 continue
             base = _in_process_name(plugin)
+            if base in self._installed_names and base != BUILTIN_PLUGIN:
+                base = f"{base} (in-process)"  # beside the installed plugin of that name
             name, n = base, 1
-            if name in names and name != BUILTIN_PLUGIN and name in self._installed_names:
-                name = base = f"{base} (in-process)"  # beside the installed plugin of that name
             while name in names:
                 n += 1
                 name = f"{base}#{n}"
@@ -721,12 +722,11 @@ def _raised_at(exc: BaseException, module: str) -> str:
     if origin is None:
         return ""
     own = Path(origin).parent if Path(origin).name == "__init__.py" else Path(origin)
-    tb, where = exc.__traceback__, ""
-    while tb is not None:
-        filename = Path(tb.tb_frame.f_code.co_filename)
+    where = ""
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        filename = Path(frame.f_code.co_filename)
         if filename == own or own in filename.parents:
-            where = f" (at {filename}:{tb.tb_lineno})"
-        tb = tb.tb_next
+            where = f" (at {filename}:{line})"
     return where
 
 

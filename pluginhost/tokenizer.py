@@ -12,14 +12,15 @@ from pluginhost.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["has_tokenizer_files", "load_tokenizer", "token_bytes"]
+__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer", "token_bytes"]
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+#: The files whose presence means a model directory has a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def has_tokenizer_files(model_dir: Path) -> bool:
     """Whether ``model_dir`` holds a tokenizer's files (checked without importing transformers)."""
-    return any((model_dir / name).is_file() for name in _TOKENIZER_FILES)
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:

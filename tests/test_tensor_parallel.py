@@ -358,7 +358,7 @@ def test_a_rank_that_dies_is_named_and_the_engine_stops(tiny_opt):
         llm.close()
 
 
-DIES_MID_STEP = """
+FAILS_MID_STEP = """
 import os
 from pluginhost import hookimpl
 from pluginhost.distributed import get_rank
@@ -367,17 +367,17 @@ from pluginhost.distributed import get_rank
 def post_load(config, model):
     calls = []
 
-    def die_on_the_third_forward(module, args, output):
+    def fail_on_the_third_forward(module, args, output):
         calls.append(1)
-        if get_rank() == 1 and len(calls) == 3:
-            os._exit(7)
+        if get_rank() == {rank} and len(calls) == 3:
+            {fault}
 
-    model.register_forward_hook(die_on_the_third_forward)
+    model.register_forward_hook(fail_on_the_third_forward)
 """
 
 
 def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, tiny_opt):
-    install_plugin("crashy", DIES_MID_STEP, dist="crashy-dist")
+    install_plugin("crashy", FAILS_MID_STEP.format(rank=1, fault="os._exit(7)"), dist="crashy-dist")
     llm = LLM(str(tiny_opt), tensor_parallel_size=2)
     try:
         start = time.monotonic()
@@ -388,26 +388,10 @@ def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, 
         llm.close()
 
 
-RAISES_MID_STEP = """
-from pluginhost import hookimpl
-from pluginhost.distributed import get_rank
-
-@hookimpl
-def post_load(config, model):
-    calls = []
-
-    def check_activations(module, args, output):
-        calls.append(1)
-        if get_rank() == {rank} and len(calls) == 3:
-            raise RuntimeError(f"activation check failed on rank {{get_rank()}}")
-
-    model.register_forward_hook(check_activations)
-"""
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_plugin_failing_inside_a_step_is_named_and_the_engine_stops(install_plugin, tiny_opt, rank):
-    install_plugin("raisy", RAISES_MID_STEP.format(rank=rank), dist="raisy-dist")
+    fault = 'raise RuntimeError(f"activation check failed on rank {get_rank()}")'
+    install_plugin("raisy", FAILS_MID_STEP.format(rank=rank, fault=fault), dist="raisy-dist")
     llm = LLM(str(tiny_opt), tensor_parallel_size=2)
     try:
         if rank == 0:  # the plugin named, as with one process; then the engine is stopped, as the ranks are out of step

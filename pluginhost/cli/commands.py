@@ -219,14 +219,14 @@ def _check_tokenizer(model: str) -> None:
     """Before anything loads: ``--prompt`` is text, so the model directory needs a tokenizer."""
     from pathlib import Path
 
-    from pluginhost.tokenizer import has_tokenizer_files
+    from pluginhost.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
     model_dir = Path(model)
     if model_dir.is_dir() and not has_tokenizer_files(model_dir):
+        files = f"{', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}"
         raise UsageError(
-            f"{model} has no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json or "
-            "tokenizer.model), and --prompt is text: copy the tokenizer's files into it, or generate from token "
-            "ids with the Python API (LLM.generate)"
+            f"{model} has no tokenizer files ({files}), and --prompt is text: copy the tokenizer's files into it, "
+            "or generate from token ids with the Python API (LLM.generate)"
         )
 
 

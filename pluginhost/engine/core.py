@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -494,11 +495,7 @@ class EngineCore:
 
 def _traceback_files(tb: TracebackType | None) -> list[str]:
     """The source file of every frame of a traceback, outermost first."""
-    files = []
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return files
+    return [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
 
 
 class _LiveProcessor:

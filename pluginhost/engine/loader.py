@@ -99,7 +99,6 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
             f"was started with {ranks.world_size if ranks is not None else 1} process(es): it is fixed before plugins "
             "load, so set it in the engine's settings, not in a plugin"
         )
-    check_combination(config)  # again: a plugin's modify_config may have set one of the two
     if agreement is not None:
         from pluginhost.engine.parallel import fingerprint
 

@@ -602,7 +602,5 @@ class DistributedRunner(ModelRunner):
 
 def _raised_in_a_collective(exc: BaseException) -> bool:
     """Whether ``exc`` came out of torch.distributed (a peer gone, a timeout), not the model's own code."""
-    tb, innermost = exc.__traceback__, ""
-    while tb is not None:
-        innermost, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    return "torch/distributed/" in innermost.replace("\\", "/")
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    return bool(frames) and "torch/distributed/" in frames[-1].f_code.co_filename.replace("\\", "/")

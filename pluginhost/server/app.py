@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -172,11 +173,9 @@ def _install_errors(app: FastAPI) -> None:
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """A 500 for an exception no handler answered, naming the plugin whose route raised it, if one did."""
-    host = request.app.state.engine.plugin_host
-    tb, plugins = exc.__traceback__, []
-    while tb is not None:  # the innermost frame of a plugin's file decides
-        plugins = host.plugins_of_file(tb.tb_frame.f_code.co_filename) or plugins
-        tb = tb.tb_next
+    host, plugins = request.app.state.engine.plugin_host, []
+    for frame, _ in traceback.walk_tb(exc.__traceback__):  # the innermost frame of a plugin's file decides
+        plugins = host.plugins_of_file(frame.f_code.co_filename) or plugins
     where = f"a route of {plugins[0].describe()}" if plugins else "the server"
     logger.error("%s failed answering %s %s", where, request.method, request.url.path, exc_info=exc)
     message = f"internal error in {where}: {type(exc).__name__}: {exc}"
