@@ -34,7 +34,7 @@ from pluginhost.config import EngineConfig
 from pluginhost.errors import ConfigError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
-from pluginhost.model_dir import apply_overrides, load_hf_config, model_directory
+from pluginhost.model_dir import apply_overrides, generation_eos_ids, load_hf_config, model_directory
 from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ class BuildPlan:
     registry: ArchitectureRegistry
     registration: Registration
     logits_processors: list[RegisteredProcessor]
+    #: End-of-sequence ids of ``generation_config.json``, besides the config's and the tokenizer's.
+    generation_eos_ids: frozenset[int] = frozenset()
 
     @property
     def architecture(self) -> str:
@@ -82,6 +84,7 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     host.call("modify_config", config=config)
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir)
+    generation_eos = generation_eos_ids(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
     try:
         registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
@@ -103,7 +106,7 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
         ) from None
     config.settle(max_model_len=_max_model_len(config, hf_config))
     check_combination(config)
-    return BuildPlan(config, model_dir, hf_config, registry, registration, processors)
+    return BuildPlan(config, model_dir, hf_config, registry, registration, processors, generation_eos)
 
 
 def check_combination(config: EngineConfig) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "JSON_SIZE_LIMITS",
     "apply_overrides",
     "check_model_config",
+    "generation_eos_ids",
     "load_hf_config",
     "model_directory",
     "read_config_json",
@@ -114,6 +115,26 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}.")
     return data
+
+
+def generation_eos_ids(model_dir: Path) -> frozenset[int]:
+    """The end-of-sequence ids of the directory's ``generation_config.json`` (none without one).
+
+    Chat models often list their end-of-turn ids only there (Llama 3's
+    ``<|eot_id|>`` beside ``<|end_of_text|>``); transformers' ``generate`` and
+    vLLM stop at every one of them, and so does the engine.
+    """
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return frozenset()
+    data = read_json(path)
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(
+            f"{path}: eos_token_id must be a token id or a list of token ids, not {eos!r}. Fix or remove the file."
+        )
+    return frozenset(ids)
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -146,6 +147,21 @@ def test_eos_stops_generation_unless_ignored(tiny_opt):
     assert (out.token_ids, out.finish_reason) == ([2], "stop")
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert (out.token_ids, out.finish_reason) == ([2] * 5, "length")
+
+
+def test_generation_config_end_of_sequence_ids_stop_too(tiny_opt, tmp_path, llm):
+    # Llama 3 Instruct names <|eot_id|> only in generation_config.json: a chat answer must stop there.
+    params = SamplingParams(max_tokens=8, temperature=0)
+    free = llm.generate([PROMPTS[0]], params)[0].token_ids
+    assert len(free) == 8 and 2 not in free
+    model = shutil.copytree(tiny_opt, tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[2]]}))
+    out = LLM(str(model), load_installed_plugins=False).generate([PROMPTS[0]], params)[0]
+    assert (out.token_ids, out.finish_reason) == (free[:3], "stop")
+
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id must be a token id"):
+        LLM(str(model), load_installed_plugins=False)
 
 
 def test_plugin_overriding_the_builtin_changes_generation(tiny_opt, llm):
@@ -684,8 +700,6 @@ def test_pre_load_sees_the_device_dtype_and_length_the_engine_decided(tiny_opt):
 
 
 def test_a_broken_tokenizer_fails_before_anything_heavy(tiny_opt, tmp_path):
-    import shutil
-
     model = shutil.copytree(tiny_opt, tmp_path / "model")
     (model / "tokenizer.json").write_text("{ not json")
     (model / "model.safetensors").unlink()

@@ -158,7 +158,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         dtype=dtype,
         max_model_len=config.max_model_len,  # type: ignore[arg-type]  # settled above
         vocab_size=int(plan.hf_config.vocab_size),
-        eos_ids=_eos_ids(plan.hf_config, tokenizer),
+        eos_ids=_eos_ids(plan.hf_config, tokenizer) | plan.generation_eos_ids,
         code_files=_code_files(model),
         logits_processors=plan.logits_processors,
     )
