@@ -336,3 +336,19 @@ def test_a_request_id_in_use_is_refused_at_once_and_the_running_request_is_untou
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert len(rest[-1].outputs[0].token_ids) < 40
     assert again[-1].outputs[0].token_ids == offline.generate([PROMPTS[1]], greedy(3))[0].token_ids
+
+
+def test_an_id_the_engine_picks_never_collides_with_one_a_caller_picked(engine):
+    async def scenario():
+        name, number = engine._new_request_id().rsplit("-", 1)
+        picked = f"{name}-{int(number) + 1}"  # the id the engine would give next
+        mine = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), picked)
+        await mine.__anext__()
+        auto = engine.add_request(PROMPTS[1], greedy(2))  # must not take the caller's running id
+        ids = (mine.request_id, auto.request_id)
+        engine.abort(picked)
+        [out async for out in auto], [out async for out in mine]
+        return ids
+
+    mine, auto = run(scenario())
+    assert auto != mine

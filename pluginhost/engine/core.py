@@ -138,6 +138,10 @@ class EngineCore:
                 self._inbox.append(("add", request))
             self._work.notify_all()
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether a request under this id has been submitted and has not ended (nor been aborted)."""
+        return request_id in self._live
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """End the requests running under these ids at the next step (unknown or finished ones are ignored).
 

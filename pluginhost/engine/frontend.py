@@ -83,7 +83,11 @@ class EngineFrontend:
         return ranks.rank if ranks is not None else 0
 
     def _new_request_id(self) -> str:
-        return f"{type(self).__name__.lower()}-{next(self._request_ids)}"
+        """A fresh id, never one a running request holds (a caller may have chosen ``asyncllm-3`` itself)."""
+        while True:
+            request_id = f"{type(self).__name__.lower()}-{next(self._request_ids)}"
+            if not self.engine.is_running(request_id):
+                return request_id
 
     @property
     def model(self) -> nn.Module:
