@@ -90,6 +90,17 @@ def test_a_prompt_token_is_not_penalised_by_presence(llm):
 # -- min_p, min_tokens ----------------------------------------------------------------------
 
 
+def test_a_penalty_overflowing_float32_samples_its_limit_and_fails_no_other_request(llm):
+    # repetition_penalty=1e-45 divides every positive logit of a seen token to +inf: softmax gave NaN, and the
+    # draw failed the whole step, batch-mates included. The limit is a draw among the tokens at +inf.
+    prompt = PROMPTS[0]
+    tiny = SamplingParams(max_tokens=4, temperature=1.0, repetition_penalty=1e-45, seed=3, ignore_eos=True)
+    outs = llm.generate([prompt, PROMPTS[1]], [tiny, greedy(max_tokens=4)])
+    assert len(outs[0].token_ids) == 4 and outs[0].outputs[0].finish_reason == "length"
+    assert outs[0].token_ids[0] in set(prompt)  # only a seen token can be at +inf
+    assert outs[1].token_ids == llm.generate([PROMPTS[1]], greedy(max_tokens=4))[0].token_ids
+
+
 def test_min_p_only_keeps_tokens_near_the_most_likely(llm):
     min_p = 0.2
     chosen = set()

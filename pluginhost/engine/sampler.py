@@ -140,8 +140,15 @@ def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tens
         drop_sorted = probs.cumsum(dim=-1) - probs >= p.top_p
         drop_sorted[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    try:
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[0]
+    except RuntimeError:  # the probabilities are NaN: checked only then, so a normal draw pays nothing
+        at_infinity = logits.isposinf()
+        if not at_infinity.any():
+            raise
+        # A penalty or the temperature overflowed float32 (repetition_penalty=1e-38 divides a logit of 5 to
+        # +inf): the distribution's limit puts all its mass on the tokens at +inf, equally.
+        return torch.multinomial(at_infinity.float(), 1, generator=generator)[0]
 
 
 def top_logprobs(logprobs: Tensor, chosen: int, k: int) -> dict[int, float]:
