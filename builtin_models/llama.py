@@ -180,6 +180,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, qkv_bias=qkv_bias, out_bias=out_bias)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    @property
+    def prefill_unpadded(self) -> bool:
+        """Whether padding a prompt would change its tokens: RoPE whose frequencies follow the row's length."""
+        return self.model.rotary_emb.length_dependent
+
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every layer, on the model's device and dtype."""
         weight = self.model.embed_tokens.weight  # not lm_head's: a plugin may replace the head (int8_quant)

@@ -4,9 +4,12 @@ The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS``
 (``linear``, ``dynamic``, ``llama3``, ``yarn``, ``longrope``, ...) or, for the
 default type, the same formula as its Llama; cos and sin are computed in
 float32 from explicit positions and cast to the activations' dtype.
-``dynamic`` and ``longrope`` change their frequencies with the longest
-position of each forward pass, as transformers' ``dynamic_rope_update`` does
-(in a batch, the longest sequence decides, as in transformers).
+``dynamic`` and ``longrope`` change their frequencies with the sequence's
+length, as transformers' ``dynamic_rope_update`` does for one sequence
+alone: row by row, from the row's own positions, and with no memory of
+earlier passes (transformers keeps the longest length it has seen, so a
+finished long request would change the next one's tokens; and in a batch,
+the longest row would decide for every row).
 
 Shapes: B batch, T tokens, H heads, D head dim.
 """
@@ -42,10 +45,10 @@ class RotaryEmbedding(nn.Module):
         self.theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.original_max_seq_len = config.max_position_embeddings
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.inv_freq: Tensor | None = None
-        self.original_inv_freq: Tensor | None = None
-        self.long_inv_freq: Tensor | None = None
+        #: Whether the frequencies depend on the sequence's length (else on nothing but the config).
+        self.length_dependent = "dynamic" in self.rope_type or self.rope_type == "longrope"
+        self._inv_freq: Tensor | None = None  # the frequencies up to the trained length, once per device
+        self._long_inv_freq: Tensor | None = None  # longrope's, past it
         self.attention_scaling = 1.0
 
     def _init(self, device: torch.device, seq_len: int | None = None) -> tuple[Tensor, float]:
@@ -60,36 +63,34 @@ class RotaryEmbedding(nn.Module):
         return inv_freq.to(device=device, dtype=torch.float), float(scaling)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if self.inv_freq is None or self.inv_freq.device != positions.device:
-            self.inv_freq, self.attention_scaling = self._init(positions.device)
-            self.original_inv_freq = self.inv_freq
-        if "dynamic" in self.rope_type:
-            self._dynamic_update(positions)
-        elif self.rope_type == "longrope":
-            self._longrope_update(positions)
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq, self.attention_scaling = self._init(positions.device)
+            self._long_inv_freq = None
+        inv_freq = self._row_frequencies(positions) if self.length_dependent else self._inv_freq  # or (D/2,)
+        freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         cos, sin = (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # (B, T, D) each
 
-    def _dynamic_update(self, positions: Tensor) -> None:
-        """Grow the frequencies past the trained length; back to the originals below it (transformers' rule)."""
-        seq_len = int(positions.max()) + 1
-        if seq_len > self.max_seq_len_cached:
-            self.inv_freq, self.attention_scaling = self._init(positions.device, seq_len)
-            self.max_seq_len_cached = seq_len
-        if seq_len < self.original_max_seq_len < self.max_seq_len_cached:
-            self.inv_freq = self.original_inv_freq
-            self.max_seq_len_cached = self.original_max_seq_len
+    def _row_frequencies(self, positions: Tensor) -> Tensor:
+        """Each row's frequencies (B, 1, D/2) for its length: its last position + 1, as transformers takes it."""
+        lengths = (positions.amax(dim=-1) + 1).tolist()  # (B,)
+        by_length = {length: self._frequencies(length, positions.device) for length in set(lengths)}
+        return torch.stack([by_length[length] for length in lengths])[:, None]  # (B, 1, D/2)
 
-    def _longrope_update(self, positions: Tensor) -> None:
-        """The long factors past the original trained length, the short ones below it."""
-        original = self.config.rope_parameters["original_max_position_embeddings"]
-        if self.long_inv_freq is None:
-            self.long_inv_freq, _ = self._init(positions.device, original + 1)
-        seq_len = int(positions.max()) + 1
-        self.inv_freq = self.long_inv_freq if seq_len > original else self.original_inv_freq
+    def _frequencies(self, seq_len: int, device: torch.device) -> Tensor:
+        """The frequencies of a sequence of ``seq_len`` positions (D/2,): transformers' rule, without its memory."""
+        if self.rope_type == "longrope":
+            original = self.config.rope_parameters["original_max_position_embeddings"]
+            if seq_len <= original:
+                return self._inv_freq
+            if self._long_inv_freq is None:
+                self._long_inv_freq, _ = self._init(device, original + 1)
+            return self._long_inv_freq
+        if seq_len <= self.original_max_seq_len:  # dynamic: stretched only past the trained length
+            return self._inv_freq
+        return self._init(device, seq_len)[0]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

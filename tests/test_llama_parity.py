@@ -52,12 +52,27 @@ VARIANTS = {
     ),
 }
 
-#: Dynamic NTK scaling changes the frequencies with the longest position of each forward pass (as in
-#: transformers), so it is compared one prompt at a time, past the trained length (16 positions).
-DYNAMIC = (
-    "llama",
-    {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
-)
+#: RoPE whose frequencies follow the sequence's length, past the trained length (16 positions).
+LENGTH_DEPENDENT = {
+    "dynamic": (
+        "llama",
+        {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+    ),
+    "longrope": (
+        "llama",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 16,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.3 * i for i in range(8)],
+                "factor": 4.0,
+            },
+        },
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
@@ -100,15 +115,21 @@ def test_cached_decoding_through_every_kernel_matches_transformers(
     assert_decoding_matches(outs, PROMPTS, hf(path), TOLERANCE)
 
 
-def test_dynamic_rope_past_the_trained_length_matches_transformers(tmp_path, assert_decoding_matches):
-    model_type, config = DYNAMIC
+@pytest.mark.parametrize("name", list(LENGTH_DEPENDENT))
+def test_rope_following_the_length_gives_each_request_what_transformers_gives_it_alone(
+    tmp_path, name, assert_decoding_matches
+):
+    # transformers keeps the longest length it has seen, and in a batch the longest row decides: a finished
+    # long request, or a batch-mate, changed a request's tokens. Each row follows its own length here.
+    model_type, config = LENGTH_DEPENDENT[name]
     path = make_tiny_model(tmp_path, model_type, seed=2, **config)
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
-    assert llm.max_model_len == 32  # 16 trained positions, stretched by the factor 2
-    reference = hf(path)
     params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True)
-    for prompt in ([2, *range(10, 20)], [2, 5]):  # 11 + 10 tokens: past 16; 2 + 10: within
-        assert_decoding_matches(llm.generate([prompt], params), [prompt], reference, TOLERANCE)
+    llm.generate([[2, *range(10, 31)]], params)  # 22 + 10 positions: longer than any below
+    prompts = [[2, *range(10, 28)], [2, 5], [2, *range(30, 41)]]  # past 16 at once, never, while decoding
+    outs = llm.generate(prompts, params)  # one batch, prefilled together where padding allows
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_decoding_matches([out], [prompt], hf(path), TOLERANCE)  # a fresh transformers model: no history
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -220,7 +220,8 @@ class ModelRunner:
             return self._decode_logits(inputs.tokens, inputs.positions)
         hidden = None
         index = {row: i for i, row in enumerate(inputs.rows)}
-        for group in _similar_lengths(inputs.rows, [len(text) for text in inputs.texts]):
+        lengths = [len(text) for text in inputs.texts]
+        for group in _similar_lengths(inputs.rows, lengths, padding=not getattr(self.model, "prefill_unpadded", False)):
             joined = self._prefill([inputs.texts[index[r]] for r in group], group)  # (k, W), in the group's order
             if hidden is None:
                 hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
@@ -313,12 +314,14 @@ class ModelRunner:
 _MAX_PADDING = 0.25
 
 
-def _similar_lengths(rows: list[int], lengths: list[int]) -> list[list[int]]:
+def _similar_lengths(rows: list[int], lengths: list[int], *, padding: bool = True) -> list[list[int]]:
     """The rows to prefill in groups of similar prompt length (``lengths``, in ``rows`` order), each one prefill pass.
 
     A prefill pass is mostly large matrix products, whose cost grows with the
     padded tokens: one pass over prompts of 16 and 256 tokens pays for 512.
     Short prompts still go together (their products are not compute-bound).
+    Without ``padding`` (a model whose ``prefill_unpadded`` says padding would
+    change its results), only prompts of the same length share a pass.
     """
     length_of = dict(zip(rows, lengths, strict=True))
     ordered = sorted(rows, key=length_of.__getitem__)
@@ -329,7 +332,11 @@ def _similar_lengths(rows: list[int], lengths: list[int]) -> list[list[int]]:
         if groups:
             group = groups[-1]
             padded = (len(group) + 1) * length  # sorted: this one is the longest so far
-            if padded <= (1 + _MAX_PADDING) * (total + length) or padded <= _SHORT_PASS:
+            if not padding:
+                fits = length == length_of[group[0]]
+            else:
+                fits = padded <= (1 + _MAX_PADDING) * (total + length) or padded <= _SHORT_PASS
+            if fits:
                 group.append(row)
                 total += length
                 continue
