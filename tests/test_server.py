@@ -296,6 +296,8 @@ def test_sse_framing_is_exact(url):
 
 # -- bad requests ----------------------------------------------------------------------------------------
 
+USER = [{"role": "user", "content": "What is a plugin?"}]
+
 
 @pytest.mark.parametrize(
     ("path", "body", "status", "fragment"),
@@ -352,6 +354,12 @@ def test_sse_framing_is_exact(url):
             400,
             "tool messages are not supported",
         ),
+        (  # as clients send one: with the id of the call it answers (which is no unknown field)
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [USER[0], {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+            400,
+            "Invalid request: messages.1: tool messages are not supported",
+        ),
         (
             "/v1/chat/completions",
             {"model": "demo", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
@@ -369,9 +377,6 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
     error = response.json()["error"]
     assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
     assert client.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices[0].text is not None
-
-
-USER = [{"role": "user", "content": "What is a plugin?"}]
 
 
 @pytest.mark.parametrize(
@@ -406,6 +411,22 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             "min_tokens (5) must be at most max_completion_tokens (3)",
         ),
         ("/v1/completions", {"prompt": ["fine", "x " * 300]}, "prompt", "context_length_exceeded", "prompt 1 has"),
+        # A chat request has no "prompt 0": its prompt is the messages through the chat template.
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x " * 300}]},
+            "messages",
+            "context_length_exceeded",
+            "tokens with the chat template, which leaves no room to generate within max_model_len=256. "
+            "Shorten the messages.",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "max_completion_tokens": 300},
+            "messages",
+            "context_length_exceeded",
+            "Shorten the messages or lower max_completion_tokens.",
+        ),
     ],
 )
 def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, body, param, code, fragment):
@@ -414,6 +435,65 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
     error = response.json()["error"]
     assert fragment in error["message"] and "SamplingParams" not in error["message"]
     assert (error["param"], error["code"]) == (param, code)
+    if path == "/v1/chat/completions" and code == "context_length_exceeded":  # no "prompt 0" in a chat request
+        assert "prompt" not in error["message"] and error["message"].startswith("the messages come to ")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix", "suffix is not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "best_of": 2},
+            "best_of",
+            "best_of is not supported (it must equal n, or be left out)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "stream_options is only allowed with stream: true",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "extra_args": {}, "vllm_xargs": {}},
+            "vllm_xargs",
+            "give extra_args or vllm_xargs, not both",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "tools": [{}]}, "tools", "tools are not supported"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "tool_choice": "required"},
+            "tool_choice",
+            "tool_choice is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            "response_format",
+            'response_format is not supported (only {"type": "text"})',
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "top_logprobs": 2},
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ),
+    ],
+)
+def test_refusals_of_a_field_by_the_request_checks_name_it_as_param(url, path, body, param, message):
+    """Refusals that weigh fields against each other (pydantic's model validators) name their field too."""
+    response = httpx.post(f"{url}{path}", json={"model": "demo", **body}, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error == {
+        "message": f"Invalid request: {message}",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
 
 
 def test_null_means_the_default_as_the_openai_client_sends_it(url, client, offline):
@@ -506,10 +586,56 @@ def test_token_bytes_of_byte_level_and_sentencepiece_pieces(offline):
     assert [token_bytes(sentencepiece, i) for i in ids] == [b" ", b"a", b"\xe2", b"\x86", b"\x92"]
 
 
-def test_a_body_that_is_not_json_is_a_400(url):
-    response = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
-    assert response.json()["error"]["param"] is None  # not the character offset of the error
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "message"),
+    [
+        (
+            b"{not json",
+            JSON,
+            "the body is not valid JSON: Expecting property name enclosed in double quotes at line 1, "
+            "column 2 (character 1)",
+        ),
+        (
+            b'{"model": "demo",\n "prompt": "x",,\n}',
+            JSON,
+            "the body is not valid JSON: Expecting property name enclosed in double quotes at line 2, column 16 "
+            "(character 33)",
+        ),
+        (
+            '{"prompt": "café"}'.encode("latin-1"),
+            JSON,
+            "the body is not valid UTF-8 JSON: byte 0xe9 at offset 15, invalid continuation byte",
+        ),
+        # curl -d without -H 'Content-Type: application/json' sends a form's content type.
+        (
+            b'{"prompt": "x"}',
+            {"content-type": "application/x-www-form-urlencoded"},
+            "the body must be JSON sent with Content-Type: application/json "
+            "(this request has Content-Type application/x-www-form-urlencoded)",
+        ),
+        (
+            b'{"prompt": "x"}',
+            {},
+            "the body must be JSON sent with Content-Type: application/json (this request has no Content-Type)",
+        ),
+        (b'["x"]', JSON, "the body must be a JSON object, not an array"),
+        (b"", JSON, "the request has no body: send a JSON object, with Content-Type: application/json"),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_a_400_saying_what_is_wrong(url, client, content, headers, message):
+    response = httpx.post(f"{url}/v1/completions", content=content, headers=headers, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]  # param null: a JSON error's location is a character offset, no field
+    assert error == {
+        "message": f"Invalid request: {message}",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    assert client.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices[0].text is not None
 
 
 def test_the_client_sees_openai_exceptions(client):
@@ -541,6 +667,37 @@ def test_an_engine_error_mid_stream_ends_it_with_an_error_chunk_then_done(url, c
         failed.clear()
         list(client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=5, stream=True))
     assert client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=2).choices[0].finish_reason
+
+
+def test_a_long_streamed_answers_logprobs_are_the_whole_answers_for_no_more_decoding(url, engine, monkeypatch):
+    """Each chunk decodes its own tokens only: the stream's text_offset goes on from the chunk before.
+
+    Recomputing it from the first token for every chunk made a long answer's stream quadratic on the event loop.
+    """
+    tokenizer, real, decoded = engine.tokenizer, engine.tokenizer.decode, []
+
+    def counted(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", counted)
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 1}, timeout=TIMEOUT).json()
+    decoded_whole = len(decoded)
+    decoded.clear()
+    events = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 1, "stream": True}, timeout=TIMEOUT).text
+    decoded_streamed = len(decoded)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events.split("\n\n")[:-2]]
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for key, values in chunk["choices"][0]["logprobs"].items():
+            streamed[key] += values
+    expected = whole["choices"][0]["logprobs"]
+    assert len(chunks) > 20 and len(expected["tokens"]) == 200
+    assert streamed["tokens"] == expected["tokens"] and streamed["text_offset"] == expected["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-4)
+    assert expected["text_offset"][-1] + len(expected["tokens"][-1]) == len(whole["choices"][0]["text"])
+    assert decoded_streamed <= 1.5 * decoded_whole, (decoded_streamed, decoded_whole)
 
 
 @pytest.mark.parametrize("continuous", [False, True])

@@ -54,6 +54,7 @@ from pluginhost.server.protocol import (
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
+    FieldError,
     UsageInfo,
     now,
     random_id,
@@ -158,10 +159,14 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return bad_request(_describe_validation(exc.errors()), param=_first_param(exc.errors())).response()
+        errors = exc.errors()
+        message = _describe_validation(errors, exc.body, request.headers.get("content-type"))
+        return bad_request(message, param=_first_param(errors)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
+            return bad_request(_not_utf8(exc.__cause__)).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return APIError(exc.status_code, message, type=kind).response()
@@ -217,22 +222,78 @@ def _route_path(app: FastAPI, scope: dict[str, Any]) -> str:
     return "unmatched"
 
 
-def _describe_validation(errors: Sequence[Any]) -> str:
-    parts = []
-    for error in errors:
-        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        message = error.get("msg", "invalid").removeprefix("Value error, ")
-        if error.get("type") == "extra_forbidden":
-            message = "unknown field"
-        parts.append(f"{where}: {message}")
+def _describe_validation(errors: Sequence[Any], body: Any, content_type: str | None) -> str:
+    """``Invalid request: `` and each error, as ``field.path: message`` when it is about a field.
+
+    A problem of the whole body (not JSON, not an object, none) is said as such, and a ``FieldError``'s
+    message names its field already: neither is prefixed with "body".
+    """
+    parts = [_body_problem(error, body, content_type) or _field_problem(error) for error in errors]
     return "Invalid request: " + "; ".join(parts)
 
 
+def _field_problem(error: Mapping[str, Any]) -> str:
+    """``field.path: message`` (pydantic's "Value error, " dropped), or a ``FieldError``'s message alone."""
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    message = error.get("msg", "invalid").removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = "unknown field"
+    if not where and isinstance((error.get("ctx") or {}).get("error"), FieldError):
+        return message
+    return f"{where or 'body'}: {message}"
+
+
+def _body_problem(error: Mapping[str, Any], body: Any, content_type: str | None) -> str | None:
+    """What is wrong with the body as a whole, if that is what ``error`` is about; else None."""
+    if error.get("type") == "json_invalid":
+        return _json_problem(error, body)
+    if tuple(error.get("loc", ())) != ("body",) or isinstance((error.get("ctx") or {}).get("error"), ValueError):
+        return None  # a field's error, or a model validator's refusal
+    if error.get("type") == "missing":
+        return "the request has no body: send a JSON object, with Content-Type: application/json"
+    if isinstance(error.get("input"), bytes):  # FastAPI parses a body as JSON only when its Content-Type says JSON
+        given = f"Content-Type {content_type}" if content_type else "no Content-Type"
+        return f"the body must be JSON sent with Content-Type: application/json (this request has {given})"
+    return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
+
+
+def _json_problem(error: Mapping[str, Any], body: Any) -> str:
+    """Where the body stops being JSON: line and column (1-based, as editors count) from FastAPI's character offset."""
+    at = error.get("loc", ())[-1]
+    reason = (error.get("ctx") or {}).get("error") or "JSON decode error"
+    if isinstance(body, str) and isinstance(at, int):  # FastAPI gives the decoded text as the error's body
+        line, column = body.count("\n", 0, at) + 1, at - body.rfind("\n", 0, at)
+        return f"the body is not valid JSON: {reason} at line {line}, column {column} (character {at})"
+    return f"the body is not valid JSON: {reason} at character {at}"
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return next((name for kind, name in kinds.items() if isinstance(value, kind)), type(value).__name__)
+
+
+def _not_utf8(error: UnicodeDecodeError) -> str:
+    byte = error.object[error.start]
+    return (
+        f"Invalid request: the body is not valid UTF-8 JSON: byte {byte:#04x} at offset {error.start}, {error.reason}"
+    )
+
+
 def _first_param(errors: Sequence[Any]) -> str | None:
+    """The request's field the first error about one is in (a ``FieldError`` names its own)."""
     for error in errors:
+        if error.get("type") == "json_invalid":  # its location is a character offset, no field
+            continue
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        if loc and error.get("type") != "json_invalid":  # a JSON error's location is a character offset
+        if loc:
             return loc[0]
+        refused = (error.get("ctx") or {}).get("error")  # a model validator's error has no location
+        if isinstance(refused, FieldError):
+            return refused.field
     return None
 
 
@@ -346,7 +407,7 @@ class _API:
         prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
         top = (body.top_logprobs or 0) if body.logprobs else None
         budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"})
+        names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"}, prompt_is_messages=True)
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
         streams = self._start([prompt], params, request_id, names)
@@ -357,10 +418,24 @@ class _API:
 
 
 class _FieldNames:
-    """The engine's refusals as 400s in the API's words: ``param`` the request's field, not the engine's."""
+    """The engine's refusals as 400s in the API's words: ``param`` the request's field, not the engine's.
 
-    def __init__(self, prompt_field: str, renamed: Mapping[str, str] | None = None) -> None:
+    With ``prompt_is_messages`` (chat), the engine's one prompt is the messages through the chat template:
+    its "prompt 0" is said as the messages (their tokens) or the request (its other settings).
+    """
+
+    #: chat's words for the engine's one prompt, replaced in this order.
+    _MESSAGES = (
+        (r"\bprompt 0 has (\d+) tokens", r"the messages come to \1 tokens with the chat template"),
+        (r"\bprompt 0\b", "the request"),
+        (r"\bShorten the prompt\b", "Shorten the messages"),
+    )
+
+    def __init__(
+        self, prompt_field: str, renamed: Mapping[str, str] | None = None, *, prompt_is_messages: bool = False
+    ) -> None:
         self.prompt_field, self.renamed = prompt_field, dict(renamed or {})
+        self.words = self._MESSAGES if prompt_is_messages else ()
 
     def bad_request(self, exc: ValueError) -> APIError:
         message = self._in_api_words(str(exc).removeprefix("SamplingParams: "))
@@ -373,6 +448,8 @@ class _FieldNames:
         return bad_request(message, param=self.renamed.get(exc.param, exc.param))
 
     def _in_api_words(self, message: str) -> str:
+        for pattern, words in self.words:
+            message = re.sub(pattern, words, message)
         for engine_name, api_name in self.renamed.items():
             message = re.sub(rf"\b{engine_name}\b", api_name, message)
         return message
@@ -610,7 +687,7 @@ class _Completions(_Shape):
             {
                 "index": offsets[index] + c.index,
                 "text": c.text if c.text is not None else "",
-                "logprobs": self.logprobs(c, 0),
+                "logprobs": self.logprobs(c)[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -620,11 +697,15 @@ class _Completions(_Shape):
         return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
 
     def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
+        # Per choice: the text_offset of its next token, so a chunk decodes only its own tokens.
+        text_offsets: dict[int, int] = {}
+
         def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
+            logprobs, text_offsets[number] = self.logprobs(c, start, text_offsets.get(number, 0))
             entry = {
                 "index": number,
                 "text": delta,
-                "logprobs": self.logprobs(c, start),
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -632,21 +713,25 @@ class _Completions(_Shape):
 
         return self.chunks(streams, usage, choice)
 
-    def logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
-        """OpenAI's completions logprobs for the tokens from ``start`` on."""
+    def logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+        """OpenAI's completions logprobs for the tokens from ``start`` on, and the text_offset after them.
+
+        ``offset`` is the text_offset of token ``start``: the length of the tokens' texts before it, each
+        decoded alone, which a stream carries from chunk to chunk (decoding them all again for every chunk
+        made a long answer's stream quadratic on the event loop).
+        """
         if c.logprobs is None:
-            return None
+            return None, offset
         tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = 0
-        for i, (token, step) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        for token, step in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
             text = self.token_text(token)
-            if i >= start:
-                tokens.append(text)
-                token_logprobs.append(step[token])
-                top.append({self.token_text(t): v for t, v in step.items()})
-                offsets.append(offset)
+            tokens.append(text)
+            token_logprobs.append(step[token])
+            top.append({self.token_text(t): v for t, v in step.items()})
+            offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return logprobs, offset
 
 
 class _Chat(_Shape):
@@ -691,7 +776,7 @@ class _Chat(_Shape):
             return None
         k = self.top_logprobs
         content = []
-        for token, step in list(zip(c.token_ids, c.logprobs, strict=True))[start:]:
+        for token, step in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
             ranked = sorted(step.items(), key=lambda item: -item[1])[:k]
             content.append(
                 {

@@ -31,6 +31,7 @@ __all__ = [
     "CompletionRequest",
     "ErrorBody",
     "ErrorResponse",
+    "FieldError",
     "StreamOptions",
     "UsageInfo",
     "random_id",
@@ -66,6 +67,18 @@ class _Strict(BaseModel):
             or fields[key].is_required()
             or _takes_none(fields[key].annotation)
         }
+
+
+class FieldError(ValueError):
+    """A refusal of one top-level field of a request, raised in a model validator, which names the field.
+
+    Pydantic keeps the exception in its error's ``ctx``: the server answers with ``param`` this field (a
+    model validator's error has no location of its own) and the message alone, which names it already.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _takes_none(annotation: Any) -> bool:
@@ -134,9 +147,9 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream: true")
         if self.extra_args is not None and self.vllm_xargs is not None:
-            raise ValueError("give extra_args or vllm_xargs, not both")
+            raise FieldError("vllm_xargs", "give extra_args or vllm_xargs, not both")
         return self
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -177,11 +190,11 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise FieldError("echo", "echo is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must equal n, or be left out)")
+            raise FieldError("best_of", "best_of is not supported (it must equal n, or be left out)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -211,6 +224,8 @@ class ChatMessage(_Strict):
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
     tool_calls: list[Any] | None = None
+    # A tool message's: known, so that such a message is told tools are not supported, not of an unknown field.
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _no_tools_or_audio(self) -> ChatMessage:
@@ -255,13 +270,13 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise FieldError("tools", "tools are not supported")
         if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
+            raise FieldError("tool_choice", "tool_choice is not supported")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError('response_format is not supported (only {"type": "text"})')
+            raise FieldError("response_format", 'response_format is not supported (only {"type": "text"})')
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     @property
