@@ -39,6 +39,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         E = config.n_embd
         self.n_heads = config.n_head
+        if E % self.n_heads:
+            raise ValueError(f"n_embd {E} is not a multiple of n_head {self.n_heads}")
         self.head_dim = E // self.n_heads
         self.c_attn = Linear(E, 3 * E)  # rows [q; k; v], as the checkpoint stores them
         self.c_proj = Linear(E, E)

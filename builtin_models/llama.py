@@ -254,8 +254,10 @@ def _sliding_window(config: Any, layer_idx: int) -> int | None:
     """The layer's attention window: Qwen2's ``layer_types``, else Mistral's ``sliding_window``; ``None``: full."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    if window is not None and not (isinstance(window, int) and window >= 1):  # 0 would mask every key
+        raise ValueError(f"sliding_window must be a number of positions >= 1 (or null for none), got {window!r}")
     return window
 
 

@@ -50,6 +50,26 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq: Tensor | None = None  # the frequencies up to the trained length, once per device
         self._long_inv_freq: Tensor | None = None  # longrope's, past it
         self.attention_scaling = 1.0
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse RoPE parameters transformers cannot compute (an unknown type, a missing key) now, not mid-request."""
+        if self.rope_type == "default":
+            return
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if self.rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not one transformers knows ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+            )
+        try:  # on the CPU, once: the module itself may be built on the meta device
+            self._init(torch.device("cpu"))
+            if self.rope_type == "longrope":
+                self._frequencies(self.config.rope_parameters["original_max_position_embeddings"] + 1, "cpu")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            detail = f"it lacks {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"rope_parameters {self.config.rope_parameters} cannot be used: {detail}") from None
+        self._long_inv_freq = None
 
     def _init(self, device: torch.device, seq_len: int | None = None) -> tuple[Tensor, float]:
         if self.rope_type == "default":

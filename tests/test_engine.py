@@ -15,7 +15,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
 from pluginhost.errors import ConfigError, KVCacheMemoryError, ModelClassError, ModelRunError, PluginHookError
-from pluginhost.testing import RegistersModel
+from pluginhost.testing import RegistersModel, make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
 FORCED = 7
@@ -697,6 +697,22 @@ def test_pre_load_sees_the_device_dtype_and_length_the_engine_decided(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Peek()])
     assert seen == {"device": "cpu", "dtype": "float32", "max_model_len": 128}
     assert llm.config.provenance["device"] == "default"  # decided from the default "auto", not set by anyone
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "message"),
+    [
+        ("llama", {"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}}, "rope_type 'ntk' is not one"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "cannot be used: it lacks 'factor'"),
+        ("mistral", {"sliding_window": 0}, "sliding_window must be a number of positions >= 1"),
+        ("gpt2", {"n_head": 3}, "n_embd 64 is not a multiple of n_head 3"),
+    ],
+)
+def test_config_values_the_model_cannot_use_are_refused_when_it_is_built(tmp_path, model_type, overrides, message):
+    # They were accepted, then failed every request (KeyError: 'ntk'), or generated garbage (a window of 0).
+    model = make_tiny_model(tmp_path, model_type)
+    with pytest.raises(ModelClassError, match=message):
+        LLM(str(model), load_installed_plugins=False, hf_overrides=overrides)
 
 
 def test_a_broken_tokenizer_fails_before_anything_heavy(tiny_opt, tmp_path):
