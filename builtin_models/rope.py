@@ -62,10 +62,11 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope_type {self.rope_type!r} is not one transformers knows ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
             )
-        try:  # on the CPU, once: the module itself may be built on the meta device
-            self._init(torch.device("cpu"))
-            if self.rope_type == "longrope":
-                self._frequencies(self.config.rope_parameters["original_max_position_embeddings"] + 1, "cpu")
+        try:
+            with torch.device("cpu"):  # once, on the CPU: the module itself is built on the meta device
+                self._init(torch.device("cpu"))
+                if self.rope_type == "longrope":
+                    self._frequencies(self.config.rope_parameters["original_max_position_embeddings"] + 1, "cpu")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             detail = f"it lacks {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
             raise ValueError(f"rope_parameters {self.config.rope_parameters} cannot be used: {detail}") from None
