@@ -22,9 +22,11 @@ Runtime hooks run while the engine serves::
     register_routes(app, engine)         # once, when `pluginhost serve` starts
 
 Build hooks run in the thread that builds the engine; ``on_request`` in the
-thread that submits the request (the server's event loop, or the caller of
-``LLM.generate``), so it must be quick; ``on_output`` and ``record_stats`` in
-the thread that steps the engine; logits processors inside the engine step.
+thread that prepares the request (the caller of ``LLM.generate``; for
+``AsyncLLM.generate`` and the server, the engine's input thread beside the
+event loop, one request at a time), so it should be quick; ``on_output`` and
+``record_stats`` in the thread that steps the engine; logits processors
+inside the engine step.
 
 With tensor parallelism (``tensor_parallel_size`` N > 1) the engine is N
 processes, and each loads its plugins itself. Every build hook runs on every
@@ -233,8 +235,8 @@ def on_request(request: EngineRequest) -> None:
     """See, change or refuse a request before it is scheduled.
 
     Called for each request (each prompt of ``LLM.generate``, each prompt of
-    an HTTP request), in the thread that submits it, after its prompt is
-    tokenized and before its parameters are checked and it is queued.
+    an HTTP request), in the thread that prepares it (see above), after its
+    prompt is tokenized and before its parameters are checked and it is queued.
     ``request`` has ``request_id``, ``prompt`` (text, or ``None`` for token
     ids), ``prompt_token_ids`` and ``params`` (its own ``SamplingParams``).
 
@@ -242,8 +244,8 @@ def on_request(request: EngineRequest) -> None:
     raise ``ValueError`` to refuse the request (the caller gets a
     ``ValueError``, the server a 400, naming this plugin).
 
-    Must not: block (it runs on the server's event loop), or keep the
-    request. Any other exception also refuses the request, as this plugin's
+    Must not: block for long (requests are prepared one at a time, so the
+    server's next request waits for it), or keep the request. Any other exception also refuses the request, as this plugin's
     failure.
 
     Example::

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from builtin_models.opt import OPTForCausalLM
-from pluginhost import LLM, AsyncLLM, SamplingParams
+from pluginhost import LLM, AsyncLLM, SamplingParams, hookimpl
 from pluginhost.errors import ModelRunError
 from pluginhost.testing import RegistersModel
 from pluginhost.testing.server import wait_until
@@ -352,3 +352,28 @@ def test_an_id_the_engine_picks_never_collides_with_one_a_caller_picked(engine):
 
     mine, auto = run(scenario())
     assert auto != mine
+
+
+def test_a_prompt_is_tokenized_and_checked_beside_the_event_loop_not_in_it(tiny_opt, offline):
+    # A prompt of megabytes takes seconds to tokenize: in the loop, every other stream and /health waited.
+    threads = []
+
+    class Where:
+        @hookimpl
+        def on_request(self, request):  # runs where the request is prepared, after tokenizing
+            threads.append(threading.current_thread())
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Where()])
+    try:
+
+        async def scenario():
+            outs = await collect(engine, [2, 5, 6], greedy(3), "ids")
+            with pytest.raises(ValueError, match="prompt 0 has token id"):  # errors are add_request's
+                await engine.submit([2, 10**6], greedy(3))
+            return threading.current_thread(), outs
+
+        loop_thread, outs = run(scenario())
+    finally:
+        engine.shutdown()
+    assert len(threads) == 1 and threads[0] is not loop_thread and threads[0].name.startswith("pluginhost-inputs")
+    assert outs[-1].outputs[0].token_ids == offline.generate([[2, 5, 6]], greedy(3))[0].token_ids

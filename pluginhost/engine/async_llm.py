@@ -1,9 +1,10 @@
 """``AsyncLLM``: streaming generation for asyncio programs (the server runs on it).
 
 The model is built, and the engine loop runs, in a thread of its own, so model
-work never blocks the event loop: ``generate`` only queues the request and
-awaits its outputs, which the loop thread hands over with
-``call_soon_threadsafe``. Outputs are cumulative; when a consumer falls behind,
+work never blocks the event loop: ``generate`` has the request tokenized and
+checked in a second thread of its own (a prompt of megabytes takes seconds to
+tokenize), queues it and awaits its outputs, which the loop thread hands over
+with ``call_soon_threadsafe``. Outputs are cumulative; when a consumer falls behind,
 it gets the latest one (nothing is lost: each holds everything so far).
 Leaving the ``async for`` early (a client that went away, a cancelled task)
 aborts the request, which frees its row at the next step.
@@ -16,12 +17,13 @@ aborts the request, which frees its row at the next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.core import EngineCore
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the idle loop thread looks whether it should stop.
 _IDLE_WAIT_S = 0.1
+
+T = TypeVar("T")
 
 
 class AsyncLLM(EngineFrontend):
@@ -78,6 +82,8 @@ class AsyncLLM(EngineFrontend):
         model for one, would wait for it forever).
         """
         self._stopping = threading.Event()
+        # One thread: requests are prepared one at a time, in order, as on the event loop before.
+        self._inputs_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pluginhost-inputs")
         importing = _inside_an_import()
         if importing or torchrun_rank() not in (None, 0):
             if importing:
@@ -138,12 +144,37 @@ class AsyncLLM(EngineFrontend):
         output has ``finish_reason`` ``"abort"``. Leaving the loop early
         aborts the request.
         """
-        stream = self.add_request(prompt, sampling_params, request_id)
+        stream = await self.submit(prompt, sampling_params, request_id)
         try:
             async for output in stream:
                 yield output
         finally:
             stream.abort()
+
+    async def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        index: int = 0,
+    ) -> RequestStream:
+        """``add_request``, with the prompt tokenized and checked in the engine's input thread.
+
+        The event loop goes on meanwhile (``on_request`` hooks run in that thread too); the
+        errors are ``add_request``'s.
+        """
+        self._check_open()
+        stream = RequestStream(self.engine, asyncio.get_running_loop())
+        request_id = request_id or self._new_request_id()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        make = functools.partial(
+            self._inputs.make_request, request_id, prompt, params, index=index, on_output=stream.deliver, streaming=True
+        )
+        stream.request = await self.off_loop(make)
+        self._check_open()  # shut down while the request was prepared
+        self.engine.submit([stream.request])
+        return stream
 
     def add_request(
         self,
@@ -155,12 +186,11 @@ class AsyncLLM(EngineFrontend):
     ) -> RequestStream:
         """Check and queue a request now (``ValueError``, ``EngineOverloadedError``); iterate the stream for outputs.
 
-        Must be called from the event loop that will consume the stream. ``index`` names the prompt in
-        error messages (``prompt 2 has ...``), for a caller that sends a list of them.
+        Must be called from the event loop that will consume the stream; tokenizes in it (``submit``
+        does not). ``index`` names the prompt in error messages (``prompt 2 has ...``), for a caller
+        that sends a list of them.
         """
-        self._check_generates()
-        if self._stopping.is_set():
-            raise RuntimeError("this AsyncLLM was shut down")
+        self._check_open()
         stream = RequestStream(self.engine, asyncio.get_running_loop())
         params = sampling_params if sampling_params is not None else SamplingParams()
         stream.request = self._inputs.make_request(
@@ -168,6 +198,15 @@ class AsyncLLM(EngineFrontend):
         )
         self.engine.submit([stream.request])
         return stream
+
+    async def off_loop(self, fn: Callable[..., T], /, *args: Any) -> T:
+        """``fn(*args)`` in the engine's input thread, where requests are prepared; awaited, never blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._inputs_thread, fn, *args)
+
+    def _check_open(self) -> None:
+        self._check_generates()
+        if self._stopping.is_set():
+            raise RuntimeError("this AsyncLLM was shut down")
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``.
@@ -187,6 +226,7 @@ class AsyncLLM(EngineFrontend):
         self.engine.abort_all()
         self.engine.step()  # hand the aborts out
         self._stopping.set()
+        self._inputs_thread.shutdown(wait=False)
         self._thread.join(timeout)
         self.close()
 

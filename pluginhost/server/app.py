@@ -336,7 +336,7 @@ class _API:
                 param="model",
             )
 
-    def _start(
+    async def _start(
         self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
@@ -349,7 +349,7 @@ class _API:
             )
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(self.engine.add_request(prompt, params.clone(), f"{request_id}-{i}", index=i))
+                streams.append(await self.engine.submit(prompt, params.clone(), f"{request_id}-{i}", index=i))
         except (ValueError, PluginhostError) as exc:
             for stream in streams:
                 stream.abort()
@@ -379,7 +379,7 @@ class _API:
         names = _FieldNames("prompt")
         params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
         request_id = random_id("cmpl")
-        streams = self._start(prompts, params, request_id, names)
+        streams = await self._start(prompts, params, request_id, names)
         shape = _Completions(self, request_id)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
@@ -394,27 +394,32 @@ class _API:
             raise bad_request(
                 "this model has no chat template (its tokenizer_config.json sets none); use /v1/completions"
             )
-        try:
-            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
-            raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\udce9"): the tokenizer would raise a TypeError
-            raise bad_request(
-                f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
-            ) from None
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        prompt = await self.engine.off_loop(_render_chat, tokenizer, body.conversation())  # long ones take seconds
         top = (body.top_logprobs or 0) if body.logprobs else None
         budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"}, prompt_is_messages=True)
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
-        streams = self._start([prompt], params, request_id, names)
+        streams = await self._start([prompt], params, request_id, names)
         shape = _Chat(self, request_id, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return JSONResponse(await shape.whole(streams))
+
+
+def _render_chat(tokenizer: Any, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    """The conversation through the chat template, as a prompt: its text and token ids (a 400 if it cannot be)."""
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
+        raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\udce9"): the tokenizer would raise a TypeError
+        raise bad_request(
+            f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
+        ) from None
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 
 
 class _FieldNames:
