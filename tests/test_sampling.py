@@ -216,6 +216,15 @@ def test_incremental_text_never_shows_half_characters(llm, text):
     assert detokenizer.text == text and seen[-1] == text
 
 
+def test_a_character_cut_short_by_the_end_is_left_out_not_shown_as_half(llm):
+    ids = llm.tokenizer("snow \u2603", add_special_tokens=False)["input_ids"]  # the snowman: 3 bytes, 3 tokens here
+    detokenizer = IncrementalDetokenizer(llm.tokenizer, [2])
+    for token in ids[:-1]:  # max_tokens ends the text one byte short of the snowman
+        detokenizer.push(token)
+    detokenizer.flush()
+    assert detokenizer.text == "snow "
+
+
 # -- n samples ----------------------------------------------------------------------------
 
 

@@ -60,11 +60,15 @@ class IncrementalDetokenizer:
         return self._find_stop(len(delta)) if check_stop else None
 
     def flush(self) -> None:
-        """At the end: keep whatever is left undecoded (an incomplete character shows as U+FFFD)."""
+        """At the end: keep whatever is left undecoded, but a character the last tokens left incomplete.
+
+        Its bytes were never a character (``max_tokens`` cut it): shown, it would be U+FFFD, half
+        a character at the end of the text. vLLM leaves it out too; the tokens stay in ``token_ids``.
+        """
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) > len(before):
-            self.text += after[len(before) :]
+            self.text += after[len(before) :].rstrip(_INCOMPLETE)
         self._prefix = self._read = len(self._ids)
 
     def _find_stop(self, new_chars: int) -> str | None:
