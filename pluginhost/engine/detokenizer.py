@@ -11,8 +11,11 @@ a few prompt tokens, for context.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from pluginhost.tokenizer import token_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -68,7 +71,10 @@ class IncrementalDetokenizer:
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) > len(before):
-            self.text += after[len(before) :].rstrip(_INCOMPLETE)
+            delta = after[len(before) :]
+            if delta.endswith(_INCOMPLETE) and self._ends_mid_character(self._ids[self._read :]):
+                delta = delta[:-1]  # the incomplete last character (invalid bytes before it stay U+FFFD)
+            self.text += delta
         self._prefix = self._read = len(self._ids)
 
     def _find_stop(self, new_chars: int) -> str | None:
@@ -83,6 +89,12 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[: found[0]]
         return found[1]
+
+    def _ends_mid_character(self, ids: list[int]) -> bool:
+        """Whether these tokens' bytes end with the start of a UTF-8 character, not the whole of it."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(token_bytes(self._tokenizer, i) for i in ids))  # not final: a cut-off one waits
+        return bool(decoder.getstate()[0])
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
