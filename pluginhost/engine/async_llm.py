@@ -158,18 +158,28 @@ class AsyncLLM(EngineFrontend):
         request_id: str | None = None,
         *,
         index: int = 0,
+        exact_max_tokens: bool = False,
     ) -> RequestStream:
         """``add_request``, with the prompt tokenized and checked in the engine's input thread.
 
         The event loop goes on meanwhile (``on_request`` hooks run in that thread too); the
-        errors are ``add_request``'s.
+        errors are ``add_request``'s. ``exact_max_tokens``: a ``max_tokens`` the context cannot hold
+        is a ``PromptTooLongError``, as the OpenAI API has it (else generation ends at
+        ``max_model_len``, as in vLLM's engine).
         """
         self._check_open()
         stream = RequestStream(self.engine, asyncio.get_running_loop())
         request_id = request_id or self._new_request_id()
         params = sampling_params if sampling_params is not None else SamplingParams()
         make = functools.partial(
-            self._inputs.make_request, request_id, prompt, params, index=index, on_output=stream.deliver, streaming=True
+            self._inputs.make_request,
+            request_id,
+            prompt,
+            params,
+            index=index,
+            on_output=stream.deliver,
+            streaming=True,
+            exact_max_tokens=exact_max_tokens,
         )
         stream.request = await self.off_loop(make)
         self._check_open()  # shut down while the request was prepared

@@ -42,8 +42,14 @@ class InputProcessor:
         index: int = 0,
         on_output: OutputCallback | None = None,
         streaming: bool = False,
+        exact_max_tokens: bool = False,
     ) -> EngineRequest:
-        """The request for ``prompt``; ``index`` names the prompt in error messages."""
+        """The request for ``prompt``; ``index`` names the prompt in error messages.
+
+        A ``max_tokens`` beyond what ``max_model_len`` leaves after the prompt ends generation
+        there, with ``finish_reason`` "length", as in vLLM's engine; with ``exact_max_tokens`` it
+        is a ``PromptTooLongError`` instead (the OpenAI server's rule).
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling params for prompt {index} must be a SamplingParams, got {type(params).__name__}"
@@ -57,12 +63,12 @@ class InputProcessor:
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
                 request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
-                max_tokens = self._checked(index, request.prompt_token_ids, request.params)
+                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact_max_tokens)
             except ValueError as exc:
                 now = (request.prompt_token_ids, request.params)
                 if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
                     raise
-                self._checked(index, *given)  # the caller's own request fails too: the error is the caller's
+                self._checked(index, *given, exact_max_tokens)  # the caller's own request fails too: the caller's error
                 plugins = loaded.host.implementers("on_request")
                 raise PluginHookError(
                     f"prompt {index} became invalid in the on_request hook of "
@@ -71,7 +77,7 @@ class InputProcessor:
                     hook="on_request",
                 ) from exc
         else:
-            max_tokens = self._checked(index, token_ids, request.params)
+            max_tokens = self._checked(index, token_ids, request.params, exact_max_tokens)
         params, token_ids = request.params, request.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
         for sample in range(params.n):
@@ -86,7 +92,7 @@ class InputProcessor:
             request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
         return request
 
-    def _checked(self, index: int, token_ids: list[int], params: SamplingParams) -> int:
+    def _checked(self, index: int, token_ids: list[int], params: SamplingParams, exact_max_tokens: bool) -> int:
         """Check a request's parameters against its prompt and this engine; the tokens it may generate."""
         loaded = self._loaded
         if not isinstance(params, SamplingParams):
@@ -120,17 +126,25 @@ class InputProcessor:
                     plugin=processor.registered_by.name,
                     hook="register_logits_processors",
                 ) from exc
-        if params.max_tokens is None and len(token_ids) >= loaded.max_model_len:
+        room = loaded.max_model_len - len(token_ids)
+        if room < 1:
             raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={loaded.max_model_len}. Shorten the prompt."
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else loaded.max_model_len - len(token_ids)
-        total = len(token_ids) + max_tokens
-        if total > loaded.max_model_len or max_tokens < 1:
+        if params.max_tokens is not None and params.max_tokens > room and exact_max_tokens:
             raise PromptTooLongError(
-                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={max_tokens} that is {total}, "
-                f"more than max_model_len={loaded.max_model_len}. Shorten the prompt or lower max_tokens."
+                f"prompt {index} has {len(token_ids)} tokens; with max_tokens={params.max_tokens} that is "
+                f"{len(token_ids) + params.max_tokens}, more than max_model_len={loaded.max_model_len}. Shorten the "
+                "prompt or lower max_tokens."
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > max_tokens:
+            raise InvalidParameterError(
+                f"prompt {index} has {len(token_ids)} tokens, which leaves room for {room} within "
+                f"max_model_len={loaded.max_model_len}: fewer than min_tokens={params.min_tokens}. Shorten the "
+                "prompt or lower min_tokens.",
+                param="min_tokens",
             )
         if params.stop and loaded.tokenizer is None:
             raise InvalidParameterError(
@@ -219,7 +233,7 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         )
     prompts = list(prompts)
     if not prompts:
-        raise ValueError("no prompts given")
+        return []  # no prompts, no outputs (as vLLM's LLM.generate([]))
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # a single prompt of token ids
     return prompts

@@ -73,6 +73,8 @@ class LLM(EngineFrontend):
         self._check_generates()
         prompt_list = as_prompt_list(prompts)
         params_list = _params_for(prompt_list, sampling_params)
+        if not prompt_list:
+            return []
         requests = [
             self._inputs.make_request(self._new_request_id(), prompt, params, index=i)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))

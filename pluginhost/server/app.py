@@ -349,7 +349,10 @@ class _API:
             )
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.submit(prompt, params.clone(), f"{request_id}-{i}", index=i))
+                stream = await self.engine.submit(
+                    prompt, params.clone(), f"{request_id}-{i}", index=i, exact_max_tokens=True
+                )  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
+                streams.append(stream)
         except (ValueError, PluginhostError) as exc:
             for stream in streams:
                 stream.abort()
