@@ -2,11 +2,14 @@
 
 Models are constructed on the meta device, so a parameter still on meta has
 not been loaded. ``assign_weights`` replaces such a parameter with the
-checkpoint tensor itself (already on the target device and dtype: the engine
-converts while reading), which avoids a second copy of the model in memory;
-a parameter that already holds memory is copied into instead. A parameter
-stacked from several checkpoint tensors (see ``Stacked``) is allocated once
-and each part copied into its rows.
+checkpoint tensor itself (already on the target device and dtype, in memory
+the engine owns, never mapped from a file: the engine converts and copies while
+reading), which avoids a second copy of the model in memory; a parameter that
+already holds memory is copied into instead. A parameter stacked from several
+checkpoint tensors (see ``Stacked``) is allocated once and each part copied
+into its rows. One with a part absent from the checkpoint is left out of the
+loaded names, so the loader names it with every other missing parameter, in
+one message; its ``PARTS_MISSING_ATTR`` says which parts it lacks.
 
 A parameter may also hold only a slice of its checkpoint tensor (tensor
 parallelism: ``builtin_models.tp`` marks such parameters with a ``Shard``);
@@ -26,10 +29,13 @@ from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["SHARD_ATTR", "Shard", "Stacked", "assign_weights"]
+__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "assign_weights"]
 
 #: The attribute of a (meta) parameter holding its ``Shard``.
 SHARD_ATTR = "tp_shard"
+#: The attribute of a stacked parameter some of whose parts the checkpoint lacks: which ones, for messages
+#: ("stacked from q_proj, k_proj, v_proj; no k_proj").
+PARTS_MISSING_ATTR = "parts_missing"
 
 
 @dataclass(frozen=True)
@@ -120,15 +126,17 @@ def assign_weights(
 
     ``rename`` maps a checkpoint name to a parameter name, to a :class:`Stacked`
     part of one, or to ``None`` to skip that tensor on purpose. Unexpected
-    names, shape mismatches and stacked parameters with parts missing are
-    collected and raised together as one ``CheckpointError``; the names of
-    the loaded parameters are returned, so the caller can report missing ones.
+    names and tensors that do not fit (shape, or floating point for an integer
+    parameter and back) are collected and raised together as one
+    ``CheckpointError``, which also names the stacked parameters with parts
+    absent. The names of the loaded parameters are returned, so the caller can
+    report missing ones: a stacked parameter is loaded when all its parts are.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     # Read once: a parameter replaced as it loads no longer carries its Shard.
     shards = {name: getattr(p, SHARD_ATTR) for name, p in params.items() if hasattr(p, SHARD_ATTR)}
     loaded: set[str] = set()
-    stacked_parts: dict[str, tuple[Stacked, set[int]]] = {}
+    stacked_parts: dict[str, tuple[Stacked, set[int]]] = {}  # parameter -> its parts the checkpoint holds
     unexpected: list[str] = []
     mismatched: list[str] = []
     for checkpoint_name, tensor in weights:
@@ -143,6 +151,8 @@ def assign_weights(
         shard = shards.get(name)
         if shard is not None:
             tensor = shard.take_part(tensor) if isinstance(target, Stacked) else shard.take(tensor)
+        if isinstance(target, Stacked):  # held, even if it does not fit: that is reported, not "no k_proj"
+            stacked_parts.setdefault(name, (target, set()))[1].add(target.part)
         expected = _part_shape(param, target) if isinstance(target, Stacked) else tuple(param.shape)
         if tuple(tensor.shape) != expected:
             where = f"model {expected}"
@@ -155,7 +165,6 @@ def assign_weights(
             continue
         if isinstance(target, Stacked):
             params[name] = _set_part(model, name, param, target, tensor)
-            stacked_parts.setdefault(name, (target, set()))[1].add(target.part)
         else:
             params[name] = _set_parameter(model, name, param, tensor)
             loaded.add(name)
@@ -163,17 +172,19 @@ def assign_weights(
     for name, (stacked, present) in sorted(stacked_parts.items()):
         if len(present) == len(stacked.parts):
             loaded.add(name)
-        else:
-            absent = ", ".join(part for i, part in enumerate(stacked.parts) if i not in present)
-            incomplete.append(f"{name} (stacked from {', '.join(stacked.parts)}; no {absent})")
+            continue
+        # Not raised here: left out of the loaded names, it is reported with every other missing parameter.
+        absent = ", ".join(part for i, part in enumerate(stacked.parts) if i not in present)
+        setattr(params[name], PARTS_MISSING_ATTR, f"stacked from {', '.join(stacked.parts)}; no {absent}")
+        incomplete.append(f"{name} ({getattr(params[name], PARTS_MISSING_ATTR)})")
     problems = []
     if unexpected:
         problems.append(f"unexpected tensors (not in {type(model).__name__}): {', '.join(sorted(unexpected))}")
     if mismatched:
         problems.append(f"tensors that do not fit: {'; '.join(mismatched)}")
-    if incomplete:
-        problems.append(f"parameters with parts missing: {'; '.join(incomplete)}")
-    if problems:
+    if problems:  # raised anyway: the stacked parameters with parts missing are named too
+        if incomplete:
+            problems.append(f"parameters with parts missing: {'; '.join(incomplete)}")
         raise CheckpointError("The checkpoint does not fit the model: " + ". ".join(problems) + ".")
     return loaded
 

@@ -1,12 +1,22 @@
 """Reading a model directory's weights: safetensors (preferred) or ``pytorch_model*.bin``.
 
+Which files, as transformers' ``from_pretrained`` picks them: ``model.safetensors``,
+else the files ``model.safetensors.index.json`` names, else ``pytorch_model.bin``,
+else the files ``pytorch_model.bin.index.json`` names; only without any of
+these every ``*.safetensors`` (else every ``pytorch_model*.bin``). Files beside
+the chosen ones (Mistral's ``consolidated.safetensors``, a LoRA
+``adapter_model.safetensors``) are not read.
+
 Tensors are streamed one at a time, already converted to the target device and
-dtype, so a model is never held twice in memory. safetensors checks each
-file; the data is then read straight into memory the engine owns, so a model
-never changes, nor crashes the process, if its file is rewritten while it
-runs; a tensor that needs no conversion is handed over as it is.
-``.bin`` files are read with ``torch.load(weights_only=True)``, which refuses
-pickled code. Files are only ever read.
+dtype, so a model is never held twice in memory. Every tensor handed over is in
+memory the engine owns, so a model never changes, nor crashes the process, if
+its file is rewritten or truncated while it runs. safetensors checks each
+file; the data is then read straight into such memory, so a tensor that needs
+no conversion is handed over as it is. ``.bin`` files are read with
+``torch.load(weights_only=True, mmap=True)``, which refuses pickled code and
+maps the file rather than reading it whole; each tensor is then copied out of
+the mapping (by its conversion, or on its own when it needs none).
+Files are only ever read.
 
 Before anything is read, every tensor is placed: it must come from exactly one
 file (the one the index names, when there is an index), no tensor may be
@@ -26,6 +36,7 @@ import json
 import logging
 import math
 import pickle
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,7 +53,9 @@ __all__ = ["Checkpoint", "find_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
+_SAFETENSORS = "model.safetensors"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN = "pytorch_model.bin"
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _PROGRESS_MIN_BYTES = 256 * 2**20
 #: Names of non-finite tensors listed in a warning.
@@ -84,6 +97,8 @@ class Checkpoint:
             reads = (pair for path in self.files for pair in _read_safetensors(path, plan[path]))
         else:
             reads = self._read_bins(max_numel)
+        # A .bin's tensors live in its memory-mapped file: each is copied out, by its conversion or on its own.
+        copy = self.format == "bin"
         total = self.nbytes
         # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
         quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE", strict=False)
@@ -100,7 +115,7 @@ class Checkpoint:
             for name, tensor in reads:
                 progress.update(tensor.numel() * tensor.element_size())  # bytes read, as in the total
                 if tensor.is_floating_point():
-                    tensor = _convert(name, tensor, device, dtype)
+                    tensor = _convert(name, tensor, device, dtype, copy=copy)
                     # Checked in the engine's dtype: a value too large for it (fp32 -> fp16) counts too.
                     if not bool(torch.isfinite(tensor).all()):
                         if refuse_nonfinite:
@@ -110,7 +125,7 @@ class Checkpoint:
                             )
                         nonfinite.append(name)
                 else:
-                    tensor = _convert(name, tensor, device, None)
+                    tensor = _convert(name, tensor, device, None, copy=copy)
                 yield name, tensor
         if nonfinite:
             shown = ", ".join(nonfinite[:_NONFINITE_SHOWN]) + (" ..." if len(nonfinite) > _NONFINITE_SHOWN else "")
@@ -162,17 +177,23 @@ class Checkpoint:
                 kind = entries[name]["dtype"]
                 total_bytes += numel * (dtype.itemsize if kind.startswith(("F", "BF")) else _STORED_BYTES.get(kind, 8))
             plan[path] = kept
-        if self.index is not None:
-            absent = sorted(set(self.index) - set(where))
-            if absent:
-                raise CheckpointError(
-                    f"The index names {len(absent)} tensor(s) its shards do not hold: {', '.join(absent[:5])}"
-                    + (" ..." if len(absent) > 5 else "")
-                )
+        self._check_all_held(where)
         _check_memory(total_bytes)
         return plan
 
+    def _check_all_held(self, held: Mapping[str, Path]) -> None:
+        """Refuse an index naming tensors no file holds (its shards are not the ones it was written for)."""
+        if self.index is None:
+            return
+        absent = sorted(set(self.index) - set(held))
+        if absent:
+            raise CheckpointError(
+                f"The index names {len(absent)} tensor(s) its shards do not hold: {', '.join(absent[:5])}"
+                + (" ..." if len(absent) > 5 else "")
+            )
+
     def _read_bins(self, max_numel: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each file's tensors, checked as the safetensors ones (a .bin's names are known only once it is read)."""
         seen: dict[str, Path] = {}
         for path in self.files:
             for name, tensor in _read_bin(path):
@@ -190,6 +211,7 @@ class Checkpoint:
                     )
                 seen[name] = path
                 yield name, tensor
+        self._check_all_held(seen)
 
 
 #: Bytes per element of safetensors' non-floating dtypes (floating ones are converted to the engine's dtype).
@@ -217,9 +239,12 @@ def _available_memory() -> int | None:
     return None
 
 
-def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+def _convert(
+    name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None, *, copy: bool
+) -> torch.Tensor:
+    """``tensor`` on ``device`` in ``dtype`` (``None``: its own); ``copy``: a new tensor even when nothing changes."""
     try:
-        return tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device=device)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype, copy=copy)
     except (RuntimeError, MemoryError) as exc:
         if isinstance(exc, MemoryError) or "alloc" in str(exc).lower() or "out of memory" in str(exc).lower():
             raise CheckpointError(f"Out of memory while loading tensor {name} onto {device}: {exc}") from None
@@ -227,12 +252,16 @@ def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch
 
 
 def find_checkpoint(model_dir: Path, *, allow_external: bool = False) -> Checkpoint:
-    """Locate the weights: a safetensors index or files, else a ``.bin`` index or files; every file checked."""
-    for index_name, fmt in ((_SAFETENSORS_INDEX, "safetensors"), (_BIN_INDEX, "bin")):
+    """Locate the weights as transformers does (see the module's docstring); every file checked."""
+    for fmt, single, index_name in (("safetensors", _SAFETENSORS, _SAFETENSORS_INDEX), ("bin", _BIN, _BIN_INDEX)):
+        # The single file first, as from_pretrained: a leftover index beside it is not read.
+        if (model_dir / single).is_symlink() or (model_dir / single).exists():  # a broken link: _checked says so
+            return Checkpoint(fmt, (_checked(model_dir, model_dir / single, allow_external),))
         index = model_dir / index_name
         if index.is_file():
             files, placement = _files_from_index(index, allow_external)
             return Checkpoint(fmt, files, placement)
+    # Neither a file nor an index transformers would read: every weight file, which must not overlap.
     safetensors = sorted(model_dir.glob("*.safetensors"))
     if safetensors:
         return Checkpoint("safetensors", tuple(_checked(model_dir, f, allow_external) for f in safetensors))
@@ -355,6 +384,7 @@ def _read_into(raw: BinaryIO, offset: int, tensor: torch.Tensor, path: Path) -> 
 
 
 def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a ``torch.save``d state dict, mapped from the file (copy them before keeping them)."""
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -363,12 +393,59 @@ def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"Refused to load {path}: it holds pickled objects other than tensors, which could run code. "
-            f"Convert it to safetensors with a tool you trust. ({str(exc).splitlines()[0]})"
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"Cannot read {path}: {exc}".rstrip(".") + ".") from None
+        raise CheckpointError(_unpickling_refused(path, str(exc))) from None
+    except MemoryError as exc:
+        raise CheckpointError(_too_big(path, exc)) from None
+    except OSError as exc:
+        raise CheckpointError(f"Cannot read {path}: {_plain(exc)}.") from None
+    except (RuntimeError, EOFError, ValueError) as exc:  # a zip archive, or a legacy pickle, cut short or garbled
+        if "alloc" in str(exc).lower():
+            raise CheckpointError(_too_big(path, exc)) from None
+        detail = _plain(exc) or type(exc).__name__
+        raise CheckpointError(f"Cannot read {path}: it is not a valid PyTorch checkpoint ({detail}).") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path} does not hold a flat dictionary of tensors (a state dict).")
-    yield from state.items()
+    for name in list(state):  # popped as handed over: a legacy file's tensors (read whole) go as they are copied
+        yield name, state.pop(name)
+
+
+#: What torch's weights-only unpickler says when it refuses an object it does not allow (a class or function
+#: the pickle would call: code), as opposed to bytes that are no pickle it can read.
+_DISALLOWED = re.compile(
+    r"GLOBAL (\S+) was not an allowed global|GLOBAL (\S+) whose module \S+ is blocked"
+    r"|call reduce for unrecognized function (.+)|Can only (?:create new object|build) .* but got (.+)"
+)
+
+
+def _unpickling_refused(path: Path, message: str) -> str:
+    """Why torch's weights-only unpickler refused ``path``: code it will not run, or no checkpoint at all.
+
+    torch's own message is not passed on: it advises loading with ``weights_only=False``, which runs whatever
+    the file holds, and it carries terminal colour codes.
+    """
+    found = _DISALLOWED.search(message)
+    if found:
+        what = next(group for group in found.groups() if group).rstrip(". ")
+        if _names_nothing(what):
+            return f"Cannot read {path}: it is not a valid PyTorch checkpoint (it names {what}, which does not exist)."
+        return (
+            f"Refused to load {path}: it holds pickled objects other than tensors ({what}), which could run code. "
+            "Convert it to safetensors with a tool you trust."
+        )
+    detail = _plain(message.rpartition("WeightsUnpickler error:")[2].split("Check the documentation")[0])
+    return f"Cannot read {path}: it is not a valid PyTorch checkpoint ({detail or 'not a pickle torch can read'})."
+
+
+def _names_nothing(global_name: str) -> bool:
+    """Whether a refused global's module is loaded and lacks it: a name cut short, as in a truncated legacy file.
+
+    Only modules already imported are looked at: importing one a file names could run code.
+    """
+    module, _, attr = global_name.rpartition(".")
+    return module in sys.modules and not hasattr(sys.modules[module], attr)
+
+
+def _plain(message: object) -> str:
+    """The first sentence of ``message``, on one line, without terminal escape codes (torch's are long)."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(message)).split())
+    return text.split(". ")[0].rstrip(".")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pluginhost import LLM
+from pluginhost import LLM, SamplingParams
 from pluginhost.cli import main
 from pluginhost.errors import PluginhostError
 
@@ -66,6 +66,42 @@ def garbage(d: Path) -> None:
     (d / "model.safetensors").write_bytes(b"\x00\x01not a safetensors file at all")
 
 
+def as_bin(d: Path) -> Path:
+    """The safetensors weights rewritten as a ``pytorch_model.bin`` (what older checkpoints hold)."""
+    weights = d / "pytorch_model.bin"
+    torch.save(load_file(str(d / "model.safetensors")), weights)
+    (d / "model.safetensors").unlink()
+    return weights
+
+
+def garbage_bin(d: Path) -> None:
+    as_bin(d).write_bytes(b"\x00garbage" * 100)
+
+
+def truncated_bin(d: Path) -> None:
+    weights = as_bin(d)
+    weights.write_bytes(weights.read_bytes()[:4000])
+
+
+def bin_shards_with_index(d: Path, extra: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The weights as two ``.bin`` shards and their index (plus ``extra`` index entries); the tensors."""
+    tensors = load_file(str(d / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({name: tensors[name] for name in part}, d / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    weight_map.update(extra or {})
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors
+
+
+def bin_index_naming_an_absent_tensor(d: Path) -> None:
+    bin_shards_with_index(d, {"model.decoder.layers.0.extra.weight": "pytorch_model-00001-of-00002.bin"})
+    (d / "model.safetensors").unlink()
+
+
 def remove_config(d: Path) -> None:
     (d / "config.json").unlink()
 
@@ -101,6 +137,7 @@ def no_weights(d: Path) -> None:
 
 
 def bad_index(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "model-00001.safetensors")  # beside model.safetensors, an index is not read
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
 
 
@@ -110,6 +147,8 @@ def fifo_weights(d: Path) -> None:
 
 
 def stray_copy_of_a_tensor(d: Path) -> None:
+    """Files read together (no model.safetensors, no index: every *.safetensors), one tensor in two of them."""
+    (d / "model.safetensors").rename(d / "weights.safetensors")
     save_file({"model.decoder.final_layer_norm.weight": torch.zeros(32)}, str(d / "stray.safetensors"))
 
 
@@ -151,7 +190,7 @@ def huge_declared_tensor(d: Path) -> None:
         }
     )
     header += " " * (-len(header) % 8)
-    with (d / "model-huge.safetensors").open("wb") as f:
+    with (d / "model.safetensors").open("wb") as f:  # in the file that is read
         f.write(len(header).to_bytes(8, "little") + header.encode())
         f.truncate(8 + len(header) + 4 * shape[0] * shape[1])
 
@@ -179,7 +218,7 @@ FAULTS = {
     "missing tensor": (drop_tensor, "lacks 1 tensor(s) the model needs: decoder.layers.1.fc2.weight"),
     "missing part of q/k/v": (
         drop_stacked_part,
-        "decoder.layers.0.self_attn.qkv_proj.bias (stacked from q_proj, k_proj, v_proj; no k_proj)",
+        "lacks 1 tensor(s) the model needs: decoder.layers.0.self_attn.qkv_proj.bias",
     ),
     "wrong shape of q/k/v": (
         reshape_stacked_part,
@@ -194,6 +233,8 @@ FAULTS = {
     ),
     "truncated safetensors": (truncate, "it is not a valid safetensors file"),
     "corrupt safetensors": (garbage, "it is not a valid safetensors file"),
+    "corrupt .bin": (garbage_bin, "pytorch_model.bin: it is not a valid PyTorch checkpoint"),
+    "truncated .bin": (truncated_bin, "pytorch_model.bin: it is not a valid PyTorch checkpoint"),
     "missing config.json": (remove_config, "config.json is missing"),
     "config.json a directory": (config_is_a_directory, "config.json is a directory"),
     "config.json a link loop": (config_is_a_link_loop, "config.json is a broken symbolic link (or a loop of them)"),
@@ -203,8 +244,12 @@ FAULTS = {
     "no weights": (no_weights, "No weights in"),
     "index naming a missing shard": (bad_index, "lists shard(s) that are missing: model-00002.safetensors"),
     "weights that are a FIFO": (fifo_weights, "is not a regular file (a FIFO, socket or device)"),
-    "a tensor in two files": (stray_copy_of_a_tensor, "is in both model.safetensors and stray.safetensors"),
+    "a tensor in two files": (stray_copy_of_a_tensor, "is in both stray.safetensors and weights.safetensors"),
     "a tensor in two shards": (tensor_in_two_shards, "but the index places it in model-00001-of-00002.safetensors"),
+    "a .bin index naming a tensor no shard holds": (
+        bin_index_naming_an_absent_tensor,
+        "The index names 1 tensor(s) its shards do not hold: model.decoder.layers.0.extra.weight",
+    ),
     "an index naming ../": (index_outside_the_directory, "outside the model directory"),
     "a link out of the directory": (link_outside_the_directory, "outside the model directory"),
     "a 6 GB tensor in a sparse file": (huge_declared_tensor, "more than the whole model"),
@@ -278,9 +323,23 @@ def test_bin_with_pickled_code_is_refused_and_the_code_never_runs(tiny_opt, tmp_
     ):
         LLM(str(model), load_installed_plugins=False)
     assert main(["generate", "--model", str(model), "--prompt", "Hi", "--no-plugins"]) == 2
-    assert "it holds pickled objects other than tensors" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "it holds pickled objects other than tensors (posix.system), which could run code" in err
+    # Neither torch's advice to load it anyway (weights_only=False runs the code) nor its terminal colour codes.
+    assert "weights_only" not in err and "\x1b" not in err
     assert not marker.exists()
     assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("damage", [garbage_bin, truncated_bin], ids=["corrupt", "truncated"])
+def test_an_unreadable_bin_is_called_invalid_not_dangerous_and_no_unsafe_advice_is_given(broken_copy, damage):
+    """torch's refusal says weights_only=False "will likely succeed": for a file that is no checkpoint at all."""
+    damage(broken_copy)
+    with pytest.raises(PluginhostError) as info:
+        LLM(str(broken_copy), load_installed_plugins=False)
+    message = str(info.value)
+    assert "it is not a valid PyTorch checkpoint" in message
+    assert "pickled objects" not in message and "weights_only" not in message and "\x1b" not in message
 
 
 def test_a_models_own_code_is_never_run_and_the_refusal_says_so(tiny_opt_no_tokenizer, tmp_path):
@@ -350,3 +409,73 @@ def test_a_config_or_checkpoint_cannot_run_the_machine_out_of_memory(broken_copy
     result = run_pluginhost("generate", "--model", str(broken_copy), "--prompt", "Hi", "--no-plugins")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def greedy_tokens(model: Path | LLM) -> list[int]:
+    """Four greedy tokens of ``model`` (an engine, or a directory to build one from, in float32)."""
+    llm = model if isinstance(model, LLM) else LLM(str(model), load_installed_plugins=False, dtype="float32")
+    return llm.generate([[2, 5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_a_bin_rewritten_or_truncated_under_a_running_engine_changes_nothing(broken_copy):
+    """The engine owns its weights: a float32 .bin read as float32 stayed mapped (then all zeros, or a bus error)."""
+    expected = greedy_tokens(broken_copy)
+    weights = as_bin(broken_copy)
+    llm = LLM(str(broken_copy), load_installed_plugins=False, dtype="float32")
+    assert greedy_tokens(llm) == expected
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:  # rewritten in place, as a download or a copy over it would
+        f.write(b"\x00" * size)
+    assert greedy_tokens(llm) == expected
+    with weights.open("r+b") as f:
+        f.truncate(0)
+    assert greedy_tokens(llm) == expected
+
+
+def test_every_missing_tensor_is_named_in_one_message_a_stacked_part_too(broken_copy):
+    """A missing part of q/k/v was reported alone; the other missing tensors only once it was fixed."""
+    edit_tensors(
+        broken_copy,
+        lambda t: [t.pop("model.decoder.layers.0.self_attn.k_proj.bias"), t.pop("model.decoder.layers.1.fc2.weight")],
+    )
+    with pytest.raises(PluginhostError) as info:
+        LLM(str(broken_copy), load_installed_plugins=False)
+    message = str(info.value)
+    assert "lacks 2 tensor(s) the model needs" in message
+    assert "decoder.layers.0.self_attn.qkv_proj.bias" in message and "decoder.layers.1.fc2.weight" in message
+
+
+def test_a_mis_shaped_part_of_a_stacked_parameter_is_not_called_missing(broken_copy):
+    reshape_stacked_part(broken_copy)
+    with pytest.raises(PluginhostError) as info:
+        LLM(str(broken_copy), load_installed_plugins=False)
+    message = str(info.value)
+    assert "v_proj.weight: checkpoint shape (31, 32), model (32, 32)" in message
+    assert "missing" not in message and "no v_proj" not in message
+
+
+def test_model_safetensors_is_read_alone_as_transformers_reads_it(broken_copy):
+    """Beside it: Mistral's consolidated.safetensors, a LoRA adapter, a .bin index of other weights: all ignored."""
+    expected = greedy_tokens(broken_copy)
+    tensors = bin_shards_with_index(broken_copy)
+    for name in list(broken_copy.glob("pytorch_model-*.bin")):  # other weights: the tokens would change
+        torch.save({k: torch.zeros_like(v) for k, v in torch.load(name).items()}, name)
+    save_file(
+        {k.replace("model.decoder.", ""): v for k, v in tensors.items()}, str(broken_copy / "consolidated.safetensors")
+    )
+    save_file(
+        {"base_model.model.q_proj.lora_A.weight": torch.zeros(4, 32)}, str(broken_copy / "adapter_model.safetensors")
+    )
+    assert greedy_tokens(broken_copy) == expected
+
+
+def test_an_index_reads_only_its_shards(broken_copy):
+    expected = greedy_tokens(broken_copy)
+    tensors = load_file(str(broken_copy / "model.safetensors"))
+    (broken_copy / "model.safetensors").rename(broken_copy / "model-00001-of-00001.safetensors")
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors")
+    (broken_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file(
+        {"base_model.model.q_proj.lora_A.weight": torch.zeros(4, 32)}, str(broken_copy / "adapter_model.safetensors")
+    )
+    assert greedy_tokens(broken_copy) == expected

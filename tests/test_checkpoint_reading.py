@@ -58,13 +58,21 @@ def test_every_dtype_and_shape_reads_as_safetensors_reads_it(tmp_path):
         assert torch.equal(ours[name], reference), name
 
 
-def test_loaded_tensors_survive_the_file_being_rewritten(tmp_path):
-    """The engine owns its weights: nothing is backed by the file once it is read."""
-    weights = tmp_path / "model.safetensors"
-    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(weights))
-    loaded = dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
-    weights.write_bytes(b"")  # truncated under the running engine
-    assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32))
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_loaded_tensors_survive_the_file_being_rewritten(tmp_path, name):
+    """The engine owns its weights: nothing is backed by the file once it is read (torch maps a .bin's)."""
+    weights = tmp_path / name
+    tensors = {"w": torch.arange(1000, dtype=torch.float32), "ids": torch.arange(10)}
+    if name.endswith(".bin"):
+        torch.save(tensors, weights)
+    else:
+        save_file(tensors, str(weights))
+    loaded = dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))  # nothing to convert
+    with weights.open("r+b") as f:
+        f.write(b"\x00" * weights.stat().st_size)  # rewritten in place under the running engine
+    assert torch.equal(loaded["w"], tensors["w"]) and torch.equal(loaded["ids"], tensors["ids"])
+    weights.write_bytes(b"")  # truncated: reading a mapped page past the end would kill the process
+    assert torch.equal(loaded["w"], tensors["w"]) and torch.equal(loaded["ids"], tensors["ids"])
 
 
 def test_a_file_ending_inside_a_tensor_is_one_clear_error():
