@@ -26,7 +26,10 @@ How each part maps onto transformers (5.x):
   buffers old checkpoints carry are skipped (``rotary_emb.inv_freq``,
   ``attention.masked_bias``...: transformers' own
   ``_keys_to_ignore_on_load_unexpected`` patterns plus the model's
-  non-persistent buffers). Anything else unexpected is an error.
+  non-persistent buffers). Anything else unexpected is an error; so is a
+  missing parameter, found before the model first runs. Messages name
+  tensors as the checkpoint does (``gpt_neox.foo``, not the wrapper's
+  ``hf_model.gpt_neox.foo``).
 * **Buffers.** Buffers transformers computes in ``__init__`` (rotary
   ``inv_freq``, GPT-J's sinusoid table...) were created on meta. They are
   recomputed the way ``from_pretrained`` does it: each is re-created empty on
@@ -306,6 +309,7 @@ class TransformersForCausalLM(nn.Module):
         held: dict[str, Tensor] = {}  # tied targets, kept until we know whether their source came
         buffers: list[tuple[str, Tensor]] = []
         unconverted: list[str] = []
+        targets: dict[str, str] = {}  # checkpoint name -> our parameter's: messages name the checkpoint's
 
         def params_only(stream: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
             for checkpoint_name, tensor in stream:
@@ -317,9 +321,10 @@ class TransformersForCausalLM(nn.Module):
                 elif name in buffer_names:
                     buffers.append((name, tensor))
                 elif name in param_names or not ignore(name):
-                    yield prefix + name, tensor  # assign_weights reports the unexpected ones
+                    targets[checkpoint_name] = prefix + name
+                    yield checkpoint_name, tensor  # assign_weights reports the unexpected ones
 
-        loaded = assign_weights(self, params_only(weights))
+        loaded = assign_weights(self, params_only(weights), targets.__getitem__)
         if unconverted:
             raise CheckpointError(
                 f"transformers converts these tensors of {type(hf).__name__} checkpoints while loading them (fusing "
@@ -332,9 +337,30 @@ class TransformersForCausalLM(nn.Module):
         for name, tensor in buffers:
             self._set_buffer(name, tensor)
         hf.tie_weights(recompute_mapping=False)
+        self._check_all_loaded(loaded)
         self._materialize_buffers()
         self._check_head_and_cache()
         return {prefix + name for name in loaded}
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        """Name every parameter the checkpoint lacks, as the checkpoint names it, before the model runs.
+
+        The loader checks too, but after ``load_weights``: the cache check would first run the half-loaded
+        model, and warn of a cache that "disagrees". Called once transformers has tied what it ties.
+        """
+        missing = sorted(
+            name
+            for name, param in self.hf_model.named_parameters(remove_duplicate=False)
+            if param.is_meta or name not in loaded
+        )
+        if missing:
+            where = getattr(self.hf_model.config, "name_or_path", "") or ""
+            raise CheckpointError(
+                f"The checkpoint{f' in {where}' if where else ''} lacks {len(missing)} tensor(s) the model needs: "
+                + ", ".join(missing[:20])
+                + (" ..." if len(missing) > 20 else "")
+                + ". Is it the right checkpoint for this architecture?"
+            )
 
     def _ignored_checkpoint_names(self):  # noqa: ANN202 - a predicate
         hf = self.hf_model
@@ -354,10 +380,10 @@ class TransformersForCausalLM(nn.Module):
                     # Both in the checkpoint, and different: transformers does not tie them either.
                     logger.warning("%s and %s differ in the checkpoint: not tying them", target, source)
                     self.hf_model.all_tied_weights_keys.pop(target, None)
-                    assign_weights(self, [(prefix + target, tensor)])
+                    assign_weights(self, [(target, tensor)], lambda name: prefix + name)
                 done.add(target)
             elif tensor is not None:  # only the target was saved: tie the other way round
-                assign_weights(self, [(prefix + source, tensor)])
+                assign_weights(self, [(target, tensor)], {target: prefix + source}.get)  # named as saved
                 done |= {source, target}
         return done
 

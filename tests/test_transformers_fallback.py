@@ -309,10 +309,32 @@ def test_old_checkpoint_names_and_stale_buffers_load(tmp_path, neox_dir):
     assert [o.token_ids for o in fallback(old).generate(PROMPTS, greedy(6))] == expected
 
 
-def test_unexpected_tensors_are_an_error(tmp_path, neox_dir):
-    stray = rewrite(neox_dir, tmp_path / "stray", lambda t: {**t, "gpt_neox.layers.0.extra.weight": torch.ones(2)})
-    with pytest.raises(CheckpointError, match=r"unexpected tensors .*gpt_neox\.layers\.0\.extra\.weight"):
-        fallback(stray)
+def test_unexpected_and_mis_shaped_tensors_are_named_as_the_checkpoint_names_them(tmp_path, neox_dir):
+    def edit(tensors):
+        tensors["gpt_neox.layers.0.extra.weight"] = torch.ones(2)
+        tensors["gpt_neox.final_layer_norm.weight"] = torch.ones(31)
+        return tensors
+
+    with pytest.raises(CheckpointError) as info:
+        fallback(rewrite(neox_dir, tmp_path / "stray", edit))
+    message = str(info.value)
+    assert "unexpected tensors (not in TransformersForCausalLM): gpt_neox.layers.0.extra.weight" in message
+    assert "gpt_neox.final_layer_norm.weight: checkpoint shape (31,), model (32,)" in message
+    assert "hf_model." not in message  # the wrapper's attribute, no name of the checkpoint's
+
+
+def test_a_missing_tensor_is_named_before_the_cache_is_checked(tmp_path, neox_dir, caplog):
+    """The cache check ran on the half-loaded model first, and warned of a cache that "disagrees"."""
+
+    def edit(tensors):
+        del tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"]
+        return tensors
+
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError) as info:
+        fallback(rewrite(neox_dir, tmp_path / "missing", edit))
+    assert "lacks 1 tensor(s) the model needs: gpt_neox.layers.1.mlp.dense_4h_to_h.weight" in str(info.value)
+    assert "hf_model." not in str(info.value)
+    assert "disagree" not in caplog.text and "without a KV cache" not in caplog.text
 
 
 @pytest.fixture(scope="module")
