@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from builtin_models.weights import PARTS_MISSING_ATTR
 from pluginhost.build import check_combination, plan_build
 from pluginhost.checkpoint import find_checkpoint
 from pluginhost.config import EngineConfig, describe_validation_error
@@ -228,7 +229,11 @@ def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
             "parameter names it loaded (see builtin_models.weights.assign_weights)."
         )
     params = dict(model.named_parameters(remove_duplicate=False))
-    missing = sorted(name for name, p in params.items() if p.is_meta or name not in loaded)
+    missing = [  # a stacked parameter says which of its parts the checkpoint lacks
+        name + (f" ({getattr(p, PARTS_MISSING_ATTR)})" if hasattr(p, PARTS_MISSING_ATTR) else "")
+        for name, p in sorted(params.items())
+        if p.is_meta or name not in loaded
+    ]
     if missing:
         raise CheckpointError(
             f"The checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:20])}"
