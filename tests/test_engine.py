@@ -826,6 +826,21 @@ def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, m
     assert "room for 16 sequences in the memory available: at most 16 run at once" in caplog.text
 
 
+def test_a_batch_larger_than_the_rows_memory_allowed_earlier_waits_instead_of_failing(long_opt, monkeypatch):
+    # Three sequences grew the cache to the 5 rows that fit (not 8); six later asked for a 6th row, the cache
+    # was not grown past 5, and the forward failed every request (IndexError: index 5 is out of bounds).
+    llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=16)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    jobs = [[2, 10 + i, 20 + i] for i in range(6)]
+    expected = [o.token_ids for o in llm.generate(jobs, params)]
+    fresh = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=16)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(fresh, 5, 256))
+    assert [o.token_ids for o in fresh.generate(jobs[:3], params)] == expected[:3]
+    assert fresh.engine.runner.cache_shape == (5, 256)
+    assert [o.token_ids for o in fresh.generate(jobs, params)] == expected  # the sixth waits for a row
+    assert fresh.engine.runner.cache_shape == (5, 256) and fresh.engine.scheduler.max_num_seqs == 5
+
+
 def step_requests(llm: LLM, jobs: list[tuple[list[int], int]]) -> list:
     """Submit (prompt, max_tokens) greedy requests at once and step the engine until all end; their requests."""
     requests = [

@@ -267,12 +267,12 @@ class ModelRunner:
 
     def _grown_shape(self, rows: int, slots: int) -> tuple[int, int]:
         """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``."""
-        most_rows = min(self.max_num_seqs, self.row_cap)
+        most_rows = min(self.max_num_seqs, self.row_cap)  # what rounding may reach; never fewer than the step's rows
         if self.compiled is None:
-            new_rows = max(self._rows, min(most_rows, _round_up(rows, _ROW_STEP)))
+            new_rows = max(self._rows, rows, min(most_rows, _round_up(rows, _ROW_STEP)))
             new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
         else:  # each cache shape is compiled anew: every row at once, slots doubling
-            new_rows = max(self._rows, most_rows)
+            new_rows = max(self._rows, rows, most_rows)
             doubled = _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length()  # 256, 512, 1024, ...
             new_slots = max(self._slots, min(self.max_model_len, doubled))
         return new_rows, new_slots
