@@ -26,7 +26,7 @@ from builtin_models.attention import cached_attention
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
-from builtin_models.weights import assign_weights
+from builtin_models.weights import TiedHead, assign_weights
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2LMHeadModel"]
 
@@ -153,15 +153,14 @@ class GPT2LMHeadModel(nn.Module):
                 yield name, tensor.t().contiguous() if name.endswith(_CONV1D) and tensor.dim() == 2 else tensor
 
         def rename(name: str) -> str | None:
-            if name.endswith((".attn.bias", ".attn.masked_bias")) or (tied and name == "lm_head.weight"):
-                return None  # old checkpoints' causal-mask buffers; the head tied to the embeddings
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                return None  # old checkpoints' causal-mask buffers
             if not name.startswith(("transformer.", "lm_head.")):
                 name = f"transformer.{name}"
             # transformers nests the MLP under "mlp."; this model keeps c_fc/c_proj on the block.
             return name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".c_proj.")
 
-        loaded = assign_weights(self, transposed(weights), rename)
-        if tied and "transformer.wte.weight" in loaded:
-            self.lm_head.weight = self.transformer.wte.weight
-            loaded.add("lm_head.weight")
-        return loaded
+        if not tied:
+            return assign_weights(self, transposed(weights), rename)
+        head = TiedHead("lm_head.weight", "transformer.wte.weight")  # tied to the embeddings, as in transformers
+        return head.tie(self, assign_weights(self, head.filter(transposed(weights), "lm_head.weight"), rename))

@@ -31,7 +31,7 @@ from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.rope import RotaryEmbedding, apply_rotary
 from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
-from builtin_models.weights import Stacked, assign_weights
+from builtin_models.weights import Stacked, TiedHead, assign_weights
 
 __all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "Qwen2ForCausalLM", "RMSNorm"]
 
@@ -222,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
         mlp_sizes = None  # gate and up: equal parts, whatever a rank's share of them
 
         def rename(name: str) -> str | Stacked | None:
-            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                return None  # computed, not loaded; or tied to the embeddings, as transformers does
+            if name.endswith("rotary_emb.inv_freq"):
+                return None  # computed, not loaded
             if not name.startswith(("model.", "lm_head.")):
                 name = f"model.{name}"  # checkpoints saved from the bare model
             module, _, leaf = name.rpartition(".")
@@ -236,11 +236,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             return name
 
-        loaded = assign_weights(self, weights, rename)
-        if tied and "model.embed_tokens.weight" in loaded:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loaded.add("lm_head.weight")
-        return loaded
+        if not tied:
+            return assign_weights(self, weights, rename)
+        head = TiedHead("lm_head.weight", "model.embed_tokens.weight")  # tied to the embeddings, as in transformers
+        return head.tie(self, assign_weights(self, head.filter(weights, "lm_head.weight"), rename))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

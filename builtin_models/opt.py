@@ -28,7 +28,7 @@ from builtin_models.attention import cached_attention
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
-from builtin_models.weights import Stacked, assign_weights
+from builtin_models.weights import Stacked, TiedHead, assign_weights
 
 if TYPE_CHECKING:
     from transformers import OPTConfig
@@ -187,16 +187,14 @@ class OPTForCausalLM(nn.Module):
 
         def rename(name: str) -> str | Stacked | None:
             name = name.removeprefix("model.")
-            if tied and name == "lm_head.weight":
-                return None  # tied to the embeddings, as transformers does
             module, _, leaf = name.rpartition(".")  # "decoder.layers.0.self_attn.q_proj", "weight"
             attention, _, projection = module.rpartition(".")
             if projection in QKV_PARTS and attention.endswith(".self_attn"):
                 return Stacked(f"{attention}.qkv_proj.{leaf}", QKV_PARTS.index(projection), QKV_PARTS)
             return name
 
-        loaded = assign_weights(self, weights, rename)
-        if tied and "decoder.embed_tokens.weight" in loaded:
-            self.lm_head.weight = self.decoder.embed_tokens.weight
-            loaded.add("lm_head.weight")
-        return loaded
+        if not tied:
+            return assign_weights(self, weights, rename)
+        head = TiedHead("lm_head.weight", "decoder.embed_tokens.weight")  # tied to the embeddings, as in transformers
+        rest = head.filter(weights, "lm_head.weight", "model.lm_head.weight")
+        return head.tie(self, assign_weights(self, rest, rename))

@@ -29,7 +29,7 @@ from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "assign_weights"]
+__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "TiedHead", "assign_weights"]
 
 #: The attribute of a (meta) parameter holding its ``Shard``.
 SHARD_ATTR = "tp_shard"
@@ -218,3 +218,39 @@ def _replace_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> nn.
     param = nn.Parameter(tensor, requires_grad=False)
     setattr(owner, attr, param)
     return param
+
+
+class TiedHead:
+    """The output head of a model whose head and input embeddings are one tensor (``tie_word_embeddings``).
+
+    Checkpoints usually hold the embeddings and leave the head out; some hold
+    only the head, and transformers then ties the other way round. ``filter``
+    holds the head's tensor back while the rest loads; ``tie`` then shares the
+    embeddings with the head, loading them from the held head if the
+    checkpoint had no embeddings.
+    """
+
+    def __init__(self, head: str, embeddings: str) -> None:
+        self.head, self.embeddings = head, embeddings  # parameter names, as the model names them
+        self._held: torch.Tensor | None = None
+
+    def filter(self, weights: Iterable[tuple[str, torch.Tensor]], *names: str) -> Iterable[tuple[str, torch.Tensor]]:
+        """``weights`` without the head, whose checkpoint ``names`` are given (held back for ``tie``)."""
+        for name, tensor in weights:
+            if name in names:
+                self._held = tensor
+                continue
+            yield name, tensor
+
+    def tie(self, model: nn.Module, loaded: set[str]) -> set[str]:
+        """Load the embeddings from the held head if they were missing; share them with the head. ``loaded``, grown."""
+        if self.embeddings not in loaded and self._held is not None:
+            loaded |= assign_weights(model, [(self.embeddings, self._held)], lambda name: name)
+        self._held = None
+        if self.embeddings in loaded:
+            *path, leaf = self.head.split(".")
+            owner = model.get_submodule(".".join(path))
+            setattr(owner, leaf, model.get_parameter(self.embeddings))
+            loaded.add(self.head)
+        return loaded
+

@@ -79,3 +79,30 @@ def test_a_file_ending_inside_a_tensor_is_one_clear_error():
     short = io.BytesIO(b"\x01\x02\x03")
     with pytest.raises(CheckpointError, match="the file ends inside a tensor"):
         _read_into(short, 0, torch.empty(4, dtype=torch.int8), Path("model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "saved", "parameter"),
+    [
+        ("opt", "model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
+        ("gpt2", "transformer.wte.weight", "transformer.wte.weight"),
+        ("qwen2", "model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ],
+)
+def test_a_tied_checkpoint_holding_the_head_instead_of_the_embeddings_loads_as_transformers_loads_it(
+    tmp_path, model_type, saved, parameter
+):
+    # transformers ties either way round; the builtins dropped lm_head.weight, then lacked the embeddings.
+    from pluginhost import LLM, SamplingParams
+    from pluginhost.testing import make_tiny_model
+
+    path = make_tiny_model(tmp_path, model_type, tie_word_embeddings=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = LLM(str(path), load_installed_plugins=False).generate([[2, 5, 6]], params)[0].token_ids
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop(saved)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), load_installed_plugins=False)
+    assert llm.generate([[2, 5, 6]], params)[0].token_ids == expected
+    weights = dict(llm.model.named_parameters(remove_duplicate=False))
+    assert weights["lm_head.weight"] is weights[parameter]  # one tensor, as tied
