@@ -245,8 +245,8 @@ def on_request(request: EngineRequest) -> None:
     ``ValueError``, the server a 400, naming this plugin).
 
     Must not: block for long (requests are prepared one at a time, so the
-    server's next request waits for it), or keep the request. Any other exception also refuses the request, as this plugin's
-    failure.
+    server's next request waits for it), or keep the request. Any other
+    exception also refuses the request, as this plugin's failure.
 
     Example::
 
