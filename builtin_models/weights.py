@@ -253,4 +253,3 @@ class TiedHead:
             setattr(owner, leaf, model.get_parameter(self.embeddings))
             loaded.add(self.head)
         return loaded
-
