@@ -377,3 +377,67 @@ def test_a_prompt_is_tokenized_and_checked_beside_the_event_loop_not_in_it(tiny_
         engine.shutdown()
     assert len(threads) == 1 and threads[0] is not loop_thread and threads[0].name.startswith("pluginhost-inputs")
     assert outs[-1].outputs[0].token_ids == offline.generate([[2, 5, 6]], greedy(3))[0].token_ids
+
+
+class HeldInPreparation:
+    """A plugin whose on_request waits, in the input thread, until the test lets the request go on."""
+
+    def __init__(self) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.ids: list[str] = []
+
+    @hookimpl
+    def on_request(self, request):
+        self.ids.append(request.request_id)
+        if len(self.ids) == 2:  # the second prompt of a request
+            self.reached.set()
+            assert self.go.wait(TIMEOUT)
+
+    async def reach(self) -> None:
+        await asyncio.to_thread(self.reached.wait, TIMEOUT)
+
+
+@pytest.fixture
+def held(tiny_opt):
+    plugin = HeldInPreparation()
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
+    yield engine, plugin
+    plugin.go.set()
+    engine.shutdown()
+
+
+def test_a_caller_cancelled_while_its_prompts_are_prepared_leaves_nothing_queued(held):
+    # A client that left while its second prompt was prepared kept its first one generating to the end.
+    engine, plugin = held
+
+    async def scenario():
+        task = asyncio.create_task(engine.submit_all([([2, 5], greedy(40), "a"), ([2, 6], greedy(40), "b")]))
+        await plugin.reach()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        plugin.go.set()
+        await asyncio.sleep(0.2)  # the input thread finishes preparing what nobody waits for
+        return engine.engine.is_running("a") or engine.engine.is_running("b")
+
+    assert run(scenario()) is False and not engine.engine.scheduler.has_work()
+
+
+def test_an_id_the_engine_picked_is_picked_again_if_a_caller_took_it_during_preparation(held, offline):
+    engine, plugin = held
+
+    async def scenario():
+        first = await engine.submit([2, 7], greedy(2))  # on_request's first call: not held
+        picked = asyncio.create_task(engine.submit([2, 5], greedy(3)))  # held: its id is in plugin.ids
+        await plugin.reach()
+        theirs = engine.add_request([2, 6], greedy(3), plugin.ids[-1])  # a caller takes that id meanwhile
+        plugin.go.set()
+        mine = await picked
+        outs = [[o async for o in stream][-1] for stream in (first, mine, theirs)]
+        return mine.request_id, theirs.request_id, outs
+
+    mine, theirs, outs = run(scenario())
+    assert mine != theirs
+    assert [o.outputs[0].token_ids for o in outs[1:]] == [
+        offline.generate([p], greedy(3))[0].token_ids for p in ([2, 5], [2, 6])
+    ]

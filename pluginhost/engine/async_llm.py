@@ -157,7 +157,6 @@ class AsyncLLM(EngineFrontend):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
-        index: int = 0,
         exact_max_tokens: bool = False,
     ) -> RequestStream:
         """``add_request``, with the prompt tokenized and checked in the engine's input thread.
@@ -167,24 +166,45 @@ class AsyncLLM(EngineFrontend):
         is a ``PromptTooLongError``, as the OpenAI API has it (else generation ends at
         ``max_model_len``, as in vLLM's engine).
         """
-        self._check_open()
-        stream = RequestStream(self.engine, asyncio.get_running_loop())
-        request_id = request_id or self._new_request_id()
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        make = functools.partial(
-            self._inputs.make_request,
-            request_id,
-            prompt,
-            params,
-            index=index,
-            on_output=stream.deliver,
-            streaming=True,
-            exact_max_tokens=exact_max_tokens,
-        )
-        stream.request = await self.off_loop(make)
-        self._check_open()  # shut down while the request was prepared
-        self.engine.submit([stream.request])
+        [stream] = await self.submit_all([(prompt, sampling_params, request_id)], exact_max_tokens=exact_max_tokens)
         return stream
+
+    async def submit_all(
+        self,
+        requests: Sequence[tuple[Prompt, SamplingParams | None, str | None]],
+        *,
+        exact_max_tokens: bool = False,
+    ) -> list[RequestStream]:
+        """``submit`` for several ``(prompt, params, request_id)``: all prepared first, then queued together.
+
+        All or none: an error in any of them (``prompt 2 has ...``) queues none, and a caller
+        cancelled while they are prepared leaves nothing behind.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self.engine, loop) for _ in requests]
+        picked = [request_id is None for _, _, request_id in requests]
+        make = [
+            functools.partial(
+                self._inputs.make_request,
+                request_id or self._new_request_id(),
+                prompt,
+                params if params is not None else SamplingParams(),
+                index=index,
+                on_output=stream.deliver,
+                streaming=True,
+                exact_max_tokens=exact_max_tokens,
+            )
+            for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
+        ]
+        prepared = await self.off_loop(lambda: [m() for m in make])  # one hop, in order
+        self._check_open()  # shut down while they were prepared
+        for stream, request, engine_picked in zip(streams, prepared, picked, strict=True):
+            stream.request = request
+            if engine_picked and self.engine.is_running(request.request_id):  # a caller took it meanwhile
+                request.request_id = self._new_request_id()
+        self.engine.submit(prepared)
+        return streams
 
     def add_request(
         self,
@@ -236,7 +256,7 @@ class AsyncLLM(EngineFrontend):
         self.engine.abort_all()
         self.engine.step()  # hand the aborts out
         self._stopping.set()
-        self._inputs_thread.shutdown(wait=False)
+        self._inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
         self._thread.join(timeout)
         self.close()
 

@@ -340,28 +340,21 @@ class _API:
         self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
-        streams: list[RequestStream] = []
         most = self.engine.config.max_waiting_seqs
         if len(prompts) * params.n > most:  # more than the queue ever holds: retrying cannot help (not a 503)
             raise bad_request(
                 f"{len(prompts)} prompt(s) x n={params.n} samples are more than the server ever queues at once "
                 f"({most}, --max-waiting-seqs): send fewer prompts or samples per request"
             )
-        try:
-            for i, prompt in enumerate(prompts):
-                stream = await self.engine.submit(
-                    prompt, params.clone(), f"{request_id}-{i}", index=i, exact_max_tokens=True
-                )  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
-                streams.append(stream)
+        requests = [(prompt, params.clone(), f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
+        try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
+            return await self.engine.submit_all(requests, exact_max_tokens=True)
         except (ValueError, PluginhostError) as exc:
-            for stream in streams:
-                stream.abort()
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
             if isinstance(exc, ValueError):  # bad input, or a plugin's refusal
                 raise names.bad_request(exc) from None
             raise APIError(_status(exc), str(exc), type="server_error", code=_error_code(exc)) from None
-        return streams
 
     def _params(self, build: Callable[[], SamplingParams], names: _FieldNames) -> SamplingParams:
         try:
