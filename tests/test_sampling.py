@@ -216,13 +216,32 @@ def test_incremental_text_never_shows_half_characters(llm, text):
     assert detokenizer.text == text and seen[-1] == text
 
 
-def test_a_character_cut_short_by_the_end_is_left_out_not_shown_as_half(llm):
-    ids = llm.tokenizer("snow \u2603", add_special_tokens=False)["input_ids"]  # the snowman: 3 bytes, 3 tokens here
-    detokenizer = IncrementalDetokenizer(llm.tokenizer, [2])
-    for token in ids[:-1]:  # max_tokens ends the text one byte short of the snowman
-        detokenizer.push(token)
-    detokenizer.flush()
-    assert detokenizer.text == "snow "
+def byte_fallback_tokenizer():  # noqa: ANN201 - a transformers tokenizer
+    """A SentencePiece-style tokenizer with byte fallback (Llama 2's, Mistral's): bytes as <0xE2> pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["\u2581", "\u2581snow", "\u2581a"])})
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    model.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])
+def test_a_character_cut_short_by_the_end_is_left_out_not_shown_as_half(llm, kind):
+    tokenizer = llm.tokenizer if kind == "byte-level" else byte_fallback_tokenizer()
+    ids = tokenizer("a snow \u2603", add_special_tokens=False)["input_ids"]  # the snowman: 3 bytes, 3 tokens
+    assert len(ids) >= 4 and tokenizer.decode(ids).endswith("\u2603")
+    for cut in (1, 2):  # max_tokens ends the text one or two bytes short of the snowman
+        detokenizer = IncrementalDetokenizer(tokenizer, [1])
+        for token in ids[:-cut]:
+            detokenizer.push(token)
+        detokenizer.flush()
+        assert detokenizer.text.rstrip() == tokenizer.decode(ids[:-3]).rstrip()  # U+FFFD was once per byte
 
 
 # -- n samples ----------------------------------------------------------------------------

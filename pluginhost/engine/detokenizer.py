@@ -66,14 +66,21 @@ class IncrementalDetokenizer:
         """At the end: keep whatever is left undecoded, but a character the last tokens left incomplete.
 
         Its bytes were never a character (``max_tokens`` cut it): shown, it would be U+FFFD, half
-        a character at the end of the text. vLLM leaves it out too; the tokens stay in ``token_ids``.
+        a character at the end of the text (one U+FFFD for byte-level tokenizers, one per byte for
+        SentencePiece's byte fallback). vLLM leaves it out too; the tokens stay in ``token_ids``.
         """
+        pending = self._ids[self._read :]
+        pieces = [token_bytes(self._tokenizer, token) for token in pending]
+        cut = _cut_off_bytes(b"".join(pieces))
+        while pending and 0 < len(pieces[-1]) <= cut:  # tokens wholly inside the cut-off character
+            cut -= len(pieces.pop())
+            pending.pop()
         before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
+        after = self._decode(self._ids[self._prefix : self._read + len(pending)])
         if len(after) > len(before):
             delta = after[len(before) :]
-            if delta.endswith(_INCOMPLETE) and self._ends_mid_character(self._ids[self._read :]):
-                delta = delta[:-1]  # the incomplete last character (invalid bytes before it stay U+FFFD)
+            if cut and delta.endswith(_INCOMPLETE):  # a token holding the character's start after other text
+                delta = delta[:-1]
             self.text += delta
         self._prefix = self._read = len(self._ids)
 
@@ -90,11 +97,12 @@ class IncrementalDetokenizer:
         self.text = self.text[: found[0]]
         return found[1]
 
-    def _ends_mid_character(self, ids: list[int]) -> bool:
-        """Whether these tokens' bytes end with the start of a UTF-8 character, not the whole of it."""
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(b"".join(token_bytes(self._tokenizer, i) for i in ids))  # not final: a cut-off one waits
-        return bool(decoder.getstate()[0])
-
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _cut_off_bytes(data: bytes) -> int:
+    """How many bytes at the end of ``data`` start a UTF-8 character without finishing it."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)  # not final: a character cut off at the end stays in the decoder's buffer
+    return len(decoder.getstate()[0])
