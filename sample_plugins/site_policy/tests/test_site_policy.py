@@ -3,7 +3,7 @@
 import pluginhost_site_policy
 import pytest
 
-from pluginhost import EngineConfig
+from pluginhost import EngineConfig, SamplingParams
 from pluginhost.errors import PluginHookError
 
 
@@ -20,8 +20,10 @@ def test_caps_context_and_forces_dtype_from_the_environment(make_engine, monkeyp
     llm = make_engine(pluginhost_site_policy)
     assert llm.max_model_len == 32 and llm.config.dtype == "bfloat16"
     assert str(llm.model.lm_head.weight.dtype) == "torch.bfloat16"
-    with pytest.raises(ValueError, match="more than max_model_len=32"):
-        llm.generate([[2] * 30], None)
+    capped = llm.generate([[2] * 30], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert (len(capped.token_ids), capped.finish_reason) == (2, "length")  # ends at the capped context
+    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len=32"):
+        llm.generate([[2] * 32], None)
 
 
 def test_leaves_smaller_settings_alone(make_host):
