@@ -66,13 +66,12 @@ class RotaryEmbedding(nn.Module):
             with torch.device("cpu"):  # once, on the CPU: the module itself is built on the meta device
                 self._init(torch.device("cpu"))
                 if self.rope_type == "longrope":
-                    self._frequencies(self.config.rope_parameters["original_max_position_embeddings"] + 1, "cpu")
+                    self._init(torch.device("cpu"), self.config.rope_parameters["original_max_position_embeddings"] + 1)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             detail = f"it lacks {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
             raise ValueError(f"rope_parameters {self.config.rope_parameters} cannot be used: {detail}") from None
-        self._long_inv_freq = None
 
-    def _init(self, device: torch.device, seq_len: int | None = None) -> tuple[Tensor, float]:
+    def _init(self, device: torch.device, seq_len: int | Tensor | None = None) -> tuple[Tensor, float]:
         if self.rope_type == "default":
             dim = self.head_dim
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
@@ -95,23 +94,20 @@ class RotaryEmbedding(nn.Module):
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # (B, T, D) each
 
     def _row_frequencies(self, positions: Tensor) -> Tensor:
-        """Each row's frequencies (B, 1, D/2) for its length: its last position + 1, as transformers takes it."""
-        lengths = (positions.amax(dim=-1) + 1).tolist()  # (B,)
-        by_length = {length: self._frequencies(length, positions.device) for length in set(lengths)}
-        return torch.stack([by_length[length] for length in lengths])[:, None]  # (B, 1, D/2)
+        """Each row's frequencies (B, 1, D/2) for its length, its last position + 1 (as transformers takes it).
 
-    def _frequencies(self, seq_len: int, device: torch.device) -> Tensor:
-        """The frequencies of a sequence of ``seq_len`` positions (D/2,): transformers' rule, without its memory."""
+        Tensor operations only: a compiled step neither waits for the lengths nor recompiles for each.
+        """
+        lengths = positions.amax(dim=-1, keepdim=True) + 1  # (B, 1)
         if self.rope_type == "longrope":
             original = self.config.rope_parameters["original_max_position_embeddings"]
-            if seq_len <= original:
-                return self._inv_freq
             if self._long_inv_freq is None:
-                self._long_inv_freq, _ = self._init(device, original + 1)
-            return self._long_inv_freq
-        if seq_len <= self.original_max_seq_len:  # dynamic: stretched only past the trained length
-            return self._inv_freq
-        return self._init(device, seq_len)[0]
+                self._long_inv_freq, _ = self._init(positions.device, original + 1)
+            stretched = self._long_inv_freq  # (D/2,)
+        else:  # dynamic: transformers' own formula, which takes a tensor of lengths, for every row at once
+            original = self.original_max_seq_len
+            stretched = self._init(positions.device, lengths)[0]  # (B, D/2)
+        return torch.where(lengths > original, stretched, self._inv_freq)[:, None]  # (B, 1, D/2)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -203,3 +203,21 @@ def test_cuda_graphs_decode_what_eager_cuda_decoding_does(tiny_opt):
     llm = LLM(str(tiny_opt), compile_decode=True, max_num_seqs=3, **settings)  # replayed graphs as rows come and go
     assert_same_decoding(llm.generate(PROMPTS, params), eager)
     assert llm.engine.runner.compiled.failure is None
+
+
+def test_rope_following_each_rows_length_compiles_once_for_every_length(tmp_path, cpp_compiler):
+    # The frequencies came from the lengths read on the host: a graph break, and a new graph for new lengths.
+    import torch._dynamo
+
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
+    path = make_tiny_model(tmp_path, "llama", seed=2, max_position_embeddings=16, rope_parameters=rope)
+    compiled, eager = compiled_llm(path), engine(path)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = [[2, *range(10, 20)], [2, 5]]  # 11 and 2 tokens: one row past 16 positions while decoding
+    tokens = lambda llm, prompts: [o.token_ids for o in llm.generate(prompts, params)]  # noqa: E731
+    assert tokens(compiled, first) == tokens(eager, first)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    other = [[2, *range(30, 44)], [2, 9, 9]]  # other lengths, on both sides of 16
+    assert tokens(compiled, other) == tokens(eager, other)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled.engine.runner.compiled.failure is None
