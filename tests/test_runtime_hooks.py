@@ -421,6 +421,32 @@ def test_a_request_an_on_request_hook_made_invalid_is_the_plugins_error_not_the_
     assert not isinstance(caught.value, PluginHookError)
 
 
+class PrependsASystemPrompt:
+    @hookimpl
+    def on_request(self, request):
+        request.prompt_token_ids = [2] + [7] * 20 + request.prompt_token_ids[1:]
+
+
+def test_a_prompt_a_plugin_lengthens_is_cut_to_fit_even_where_the_callers_own_max_tokens_must_fit(tiny_opt):
+    # The server holds a client to max_tokens + prompt <= max_model_len; 20 tokens a plugin added made a request
+    # that fitted a 500 (the plugin's error), where the engine cuts generation at max_model_len.
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[PrependsASystemPrompt()])
+    try:
+
+        async def scenario():
+            fits = await engine.submit([2, 5, 9], greedy(120), exact_max_tokens=True)  # 3 + 120 <= 128
+            final = [out async for out in fits][-1]
+            with pytest.raises(ValueError, match="with max_tokens=126 that is 129") as caught:  # the caller's own
+                await engine.submit([2, 5, 9], greedy(126), exact_max_tokens=True)
+            return final, caught.value
+
+        final, error = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+    finally:
+        engine.shutdown()
+    assert (len(final.outputs[0].token_ids), final.outputs[0].finish_reason) == (128 - 23, "length")  # 23 prompt tokens
+    assert not isinstance(error, PluginHookError)
+
+
 def test_a_refusal_is_a_400_and_the_server_keeps_serving(tiny_opt):
     engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Guard()])
     try:

@@ -60,10 +60,13 @@ class InputProcessor:
         request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
         if self._on_request:
             given = (list(token_ids), request.params.clone())
+            # Only the caller's own max_tokens can be the caller's error: what a plugin adds is cut to fit.
+            asked = params.max_tokens
+            exact = exact_max_tokens and asked is not None and len(token_ids) + asked > loaded.max_model_len
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
                 request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
-                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact_max_tokens)
+                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact)
             except ValueError as exc:
                 now = (request.prompt_token_ids, request.params)
                 if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
@@ -72,7 +75,7 @@ class InputProcessor:
                 plugins = loaded.host.implementers("on_request")
                 raise PluginHookError(
                     f"prompt {index} became invalid in the on_request hook of "
-                    f"{' or '.join(p.describe() for p in plugins)}: {exc}. The request was not run.",
+                    f"{' or '.join(p.describe() for p in plugins)}: {str(exc).rstrip('.')}. The request was not run.",
                     plugin=plugins[0].name,
                     hook="on_request",
                 ) from exc
