@@ -91,14 +91,21 @@ def test_a_prompt_token_is_not_penalised_by_presence(llm):
 
 
 def test_a_penalty_overflowing_float32_samples_its_limit_and_fails_no_other_request(llm):
-    # repetition_penalty=1e-45 divides every positive logit of a seen token to +inf: softmax gave NaN, and the
-    # draw failed the whole step, batch-mates included. The limit is a draw among the tokens at +inf.
+    # repetition_penalty=1e-45 divides every positive logit of a seen token to +inf in float32: softmax gave NaN
+    # and the draw failed the whole step, batch-mates included. Its limit is the seen token of the largest
+    # positive logit, with probability 1.
     prompt = PROMPTS[0]
-    tiny = SamplingParams(max_tokens=4, temperature=1.0, repetition_penalty=1e-45, seed=3, ignore_eos=True)
-    outs = llm.generate([prompt, PROMPTS[1]], [tiny, greedy(max_tokens=4)])
-    assert len(outs[0].token_ids) == 4 and outs[0].outputs[0].finish_reason == "length"
-    assert outs[0].token_ids[0] in set(prompt)  # only a seen token can be at +inf
-    assert outs[1].token_ids == llm.generate([PROMPTS[1]], greedy(max_tokens=4))[0].token_ids
+    with torch.no_grad():
+        logits = llm.model.compute_logits(llm.model(torch.tensor([prompt]), torch.arange(len(prompt))[None]))[0, -1]
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[prompt] = True
+    assert (logits[seen] > 0).sum() >= 2  # several seen tokens go to +inf: their order decides
+    expected = int(torch.where(seen & (logits > 0), logits, float("-inf")).argmax())
+    for seed in range(5):
+        tiny = SamplingParams(max_tokens=3, temperature=1.0, repetition_penalty=1e-45, seed=seed, ignore_eos=True)
+        outs = llm.generate([prompt, PROMPTS[1]], [tiny, greedy(max_tokens=3)])
+        assert outs[0].token_ids[0] == expected and len(outs[0].token_ids) == 3
+        assert outs[1].token_ids == llm.generate([PROMPTS[1]], greedy(max_tokens=3))[0].token_ids
 
 
 def test_min_p_only_keeps_tokens_near_the_most_likely(llm):

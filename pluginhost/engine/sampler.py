@@ -117,12 +117,20 @@ def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
             ids = torch.tensor([t for t in state.prompt_token_ids if t < V], dtype=torch.long, device=logits.device)
             state.prompt_mask = torch.zeros(V, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
         seen = state.prompt_mask | (counts > 0)
-        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits.copy_(torch.where(seen, penalized, logits))
+        penalized = _repetition(logits, p.repetition_penalty, seen)
+        if penalized.isposinf().any():  # a tiny penalty overflowed float32 (5 / 1e-38): the ranks would be lost
+            wide = _repetition(logits.double(), p.repetition_penalty, seen)
+            penalized = (wide - wide.max()).float()  # the same distribution, its top at 0; far below it, -inf
+        logits.copy_(penalized)
     if p.frequency_penalty != 0.0:
         logits.sub_(counts * p.frequency_penalty)
     if p.presence_penalty != 0.0:
         logits.sub_((counts > 0).to(logits.dtype) * p.presence_penalty)
+
+
+def _repetition(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
+    """transformers' repetition penalty: a seen token's logit divided by ``penalty`` if positive, else multiplied."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
@@ -146,8 +154,8 @@ def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tens
         at_infinity = logits.isposinf()
         if not at_infinity.any():
             raise
-        # A penalty or the temperature overflowed float32 (repetition_penalty=1e-38 divides a logit of 5 to
-        # +inf): the distribution's limit puts all its mass on the tokens at +inf, equally.
+        # +inf from a logits processor ("this token, surely"), or a temperature that overflowed float32: the
+        # distribution's limit puts all its mass on the tokens at +inf, equally.
         return torch.multinomial(at_infinity.float(), 1, generator=generator)[0]
 
 
