@@ -37,6 +37,7 @@ import logging
 import math
 import pickle
 import re
+import struct
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -398,7 +399,7 @@ def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise CheckpointError(_too_big(path, exc)) from None
     except OSError as exc:
         raise CheckpointError(f"Cannot read {path}: {_plain(exc)}.") from None
-    except (RuntimeError, EOFError, ValueError) as exc:  # a zip archive, or a legacy pickle, cut short or garbled
+    except (RuntimeError, EOFError, ValueError, IndexError, struct.error) as exc:  # cut short or garbled
         if "alloc" in str(exc).lower():
             raise CheckpointError(_too_big(path, exc)) from None
         detail = _plain(exc) or type(exc).__name__

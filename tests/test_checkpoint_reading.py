@@ -106,3 +106,17 @@ def test_a_tied_checkpoint_holding_the_head_instead_of_the_embeddings_loads_as_t
     assert llm.generate([[2, 5, 6]], params)[0].token_ids == expected
     weights = dict(llm.model.named_parameters(remove_duplicate=False))
     assert weights["lm_head.weight"] is weights[parameter]  # one tensor, as tied
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["legacy pickle", "zip"])
+def test_a_bin_cut_short_anywhere_is_one_checkpoint_error(tmp_path, legacy):
+    # A legacy file cut inside its pickle raised IndexError or struct.error from torch.load, not a CheckpointError.
+    weights = tmp_path / "pytorch_model.bin"
+    torch.save(
+        {"a.weight": torch.ones(10, 10), "b.bias": torch.ones(10)}, weights, _use_new_zipfile_serialization=not legacy
+    )
+    whole = weights.read_bytes()
+    for end in range(1, len(whole), 7):
+        weights.write_bytes(whole[:end])
+        with pytest.raises(CheckpointError, match="pytorch_model.bin"):
+            dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
