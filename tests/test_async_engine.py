@@ -441,3 +441,24 @@ def test_an_id_the_engine_picked_is_picked_again_if_a_caller_took_it_during_prep
     assert [o.outputs[0].token_ids for o in outs[1:]] == [
         offline.generate([p], greedy(3))[0].token_ids for p in ([2, 5], [2, 6])
     ]
+
+
+def test_a_program_ending_without_shutdown_while_a_request_runs_exits_cleanly():
+    # The loop thread was mid-step when the interpreter went: torch's C++ aborted the process (exit status 134).
+    script = textwrap.dedent("""
+        import asyncio
+        from pluginhost import AsyncLLM, SamplingParams
+        from pluginhost.demo import ensure_demo_model
+
+        engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False)
+
+        async def main():
+            stream = engine.add_request([2, 7, 8], SamplingParams(max_tokens=250, temperature=0, ignore_eos=True))
+            await stream.__anext__()  # the request runs on; the program ends without engine.shutdown()
+
+        asyncio.run(main())
+        print("ended")
+    """)
+    for _ in range(3):  # it aborted four times in five
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, "ended"), done.stderr[-2000:]

@@ -17,6 +17,7 @@ aborts the request, which frees its row at the next step.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import logging
 import sys
@@ -95,6 +96,7 @@ class AsyncLLM(EngineFrontend):
             if self.engine is not None:
                 self._thread = threading.Thread(target=self._run_loop, name="pluginhost-engine", daemon=True)
                 self._thread.start()
+            atexit.register(self.shutdown)
             return
         built: Future[None] = Future()
         abandoned = threading.Event()
@@ -119,6 +121,7 @@ class AsyncLLM(EngineFrontend):
             abandoned.set()
             self._stopping.set()
             raise
+        atexit.register(self.shutdown)
 
     def _run_loop(self) -> None:
         while not self._stopping.is_set():
@@ -246,7 +249,12 @@ class AsyncLLM(EngineFrontend):
         self.engine.abort([request_id])
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop thread (requests still running end as aborted); idempotent."""
+        """Stop the loop thread (requests still running end as aborted); idempotent.
+
+        A program that ends without calling it gets it at exit: the loop thread must not be
+        mid-step when the interpreter goes (torch's C++ then aborts the process, exit status 134).
+        """
+        atexit.unregister(self.shutdown)
         if self._stopping.is_set():
             return
         if self.engine is None:  # a tensor-parallel rank other than 0: no loop, its ranks end with rank 0's
