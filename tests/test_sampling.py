@@ -108,6 +108,24 @@ def test_a_penalty_overflowing_float32_samples_its_limit_and_fails_no_other_requ
         assert outs[1].token_ids == llm.generate([PROMPTS[1]], greedy(max_tokens=3))[0].token_ids
 
 
+@pytest.mark.parametrize(
+    ("logits", "penalty", "expected"),
+    [
+        ([5.0, 3.0, float("inf"), -2.0], 1.2, 2),  # a processor's +inf ("this token, surely"): it stays sure
+        ([5.0, 3.0, 1.0, -2.0], 5e-324, 0),  # overflows float64 too: the largest seen positive logit
+        ([3.0, 5.0, 1.0, -2.0], 1e-38, 1),
+    ],
+)
+def test_the_repetition_penalty_keeps_a_certain_token_certain(logits, penalty, expected):
+    # A processor's +inf with any penalty made the whole step fail (inf - inf is NaN in the overflow path).
+    from pluginhost.engine.sampler import SamplingState, sample
+
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
+        state = SamplingState(params, torch.Generator().manual_seed(0), [0, 1, 2], frozenset(), 4, torch.device("cpu"))
+        assert sample(torch.tensor([logits]), [state]) == [expected]
+
+
 def test_min_p_only_keeps_tokens_near_the_most_likely(llm):
     min_p = 0.2
     chosen = set()
@@ -244,11 +262,12 @@ def test_a_character_cut_short_by_the_end_is_left_out_not_shown_as_half(llm, kin
     ids = tokenizer("a snow \u2603", add_special_tokens=False)["input_ids"]  # the snowman: 3 bytes, 3 tokens
     assert len(ids) >= 4 and tokenizer.decode(ids).endswith("\u2603")
     for cut in (1, 2):  # max_tokens ends the text one or two bytes short of the snowman
-        detokenizer = IncrementalDetokenizer(tokenizer, [1])
-        for token in ids[:-cut]:
-            detokenizer.push(token)
-        detokenizer.flush()
-        assert detokenizer.text.rstrip() == tokenizer.decode(ids[:-3]).rstrip()  # U+FFFD was once per byte
+        for last in ([], [tokenizer.eos_token_id]):  # or an end-of-sequence token (ignore_eos), which decodes to ""
+            detokenizer = IncrementalDetokenizer(tokenizer, [1])
+            for token in ids[:-cut] + last:
+                detokenizer.push(token)
+            detokenizer.flush()
+            assert detokenizer.text.rstrip() == tokenizer.decode(ids[:-3]).rstrip()  # U+FFFD was once per byte
 
 
 # -- n samples ----------------------------------------------------------------------------

@@ -118,9 +118,8 @@ def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
             state.prompt_mask = torch.zeros(V, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
         seen = state.prompt_mask | (counts > 0)
         penalized = _repetition(logits, p.repetition_penalty, seen)
-        if penalized.isposinf().any():  # a tiny penalty overflowed float32 (5 / 1e-38): the ranks would be lost
-            wide = _repetition(logits.double(), p.repetition_penalty, seen)
-            penalized = (wide - wide.max()).float()  # the same distribution, its top at 0; far below it, -inf
+        if penalized.isposinf().any() and not logits.isposinf().any():  # the penalty overflowed float32 (5 / 1e-38)
+            penalized = _without_overflow(logits, p.repetition_penalty, seen)
         logits.copy_(penalized)
     if p.frequency_penalty != 0.0:
         logits.sub_(counts * p.frequency_penalty)
@@ -131,6 +130,21 @@ def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
 def _repetition(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
     """transformers' repetition penalty: a seen token's logit divided by ``penalty`` if positive, else multiplied."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def _without_overflow(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
+    """The repetition penalty where float32 overflows: the same distribution, its ranks kept.
+
+    In float64, shifted so its top is 0 (softmax does not change; what lies far below becomes -inf);
+    a penalty that overflows float64 too (1e-320) leaves only the order of the raw logits: the seen
+    token(s) of the largest positive one.
+    """
+    wide = _repetition(logits.double(), penalty, seen)
+    infinite = wide.isposinf()
+    if infinite.any():
+        top = logits[infinite].max()
+        return torch.zeros_like(logits).masked_fill_(~(infinite & (logits == top)), float("-inf"))
+    return (wide - wide.max()).float()
 
 
 def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
