@@ -462,3 +462,45 @@ def test_a_program_ending_without_shutdown_while_a_request_runs_exits_cleanly():
     for _ in range(3):  # it aborted four times in five
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stdout.strip()) == (0, "ended"), done.stderr[-2000:]
+
+
+def test_requests_waiting_to_be_prepared_at_shutdown_are_told_it_was_shut_down_not_cancelled(held):
+    # Dropped from the input thread's queue, they raised CancelledError, which callers read as their own cancel.
+    engine, plugin = held
+
+    async def scenario():
+        first = asyncio.create_task(engine.submit_all([([2, 5], greedy(2), "a1"), ([2, 6], greedy(2), "a2")]))
+        await plugin.reach()  # a2 is being prepared
+        queued = asyncio.create_task(engine.submit([2, 7], greedy(2)))  # behind it
+        await asyncio.sleep(0.1)
+        stopping = asyncio.create_task(asyncio.to_thread(engine.shutdown, 5))
+        await asyncio.sleep(0.2)
+        plugin.go.set()
+        results = await asyncio.gather(first, queued, return_exceptions=True)
+        await stopping
+        return results
+
+    for result in run(scenario()):
+        assert isinstance(result, RuntimeError) and "shut down" in str(result)
+
+
+def test_shutdown_returns_within_its_timeout_while_a_plugin_holds_the_engine_in_a_step(tiny_opt):
+    # shutdown() waited for the step without end: a program ending with a hook stuck (a lost rank) never exited.
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck:
+        @hookimpl
+        def on_output(self, request, output):
+            entered.set()
+            release.wait(TIMEOUT)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Stuck()])
+    try:
+        run(engine.submit([2, 5], greedy(1)))
+        assert entered.wait(TIMEOUT)  # the loop thread is inside the step, in the hook
+        start = time.monotonic()
+        engine.shutdown(timeout=1)
+        took = time.monotonic() - start
+    finally:
+        release.set()
+    assert took < 10

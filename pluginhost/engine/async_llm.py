@@ -200,7 +200,13 @@ class AsyncLLM(EngineFrontend):
             )
             for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
         ]
-        prepared = await self.off_loop(lambda: [m() for m in make])  # one hop, in order
+        try:
+            prepared = await self.off_loop(lambda: [m() for m in make])  # one hop, in order
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stopping.is_set() and task is not None and not task.cancelling():  # shutdown dropped it
+                raise RuntimeError("this AsyncLLM was shut down") from None
+            raise
         self._check_open()  # shut down while they were prepared
         for stream, request, engine_picked in zip(streams, prepared, picked, strict=True):
             stream.request = request
@@ -262,7 +268,7 @@ class AsyncLLM(EngineFrontend):
             self.close()
             return
         self.engine.abort_all()
-        self.engine.step()  # hand the aborts out
+        self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
         self._stopping.set()
         self._inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
         self._thread.join(timeout)

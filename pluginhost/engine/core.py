@@ -202,9 +202,11 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def step(self) -> bool:
-        """Run one step; whether anything ran."""
-        with self._step_lock:
+    def step(self, *, timeout: float | None = None) -> bool:
+        """Run one step; whether anything ran (``False`` too when another thread's step outlasted ``timeout``)."""
+        if not self._step_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
             self._take_inbox()
             plan = self.scheduler.schedule()
             if plan is None:
@@ -238,6 +240,8 @@ class EngineCore:
                 step_time_s=time.perf_counter() - start,
                 cache_shape=self.runner.cache_shape,
             )
+        finally:
+            self._step_lock.release()
         for callback, output, error in deliveries:
             callback(output, error)
         for listener in self.stats_listeners:
