@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = tuple(stop)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decoding skips them: no bytes
         self.text = ""
 
     @property
@@ -70,9 +71,9 @@ class IncrementalDetokenizer:
         SentencePiece's byte fallback). vLLM leaves it out too; the tokens stay in ``token_ids``.
         """
         pending = self._ids[self._read :]
-        pieces = [token_bytes(self._tokenizer, token) for token in pending]
+        pieces = [b"" if token in self._special else token_bytes(self._tokenizer, token) for token in pending]
         cut = _cut_off_bytes(b"".join(pieces))
-        while pending and 0 < len(pieces[-1]) <= cut:  # tokens wholly inside the cut-off character
+        while pending and cut and len(pieces[-1]) <= cut:  # tokens inside the cut-off character, or skipped
             cut -= len(pieces.pop())
             pending.pop()
         before = self._decode(self._ids[self._prefix : self._read])
