@@ -109,8 +109,9 @@ def test_a_tied_checkpoint_holding_the_head_instead_of_the_embeddings_loads_as_t
 
 
 @pytest.mark.parametrize("legacy", [True, False], ids=["legacy pickle", "zip"])
-def test_a_bin_cut_short_anywhere_is_one_checkpoint_error(tmp_path, legacy):
-    # A legacy file cut inside its pickle raised IndexError or struct.error from torch.load, not a CheckpointError.
+def test_a_bin_cut_short_or_garbled_anywhere_is_one_checkpoint_error(tmp_path, legacy):
+    # A legacy file cut inside its pickle raised IndexError or struct.error from torch.load, not a CheckpointError;
+    # a flipped byte, AssertionError, KeyError or TypeError.
     weights = tmp_path / "pytorch_model.bin"
     torch.save(
         {"a.weight": torch.ones(10, 10), "b.bias": torch.ones(10)}, weights, _use_new_zipfile_serialization=not legacy
@@ -120,3 +121,11 @@ def test_a_bin_cut_short_anywhere_is_one_checkpoint_error(tmp_path, legacy):
         weights.write_bytes(whole[:end])
         with pytest.raises(CheckpointError, match="pytorch_model.bin"):
             dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
+    for at in range(0, len(whole), 3):
+        garbled = bytearray(whole)
+        garbled[at] ^= 0xFF
+        weights.write_bytes(garbled)
+        try:
+            dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
+        except CheckpointError:
+            pass  # or it loads: a flipped byte inside a tensor's data is just another value
