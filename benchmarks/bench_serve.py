@@ -166,7 +166,7 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
                 self.batch_size = self.num_running
 
     # The old loop left-padded a batch's prompts to the longest: one prefill pass.
-    pluginhost.engine.runner._similar_lengths = lambda rows, lengths: [sorted(rows)]
+    pluginhost.engine.runner._similar_lengths = lambda rows, lengths, **_: [sorted(rows)]
 
     engine = AsyncLLM(path, load_installed_plugins=False, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
     core = engine.engine
