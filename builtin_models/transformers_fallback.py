@@ -88,7 +88,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from builtin_models.kv_cache import CacheRows, KVCache
-from builtin_models.weights import assign_weights
+from builtin_models.weights import assign_weights, check_all_loaded
 from pluginhost.errors import CheckpointError, ModelClassError
 
 __all__ = ["EngineCache", "TransformersForCausalLM"]
@@ -337,30 +337,12 @@ class TransformersForCausalLM(nn.Module):
         for name, tensor in buffers:
             self._set_buffer(name, tensor)
         hf.tie_weights(recompute_mapping=False)
-        self._check_all_loaded(loaded)
+        # Before the cache check runs the model: half-loaded, it would warn of a cache that "disagrees". Named
+        # as the checkpoint names them (the loader checks again, as the wrapper names them).
+        check_all_loaded(self.hf_model, loaded, getattr(hf.config, "name_or_path", "") or "")
         self._materialize_buffers()
         self._check_head_and_cache()
         return {prefix + name for name in loaded}
-
-    def _check_all_loaded(self, loaded: set[str]) -> None:
-        """Name every parameter the checkpoint lacks, as the checkpoint names it, before the model runs.
-
-        The loader checks too, but after ``load_weights``: the cache check would first run the half-loaded
-        model, and warn of a cache that "disagrees". Called once transformers has tied what it ties.
-        """
-        missing = sorted(
-            name
-            for name, param in self.hf_model.named_parameters(remove_duplicate=False)
-            if param.is_meta or name not in loaded
-        )
-        if missing:
-            where = getattr(self.hf_model.config, "name_or_path", "") or ""
-            raise CheckpointError(
-                f"The checkpoint{f' in {where}' if where else ''} lacks {len(missing)} tensor(s) the model needs: "
-                + ", ".join(missing[:20])
-                + (" ..." if len(missing) > 20 else "")
-                + ". Is it the right checkpoint for this architecture?"
-            )
 
     def _ignored_checkpoint_names(self):  # noqa: ANN202 - a predicate
         hf = self.hf_model

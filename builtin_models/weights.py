@@ -21,7 +21,7 @@ their ``load_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from pluginhost.errors import CheckpointError
 
-__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "TiedHead", "assign_weights"]
+__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "TiedHead", "assign_weights", "check_all_loaded"]
 
 #: The attribute of a (meta) parameter holding its ``Shard``.
 SHARD_ATTR = "tp_shard"
@@ -187,6 +187,26 @@ def assign_weights(
             problems.append(f"parameters with parts missing: {'; '.join(incomplete)}")
         raise CheckpointError("The checkpoint does not fit the model: " + ". ".join(problems) + ".")
     return loaded
+
+
+def check_all_loaded(model: nn.Module, loaded: Set[str], where: str = "") -> None:
+    """One ``CheckpointError`` naming every parameter of ``model`` the checkpoint (in ``where``) did not fill.
+
+    A parameter is filled when ``loaded`` names it and it left the meta device; a stacked one says
+    which of its parts were absent.
+    """
+    missing = [
+        name + (f" ({getattr(p, PARTS_MISSING_ATTR)})" if hasattr(p, PARTS_MISSING_ATTR) else "")
+        for name, p in sorted(model.named_parameters(remove_duplicate=False))
+        if p.is_meta or name not in loaded
+    ]
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint{f' in {where}' if where else ''} lacks {len(missing)} tensor(s) the model needs: "
+            + ", ".join(missing[:20])
+            + (" ..." if len(missing) > 20 else "")
+            + ". Is it the right checkpoint for this architecture?"
+        )
 
 
 def _part_shape(param: nn.Parameter, stacked: Stacked) -> tuple[int, ...]:

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from builtin_models.weights import PARTS_MISSING_ATTR
+from builtin_models.weights import check_all_loaded
 from pluginhost.build import check_combination, plan_build
 from pluginhost.checkpoint import find_checkpoint
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
-from pluginhost.errors import CheckpointError, ConfigError, ModelClassError
+from pluginhost.errors import ConfigError, ModelClassError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.registry import Registration
@@ -228,18 +228,7 @@ def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
             f"{type(model).__name__}.load_weights returned {type(loaded).__name__}; it must return the set of "
             "parameter names it loaded (see builtin_models.weights.assign_weights)."
         )
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [  # a stacked parameter says which of its parts the checkpoint lacks
-        name + (f" ({getattr(p, PARTS_MISSING_ATTR)})" if hasattr(p, PARTS_MISSING_ATTR) else "")
-        for name, p in sorted(params.items())
-        if p.is_meta or name not in loaded
-    ]
-    if missing:
-        raise CheckpointError(
-            f"The checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:20])}"
-            + (" ..." if len(missing) > 20 else "")
-            + ". Is it the right checkpoint for this architecture?"
-        )
+    check_all_loaded(model, loaded, str(model_dir))
     unset = sorted(name for name, b in model.named_buffers() if b.is_meta)
     if unset:
         raise ModelClassError(
