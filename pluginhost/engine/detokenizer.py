@@ -43,7 +43,6 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = tuple(stop)
-        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))  # decoding skips them: no bytes
         self.text = ""
 
     @property
@@ -71,7 +70,8 @@ class IncrementalDetokenizer:
         SentencePiece's byte fallback). vLLM leaves it out too; the tokens stay in ``token_ids``.
         """
         pending = self._ids[self._read :]
-        pieces = [b"" if token in self._special else token_bytes(self._tokenizer, token) for token in pending]
+        special = set(getattr(self._tokenizer, "all_special_ids", ()) if pending else ())  # decoding skips them
+        pieces = [b"" if token in special else token_bytes(self._tokenizer, token) for token in pending]
         cut = _cut_off_bytes(b"".join(pieces))
         while pending and cut and len(pieces[-1]) <= cut:  # tokens inside the cut-off character, or skipped
             cut -= len(pieces.pop())
