@@ -155,19 +155,11 @@ class PlainLinear(torch.nn.Module):
 
 
 class ReplacesLinears:
-    @hookimpl
-    def post_load(self, config, model):
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, PlainLinear(child))
+    """Swaps every nn.Linear for a PlainLinear; ``keep_hooks``: the replacement takes the replaced module's
+    forward hooks, as torch.ao.quantization.swap_module does."""
 
-
-REPLACES_LINEARS = ReplacesLinears()
-
-
-class ReplacesLinearsKeepingHooks:
-    """As torch.ao.quantization.swap_module does: the replacement takes the replaced module's forward hooks."""
+    def __init__(self, *, keep_hooks: bool) -> None:
+        self.keep_hooks = keep_hooks
 
     @hookimpl
     def post_load(self, config, model):
@@ -175,12 +167,13 @@ class ReplacesLinearsKeepingHooks:
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
                     replacement = PlainLinear(child)
-                    for hook in child._forward_hooks.values():
+                    for hook in child._forward_hooks.values() if self.keep_hooks else ():
                         replacement.register_forward_hook(hook)
                     setattr(parent, name, replacement)
 
 
-REPLACES_LINEARS_KEEPING_HOOKS = ReplacesLinearsKeepingHooks()
+REPLACES_LINEARS = ReplacesLinears(keep_hooks=False)
+REPLACES_LINEARS_KEEPING_HOOKS = ReplacesLinears(keep_hooks=True)
 
 
 @pytest.mark.parametrize("plugin", [REPLACES_LINEARS, REPLACES_LINEARS_KEEPING_HOOKS], ids=["new", "hooks-kept"])
