@@ -238,7 +238,7 @@ def _field_problem(error: Mapping[str, Any]) -> str:
     message = error.get("msg", "invalid").removeprefix("Value error, ")
     if error.get("type") == "extra_forbidden":
         message = "unknown field"
-    if not where and isinstance((error.get("ctx") or {}).get("error"), FieldError):
+    if not where and isinstance(_raised(error), FieldError):
         return message
     return f"{where or 'body'}: {message}"
 
@@ -247,7 +247,7 @@ def _body_problem(error: Mapping[str, Any], body: Any, content_type: str | None)
     """What is wrong with the body as a whole, if that is what ``error`` is about; else None."""
     if error.get("type") == "json_invalid":
         return _json_problem(error, body)
-    if tuple(error.get("loc", ())) != ("body",) or isinstance((error.get("ctx") or {}).get("error"), ValueError):
+    if tuple(error.get("loc", ())) != ("body",) or isinstance(_raised(error), ValueError):
         return None  # a field's error, or a model validator's refusal
     if error.get("type") == "missing":
         return "the request has no body: send a JSON object, with Content-Type: application/json"
@@ -260,11 +260,16 @@ def _body_problem(error: Mapping[str, Any], body: Any, content_type: str | None)
 def _json_problem(error: Mapping[str, Any], body: Any) -> str:
     """Where the body stops being JSON: line and column (1-based, as editors count) from FastAPI's character offset."""
     at = error.get("loc", ())[-1]
-    reason = (error.get("ctx") or {}).get("error") or "JSON decode error"
+    reason = _raised(error) or "JSON decode error"
     if isinstance(body, str) and isinstance(at, int):  # FastAPI gives the decoded text as the error's body
         line, column = body.count("\n", 0, at) + 1, at - body.rfind("\n", 0, at)
         return f"the body is not valid JSON: {reason} at line {line}, column {column} (character {at})"
     return f"the body is not valid JSON: {reason} at character {at}"
+
+
+def _raised(error: Mapping[str, Any]) -> Any:  # noqa: ANN401 - an exception, or pydantic's text for one
+    """What a pydantic error carries in its context: the exception a validator raised, or a JSON error's reason."""
+    return (error.get("ctx") or {}).get("error")
 
 
 def _json_kind(value: Any) -> str:
@@ -291,7 +296,7 @@ def _first_param(errors: Sequence[Any]) -> str | None:
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if loc:
             return loc[0]
-        refused = (error.get("ctx") or {}).get("error")  # a model validator's error has no location
+        refused = _raised(error)  # a model validator's error has no location
         if isinstance(refused, FieldError):
             return refused.field
     return None
