@@ -188,16 +188,7 @@ class AsyncLLM(EngineFrontend):
         streams = [RequestStream(self.engine, loop) for _ in requests]
         picked = [request_id is None for _, _, request_id in requests]
         make = [
-            functools.partial(
-                self._inputs.make_request,
-                request_id or self._new_request_id(),
-                prompt,
-                params if params is not None else SamplingParams(),
-                index=index,
-                on_output=stream.deliver,
-                streaming=True,
-                exact_max_tokens=exact_max_tokens,
-            )
+            self._maker(stream, prompt, params, request_id, index, exact_max_tokens)
             for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
         ]
         try:
@@ -231,12 +222,30 @@ class AsyncLLM(EngineFrontend):
         """
         self._check_open()
         stream = RequestStream(self.engine, asyncio.get_running_loop())
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        stream.request = self._inputs.make_request(
-            request_id or self._new_request_id(), prompt, params, index=index, on_output=stream.deliver, streaming=True
-        )
+        stream.request = self._maker(stream, prompt, sampling_params, request_id, index)()
         self.engine.submit([stream.request])
         return stream
+
+    def _maker(
+        self,
+        stream: RequestStream,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        index: int,
+        exact_max_tokens: bool = False,
+    ) -> Callable[[], EngineRequest]:
+        """What makes the request ``stream`` delivers, once called (in the input thread, or at once)."""
+        return functools.partial(
+            self._inputs.make_request,
+            request_id or self._new_request_id(),
+            prompt,
+            params if params is not None else SamplingParams(),
+            index=index,
+            on_output=stream.deliver,
+            streaming=True,
+            exact_max_tokens=exact_max_tokens,
+        )
 
     async def off_loop(self, fn: Callable[..., T], /, *args: Any) -> T:
         """``fn(*args)`` in the engine's input thread, where requests are prepared; awaited, never blocking the loop."""
