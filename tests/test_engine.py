@@ -802,16 +802,48 @@ def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(l
     llm = LLM(str(long_opt), load_installed_plugins=False)
     short = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     expected = llm.generate([PROMPTS[0]], short)[0].token_ids
-    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 2, 256))
     long_prompt, long = [2, *[5] * 199], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     with ThreadPoolExecutor(2) as pool:  # one batch: the long one reaches 256 slots while the short one runs
         running = pool.submit(llm.generate, [long_prompt], long)
         together = pool.submit(llm.generate, [PROMPTS[0]], short)
-        with pytest.raises(KVCacheMemoryError, match=r"cannot grow to 8 rows x 512 slots.*8 sequences of up to 256"):
+        with pytest.raises(KVCacheMemoryError, match=r"cannot grow to 8 rows x 512 slots.*2 sequences of up to 256"):
             running.result(timeout=120)
         assert together.result(timeout=120)[0].token_ids == expected
-    assert llm.engine.runner.cache_shape == (8, 256)
+    assert llm.engine.runner.cache_shape == (8, 256)  # grown before the memory ran short: kept
     assert llm.generate([PROMPTS[2]], short)[0].finish_reason == "length"  # and the engine serves on
+
+
+def test_a_long_request_takes_the_slots_of_rows_no_sequence_holds_and_gives_them_back(long_opt, monkeypatch, caplog):
+    # Eight short requests grew the cache to 8 rows; with room for 8 x 256 slots, a request of 1000 tokens was
+    # ended at 256, though alone it fits in 2 rows x 1024. Afterwards 2 sequences at most ran, for good.
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    shorts = [[2, 10 + i, 20 + i] for i in range(8)]
+    long_prompt, long = [2, *[5] * 199], SamplingParams(max_tokens=800, temperature=0, ignore_eos=True)
+    unbounded = LLM(str(long_opt), load_installed_plugins=False)
+    expected_shorts = [o.token_ids for o in unbounded.generate(shorts, params)]
+    expected_long = unbounded.generate([long_prompt], long)[0].token_ids
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    assert [o.token_ids for o in llm.generate(shorts, params)] == expected_shorts
+    assert llm.engine.runner.cache_shape == (8, 256)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    request = llm._inputs.make_request("long", long_prompt, long)
+    llm.engine.submit([request])
+    while not request.finished and request.sequences[0].num_computed < 600:
+        llm.engine.step()
+    assert request.error is None and llm.engine.runner.cache_shape == (2, 768)  # rows no sequence held, for slots
+    with caplog.at_level("WARNING", logger="pluginhost"):  # three newcomers: one beside it, two wait for a row
+        newcomers = step_requests(llm, [(shorts[i], 5) for i in range(3)])
+    assert "room for 2 sequences of up to 768 tokens in the memory available: at most 2 run at once" in caplog.text
+    while not request.finished:
+        llm.engine.step()
+    assert request.error is None and request.output().token_ids == expected_long
+    assert [r.output().token_ids for r in newcomers] == expected_shorts[:3]
+    assert llm.engine.runner.cache_shape == (2, 1024)
+    # Once it has ended, the cache gives its slots back and the eight run at once again.
+    assert [o.token_ids for o in llm.generate(shorts, params)] == expected_shorts
+    assert llm.engine.runner.cache_shape == (8, 256)
+    assert llm.engine.scheduler.max_num_seqs == llm.engine.loaded.config.max_num_seqs
 
 
 def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, monkeypatch, caplog):
@@ -823,7 +855,7 @@ def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, m
     with caplog.at_level("WARNING", logger="pluginhost"):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # 28 asked, 16 at a time
     assert llm.engine.runner.cache_shape == (16, 256) and llm.engine.scheduler.max_num_seqs == 16
-    assert "room for 16 sequences in the memory available: at most 16 run at once" in caplog.text
+    assert "room for 16 sequences of up to 256 tokens in the memory available: at most 16 run at once" in caplog.text
 
 
 def test_a_batch_larger_than_the_rows_memory_allowed_earlier_waits_instead_of_failing(long_opt, monkeypatch):
@@ -857,7 +889,7 @@ def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_it
     """The step that finds no room comes after one request left: the row moved then must still move in the cache."""
     llm = LLM(str(long_opt), load_installed_plugins=False)
     alone = llm.generate([[2, 30, 31, 32]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
-    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 3, 256))
     # The first ends one step before the second needs slot 256; the third then moves into the first's row.
     first, second, third = step_requests(llm, [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)])
     assert first.error is None and isinstance(second.error, KVCacheMemoryError)

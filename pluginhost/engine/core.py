@@ -230,6 +230,7 @@ class EngineCore:
             except Exception as exc:
                 self._fail(plan, self._blame(exc))
                 return True
+            self._lift_row_cap()
             deliveries = self._advance(plan, tokens, logprobs)
             stats = EngineStats(
                 num_running=len(plan.rows),
@@ -439,13 +440,21 @@ class EngineCore:
                     self._end(plan.rows[row].request, full)
         if held and full.rows < self.scheduler.max_num_seqs:
             logger.warning(
-                "The KV cache has room for %d sequences in the memory available: at most %d run at once from now "
-                "on (max_num_seqs is %d); the others wait.",
+                "The KV cache has room for %d sequences of up to %d tokens in the memory available: at most %d run "
+                "at once (max_num_seqs is %d) until the running sequences are shorter; the others wait.",
                 full.rows,
+                full.slots,
                 full.rows,
-                self.scheduler.max_num_seqs,
+                self.loaded.config.max_num_seqs,
             )
             self.scheduler.max_num_seqs = full.rows
+
+    def _lift_row_cap(self) -> None:
+        """Let as many sequences run again as the cache's rows may grow to, once it has given back slots."""
+        most = min(self.loaded.config.max_num_seqs, self.runner.row_cap)
+        if self.scheduler.max_num_seqs < most:
+            logger.info("The KV cache gave back the slots of long sequences: up to %d sequences run at once.", most)
+            self.scheduler.max_num_seqs = most
 
     def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
         """End every request the failed step touched (its active rows), with ``error``; the others go on."""

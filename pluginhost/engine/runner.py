@@ -12,6 +12,10 @@ The KV cache grows on demand, never more than ``max_num_seqs`` rows and
 ``max_model_len`` slots: rows as the batch grows, slots (in steps of 256) as
 sequences get longer, keeping what it holds, and never past what the memory
 left allows (``check_memory``: ``KVCacheMemoryError`` says what it can hold).
+When the memory runs short, rows no sequence holds are given up for slots (one
+long request may use what a batch of short ones grew), and fewer sequences run
+at once (``row_cap``) until the sequences that made the cache long have ended:
+then it gives back their slots, and its rows may grow again.
 A compiled decoding step (``pluginhost.engine.compiled``) is compiled for each
 cache shape, so then the cache takes every row at once and doubles its slots.
 """
@@ -49,9 +53,10 @@ class StepInputs:
     """
 
     #: "decode" (one token per row), "prefill" (prompts not cached yet), "recompute" (no cache), or
-    #: "move" (only the row moves: a step that failed before its forward, after the scheduler moved rows).
+    #: "move" (only the cache changes: rows move, for a step that failed before its forward after the
+    #: scheduler moved rows; or it takes ``cache_shape``, giving back slots).
     kind: str
-    #: Rows of the batch, and cache slots the step needs (the cache grows to hold them).
+    #: Rows of the batch, and cache slots its rows need: those the step writes, and those the others hold.
     num_rows: int = 0
     slots_needed: int = 0
     #: KV cache rows to move before the forward: (from, to, slots to copy).
@@ -62,7 +67,7 @@ class StepInputs:
     #: prefill: the rows prefilled and their prompts; recompute: the active rows' whole texts.
     rows: list[int] = field(default_factory=list)
     texts: list[list[int]] = field(default_factory=list)
-    #: The (rows, slots) the cache grows to first, when it must: decided where the memory is checked,
+    #: The (rows, slots) the cache takes first, when it changes: decided where the memory is checked,
     #: so every rank's cache has the same shape. ``None``: as this process's runner would grow it.
     cache_shape: tuple[int, int] | None = None
 
@@ -77,7 +82,7 @@ class StepInputs:
             return cls(
                 "prefill",
                 len(step.rows),
-                max(len(t) for t in texts),
+                max(*(len(t) for t in texts), *(s.num_computed for s in step.rows)),  # the waiting rows' too
                 moves,
                 rows=list(step.prefill_rows),
                 texts=texts,
@@ -139,6 +144,7 @@ class ModelRunner:
         """
         inputs = StepInputs.of(step, cached=self.cached)
         if inputs.kind != "recompute":
+            self._give_back(inputs.slots_needed)
             self.check_memory(inputs.num_rows, inputs.slots_needed)
             if not self._fits(inputs.num_rows, inputs.slots_needed):
                 inputs = replace(inputs, cache_shape=self._grown_shape(inputs.num_rows, inputs.slots_needed))
@@ -157,8 +163,10 @@ class ModelRunner:
         """Raise ``KVCacheMemoryError`` when growing the cache to hold ``rows`` x ``slots`` would not fit.
 
         Growing holds the old block and the new one at once, so the new block alone must fit in
-        ``CACHE_SHARE`` of the memory available now. The error says what can be had: the slots the
-        step needs with as many rows as then fit, else as many slots as the rows held now allow.
+        ``CACHE_SHARE`` of the memory available now. Rows held beyond the step's own hold no sequence
+        (the scheduler keeps them in rows ``0 .. rows-1``), so they count for nothing: the cache may
+        trade them for slots. The error says what can be had: the slots the step needs with as many
+        rows as then fit, else as many slots as fit beside the rows in use.
         """
         if self._fits(rows, slots):
             return
@@ -172,15 +180,15 @@ class ModelRunner:
         grown_rows, grown_slots = self._grown_shape(rows, slots)
         if grown_rows * grown_slots * per_slot <= budget:
             return
-        # What can be had, as a shape the cache really grows to (rows capped from now on, see
+        # What can be had, as a shape the cache really grows to (rows capped until it gives slots back, see
         # ``_grown_shape``): the slots the step needs, with as many rows as then fit if that keeps the
-        # rows held; else the rows held (one at least), with as many slots as fit beside them.
+        # rows in use; else those rows (one at least), with as many slots as fit beside them.
         fit_rows = int(budget // (grown_slots * per_slot))
-        if fit_rows >= max(self._rows, 1):
+        in_use = max(min(self._rows, rows), 1)  # a newcomer beyond the rows held may wait instead
+        if fit_rows >= in_use:
             allowed = (min(grown_rows, fit_rows), grown_slots)
         else:
-            kept = max(self._rows, 1)
-            allowed = (kept, max(self._slots, self._realizable_slots(int(budget // (kept * per_slot)))))
+            allowed = (in_use, max(self._slots, self._realizable_slots(int(budget // (in_use * per_slot)))))
         self.row_cap = min(self.row_cap, allowed[0])
         if rows <= allowed[0] and slots <= allowed[1]:
             return  # the cap alone makes the step fit: fewer rows than the rounding asked for
@@ -208,10 +216,13 @@ class ModelRunner:
         for src, dst, length in inputs.moves:  # first: they stay within the rows held, and a failing resize
             for cache in self._caches:  # must not leave a moved sequence reading another's row
                 cache.move(src, dst, length)
+        shape = inputs.cache_shape
+        if shape is None and inputs.kind != "move" and not self._fits(inputs.num_rows, inputs.slots_needed):
+            shape = self._grown_shape(inputs.num_rows, inputs.slots_needed)
+        if shape is not None and shape != self.cache_shape:
+            self._resize(shape)
         if inputs.kind == "move":
             return None  # type: ignore[return-value]  # nothing to compute
-        if not self._fits(inputs.num_rows, inputs.slots_needed):
-            self._grow(inputs.cache_shape or self._grown_shape(inputs.num_rows, inputs.slots_needed))
         if inputs.kind == "decode":
             if self.compiled is not None:
                 return self.compiled.logits(
@@ -266,16 +277,38 @@ class ModelRunner:
         return ids.to(self.device), positions, mask, (lengths - 1).to(self.device)
 
     def _grown_shape(self, rows: int, slots: int) -> tuple[int, int]:
-        """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``."""
+        """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``.
+
+        It keeps what it holds, except rows beyond ``row_cap``: those hold no sequence (``check_memory``).
+        """
         most_rows = min(self.max_num_seqs, self.row_cap)  # what rounding may reach; never fewer than the step's rows
+        kept_rows = min(self._rows, most_rows)
         if self.compiled is None:
-            new_rows = max(self._rows, rows, min(most_rows, _round_up(rows, _ROW_STEP)))
-            new_slots = max(self._slots, min(self.max_model_len, _round_up(slots, _SLOT_STEP)))
-        else:  # each cache shape is compiled anew: every row at once, slots doubling
-            new_rows = max(self._rows, rows, most_rows)
-            doubled = _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length()  # 256, 512, 1024, ...
-            new_slots = max(self._slots, min(self.max_model_len, doubled))
-        return new_rows, new_slots
+            new_rows = max(kept_rows, rows, min(most_rows, _round_up(rows, _ROW_STEP)))
+        else:  # each cache shape is compiled anew: every row at once
+            new_rows = max(rows, most_rows)
+        return new_rows, max(self._slots, self._slots_for(slots))
+
+    def _slots_for(self, slots: int) -> int:
+        """The slots the cache takes to hold ``slots``: steps of 256, or doubling when compiled (fewer shapes)."""
+        if self.compiled is None:
+            return min(self.max_model_len, _round_up(slots, _SLOT_STEP))
+        return min(self.max_model_len, _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length())  # 256, 512, ...
+
+    def _give_back(self, slots: int) -> None:
+        """After the memory ran short, give back the slots beyond what the running sequences hold or need.
+
+        A shortage caps the rows (``row_cap``); once the sequences that made the cache long have ended,
+        the cache shrinks to what the others need, and the cap is lifted: growing rows again is checked
+        against the memory then. Without a shortage the cache keeps what it holds, as growing it again
+        would cost a copy (and a compile, for a compiled step).
+        """
+        if self.row_cap >= self.max_num_seqs or not self._caches:
+            return
+        shorter = self._slots_for(slots)
+        if shorter < self._slots:
+            self.run(StepInputs("move", cache_shape=(self._rows, shorter)))  # every rank's cache shrinks alike
+            self.row_cap = self.max_num_seqs
 
     def _realizable_slots(self, most: int) -> int:
         """The most slots, at most ``most``, that the cache grows to (steps of 256; doubling when compiled)."""
@@ -289,7 +322,7 @@ class ModelRunner:
     def _fits(self, rows: int, slots: int) -> bool:
         return rows <= self._rows and slots <= self._slots
 
-    def _grow(self, shape: tuple[int, int]) -> None:
+    def _resize(self, shape: tuple[int, int]) -> None:
         new_rows, new_slots = shape
         if not self._caches:
             self._setup_caches()
