@@ -196,9 +196,30 @@ def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt
     assert "plugin 'broken' (distribution broken-dist 9) is broken" in err and "RuntimeError: boom" in err
 
 
-def test_debug_shows_the_traceback(capsys):
-    with pytest.raises(Exception, match="does not exist"):
-        main(["config", "--model", "/nonexistent/dir", "--debug"])
+def test_debug_adds_the_traceback_and_keeps_the_exit_status(capsys):
+    code, _, err = run(capsys, "config", "--model", "/nonexistent/dir", "--debug")
+    assert code == 2  # it was 1: the error escaped main()
+    assert err.startswith("Traceback (most recent call last):")
+    assert err.splitlines()[-1].startswith("error: Model directory '/nonexistent/dir' does not exist")
+
+
+def test_debug_does_not_wait_for_a_thread_a_failing_plugin_left_running(install_plugin, run_pluginhost):
+    install_plugin(
+        "stuck",
+        """
+        import threading, time
+        from pluginhost import hookimpl
+        threading.Thread(target=time.sleep, args=(600,), name="heartbeat").start()  # not a daemon
+
+        @hookimpl
+        def modify_config(config):
+            raise RuntimeError("boom")
+        """,
+    )
+    result = run_pluginhost("config", "--debug", timeout=60)  # hung on the thread
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" in result.stderr and "failed in its modify_config hook: RuntimeError: boom" in result.stderr
+    assert "exiting without waiting for 1 thread(s) a plugin left running: heartbeat" in result.stderr
 
 
 def test_internal_failure_exits_1(capsys, monkeypatch):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -239,21 +240,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         with reserved_stdout() as out:
             return handler(args, out)
     except (PluginhostError, ValueError) as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
+        _report(f"error: {exc}", debug=args.debug)
         return EXIT_USER
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence
-        if args.debug:
-            raise
-        print(
-            f"internal error: {type(exc).__name__}: {exc}\n"
-            "(rerun with --debug for the traceback, and please report it)",
-            file=sys.stderr,
-        )
+        hint = "(please report it)" if args.debug else "(rerun with --debug for the traceback, and please report it)"
+        _report(f"internal error: {type(exc).__name__}: {exc}\n{hint}", debug=args.debug)
         return EXIT_INTERNAL
+
+
+def _report(message: str, *, debug: bool) -> None:
+    """Print the error being handled on stderr: ``message``, after its traceback with ``--debug``.
+
+    ``--debug`` adds the traceback and changes nothing else: the exit status stays the
+    one the error maps to, and ``run`` still ends the process (re-raising skipped both).
+    """
+    if debug:
+        traceback.print_exc(file=sys.stderr)
+    print(message, file=sys.stderr)
 
 
 def run() -> None:
