@@ -308,6 +308,13 @@ def test_output_that_cannot_be_written_exits_2_with_a_message(run_pluginhost, wh
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
 
 
+def test_a_command_started_with_stdout_closed_exits_2_as_a_closed_pipe_does(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", None)  # what Python makes of `pluginhost models >&-`
+    code, _, err = run(capsys, "models", "--no-plugins")
+    assert code == 2  # it was 1: "internal error: AssertionError"
+    assert err.startswith("error: the output could not be written: stdout was closed before the command finished")
+
+
 def test_an_unwritable_home_and_cache_do_not_stop_generation(run_pluginhost, tmp_path):
     nowhere = "/dev/null/cannot-exist"  # under a file: not even root can create it
     env = {"HOME": nowhere, "XDG_CACHE_HOME": nowhere, "HF_HOME": nowhere, "PLUGINHOST_CACHE_DIR": nowhere}

@@ -38,7 +38,8 @@ class ResultStream:
                 while data:
                     data = data[os.write(self._fd, data) :]
             else:
-                assert self._stream is not None
+                if self._stream is None:  # Python started with stdout closed (`>&-`): there is nowhere to write
+                    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
                 self._stream.write(text + "\n")
                 self._stream.flush()
         except OSError as exc:
