@@ -328,6 +328,7 @@ def test_config_without_a_model_shows_the_demo_models(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert data["config"]["model"].endswith("demo_model") and data["config"]["max_model_len"] == 256
+    assert data["provenance"]["model"] == "default"  # it said "user": nobody passed --model
 
 
 def test_models_json_stays_json_and_still_says_on_stderr_that_plugins_failed(install_plugin, capsys):

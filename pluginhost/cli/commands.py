@@ -107,20 +107,33 @@ def list_models(args: argparse.Namespace, out: ResultStream) -> int:
     return EXIT_OK
 
 
+def _settings_or_demo(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The engine settings given on the command line, with the demo model's path when ``--model`` is not.
+
+    The flag says whether the demo model was filled in: ``config`` then reports the model as set by
+    ``default`` (no one chose it), and ``serve`` serves it as ``demo``.
+    """
+    settings = engine_settings(args)
+    if "model" in settings:
+        return settings, False
+    from pluginhost.demo import ensure_demo_model
+
+    return {**settings, "model": str(ensure_demo_model())}, True
+
+
 def show_config(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.build import plan_build
     from pluginhost.config import EngineConfig
 
-    settings = engine_settings(args)
-    if "model" not in settings:  # as generate and serve
-        from pluginhost.demo import ensure_demo_model
-
-        settings["model"] = str(ensure_demo_model())
+    settings, demo = _settings_or_demo(args)
     config = EngineConfig(**settings)
     plan = plan_build(config, make_host(args))
+    provenance = plan.config.provenance
+    if demo and provenance["model"] == "user":  # the CLI passed the demo model's path; nobody chose it
+        provenance["model"] = "default"
     data = {
         "config": plan.config.model_dump(mode="json"),
-        "provenance": plan.config.provenance,
+        "provenance": provenance,
         **plan.describe(),
     }
     if args.json:
@@ -140,11 +153,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
 
     for number, prompt in enumerate(args.prompt, 1):
         _check_utf8(prompt, f"--prompt {number}")
-    settings = engine_settings(args)
-    if "model" not in settings:
-        from pluginhost.demo import ensure_demo_model
-
-        settings["model"] = str(ensure_demo_model())
+    settings, _ = _settings_or_demo(args)
     _check_tokenizer(settings["model"])
     try:
         params = SamplingParams(
@@ -245,12 +254,7 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
         ) from None
     from pluginhost.server.run import bind, run_server
 
-    settings = engine_settings(args)
-    demo = "model" not in settings
-    if demo:
-        from pluginhost.demo import ensure_demo_model
-
-        settings["model"] = str(ensure_demo_model())
+    settings, demo = _settings_or_demo(args)
     served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError(
