@@ -10,12 +10,15 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
 from pluginhost.cli.output import ResultStream
 from pluginhost.cli.tables import format_table
 from pluginhost.distributed import launched_world_size, torchrun_rank
+
+if TYPE_CHECKING:
+    from pluginhost.config import EngineConfig
 
 __all__ = ["generate", "list_models", "list_plugins", "serve", "show_config"]
 
@@ -121,12 +124,28 @@ def _settings_or_demo(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     return {**settings, "model": str(ensure_demo_model())}, True
 
 
+def _engine_config(settings: dict[str, Any]) -> EngineConfig:
+    """The ``EngineConfig`` of ``settings``, or one ``UsageError`` in the engine's words.
+
+    ``Invalid engine settings: model: the model path is empty; ...``, as the engine would say, and
+    not pydantic's report. Commands call it before anything takes the values as valid: to
+    ``pathlib``, an empty model path is the current directory.
+    """
+    from pydantic import ValidationError
+
+    from pluginhost.config import EngineConfig, describe_validation_error
+
+    try:
+        return EngineConfig(**settings)
+    except ValidationError as exc:
+        raise UsageError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+
+
 def show_config(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.build import plan_build
-    from pluginhost.config import EngineConfig
 
     settings, demo = _settings_or_demo(args)
-    config = EngineConfig(**settings)
+    config = _engine_config(settings)
     plan = plan_build(config, make_host(args))
     provenance = plan.config.provenance
     if demo and provenance["model"] == "user":  # the CLI passed the demo model's path; nobody chose it
@@ -154,6 +173,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     for number, prompt in enumerate(args.prompt, 1):
         _check_utf8(prompt, f"--prompt {number}")
     settings, _ = _settings_or_demo(args)
+    _engine_config(settings)  # first: the checks below take the values as valid
     _check_tokenizer(settings["model"])
     try:
         params = SamplingParams(
@@ -255,6 +275,7 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.server.run import bind, run_server
 
     settings, demo = _settings_or_demo(args)
+    _engine_config(settings)  # before the port is taken and the served name read from the path
     served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError(
