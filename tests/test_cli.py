@@ -180,6 +180,10 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
         (["plugins", "--plugins", " , "], "--plugins ' , ' names no plugin (an unset shell variable?)"),
         (["plugins", "--disable-plugin", "builtin_models"], "pluginhost's own builtin architectures, which cannot"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", "ab\udcff"], "--prompt 2 is not valid UTF-8"),
+        (
+            ["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", ""],
+            "--prompt 2 is an empty string",
+        ),  # "prompt 1"
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--max-tokens", "0"], "--max-tokens must be an integer"),
     ],

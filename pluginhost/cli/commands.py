@@ -16,6 +16,7 @@ from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
 from pluginhost.cli.output import ResultStream
 from pluginhost.cli.tables import format_table
 from pluginhost.distributed import launched_world_size, torchrun_rank
+from pluginhost.errors import InvalidParameterError, PluginhostError
 
 if TYPE_CHECKING:
     from pluginhost.config import EngineConfig
@@ -167,7 +168,6 @@ def show_config(args: argparse.Namespace, out: ResultStream) -> int:
 
 
 def generate(args: argparse.Namespace, out: ResultStream) -> int:
-    from pluginhost.errors import InvalidParameterError
     from pluginhost.sampling import SamplingParams
 
     for number, prompt in enumerate(args.prompt, 1):
@@ -197,6 +197,11 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         return EXIT_OK
     try:
         outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    except (PluginhostError, ValueError) as exc:
+        message = _counted_from_1(str(exc))
+        if message == str(exc):
+            raise
+        raise UsageError(message) from exc
     finally:
         llm.close()  # the other ranks of a tensor-parallel engine end with it
     if args.json:
@@ -219,6 +224,15 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         out.print(f"output: {result.text!r}")
         out.print(f"tokens: {result.token_ids} ({result.finish_reason})\n")
     return EXIT_OK
+
+
+def _counted_from_1(message: str) -> str:
+    """An engine message in the CLI's words: the engine counts prompts from 0, ``--prompt`` from 1.
+
+    The engine starts a message about one prompt with ``prompt N``, also when it wraps
+    another such message (``prompt 0 became invalid in the on_request hook of ...: prompt 0 has ...``).
+    """
+    return re.sub(r"(^|: )prompt (\d+)\b", lambda m: f"{m[1]}--prompt {int(m[2]) + 1}", message)
 
 
 def _check_launcher(settings: dict[str, Any]) -> None:
