@@ -15,23 +15,39 @@ import os
 
 __all__ = ["get_rank", "get_world_size", "launched_world_size", "torchrun_rank"]
 
-_rank, _world_size = 0, 1
+#: (rank, world size) while an engine's ranks run in this process; ``None``: none runs.
+_running: tuple[int, int] | None = None
 
 
 def get_rank() -> int:
-    """This process's rank among the engine's processes (0 in the process that schedules)."""
-    return _rank
+    """This process's rank among the engine's processes (0 in the process that schedules).
+
+    Under a launcher (torchrun) a process keeps its rank before its engine starts and after it stops,
+    so ``if get_rank() == 0:`` around generating holds on every process for its whole life.
+    """
+    if _running is not None:
+        return _running[0]
+    launched = torchrun_rank()
+    return launched if launched is not None and launched_world_size() else 0
 
 
 def get_world_size() -> int:
     """How many processes the engine's model is split over (``tensor_parallel_size``)."""
-    return _world_size
+    if _running is not None:
+        return _running[1]
+    return launched_world_size() or 1
 
 
 def _set(rank: int, world_size: int) -> None:
-    """Set by the engine as it starts its processes (and back to 0 of 1 when they stop)."""
-    global _rank, _world_size
-    _rank, _world_size = rank, world_size
+    """Set by the engine as it starts its processes."""
+    global _running
+    _running = (rank, world_size)
+
+
+def _clear() -> None:
+    """Called when the engine's processes stop: back to the launcher's rank, or 0 of 1 without one."""
+    global _running
+    _running = None
 
 
 def torchrun_rank() -> int | None:

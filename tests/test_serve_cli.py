@@ -34,6 +34,7 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[sub
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
+        start_new_session=True,  # its own process group, which a test may signal as a whole
     )
     lines: list[str] = []
     try:

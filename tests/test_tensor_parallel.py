@@ -221,10 +221,25 @@ class MaxSeqs:
         config.max_num_seqs = 3
 
 
+class Scales:
+    def __init__(self):
+        self.factor = 1.0
+
+    @hookimpl
+    def post_load(self, model):
+        model.lm_head.weight.data *= self.factor
+
+
+SCALES = Scales()
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "made under the guard":
         made_here = MaxSeqs()
         plugins = [made_here]
+    elif sys.argv[2] == "changed under the guard":
+        SCALES.factor = 3.0
+        plugins = [SCALES]
     else:
         plugins = [REGISTERS]
     llm = LLM(sys.argv[1], plugins=plugins, load_installed_plugins=False, tensor_parallel_size=2)
@@ -233,7 +248,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("case", ["defined at the top level", "made under the guard"])
+@pytest.mark.parametrize("case", ["defined at the top level", "made under the guard", "changed under the guard"])
 def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_at_once(tmp_path, tiny_opt, case):
     """The other rank imports the script as __mp_main__, without running its `if __name__ == "__main__":` block."""
     script = tmp_path / "generate.py"
@@ -244,10 +259,14 @@ def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_a
     if case == "defined at the top level":  # ScriptOPT is __main__:ScriptOPT on both ranks
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("ScriptOPT [")
-    else:
+    elif case == "made under the guard":
         assert result.returncode == 1 and "Traceback" in result.stderr
         assert 'plugins[0] (MaxSeqs) is made inside the script\'s `if __name__ == "__main__":` block' in result.stderr
         assert "define 'made_here' above that block" in result.stderr
+    else:  # rank 1 scaled its half of the vocabulary by 1.0, rank 0 by 3.0: wrong tokens, and no error
+        assert result.returncode == 1
+        assert "settings {'factor': '3.0'} on rank 0, {'factor': '1.0'} on rank 1" in result.stderr
+        assert "give it these values where its module makes it" in result.stderr
 
 
 DIFFERS_BY_RANK = """
@@ -462,6 +481,38 @@ def test_torchrun_ranks_come_from_its_environment(run_pluginhost, tiny_opt):
     assert json.loads(result.stdout) == json.loads(one.stdout)  # rank 0 alone printed
 
 
+TORCHRUN_SCRIPT = """
+from pluginhost import LLM, SamplingParams
+from pluginhost.distributed import get_rank
+
+if __name__ == "__main__":
+    llm = LLM({model!r}, load_installed_plugins=False, tensor_parallel_size=2)  # rank 1: returns when rank 0 closes
+    if get_rank() == 0:
+        print(llm.generate([[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids)
+    llm.close()
+    print("rank", get_rank(), "done")
+"""
+
+
+def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, tmp_path):
+    # docs/distributed.md's pattern: rank 1's LLM() returned with get_rank() == 0, so it generated and failed.
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT.format(model=str(tiny_opt)))
+    expected = LLM(str(tiny_opt), load_installed_plugins=False).generate(
+        [[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0)
+    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    result = subprocess.run(
+        [*launcher, "--master-port", str(free_port()), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.splitlines()) == sorted([str(expected[0].token_ids), "rank 0 done", "rank 1 done"])
+
+
 def test_torchrun_with_another_world_size_is_one_clear_error(run_pluginhost, tiny_opt):
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     result = run_pluginhost("generate", "--model", str(tiny_opt), "--prompt", "Hi", "--no-plugins", env=env)
@@ -555,6 +606,28 @@ def test_the_server_splits_the_model_and_its_sigterm_ends_every_rank(tiny_opt):
     while any(_state(pid) not in ("Z", "gone") for pid in rank_1) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_state(pid) in ("Z", "gone") for pid in rank_1)
+
+
+def test_a_sigterm_to_the_servers_process_group_finishes_the_request_in_flight(tiny_opt):
+    """As systemd's `stop` sends it (KillMode=control-group): rank 1 died at once, and the request failed with 503."""
+    import httpx
+    from test_serve_cli import TIMEOUT, serving
+
+    body = {"prompt": [2, 17, 200, 31], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with serving("--model", str(tiny_opt), "--tensor-parallel-size", "2") as (process, url):
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 2:
+                    os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(TIMEOUT) == 0
+    assert events[-1] == "data: [DONE]", events[-3:]
+    *chunks, usage = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens"] == 100
 
 
 def test_a_served_engine_that_lost_a_rank_answers_503_engine_stopped_and_its_health_says_so(tiny_opt):

@@ -26,6 +26,7 @@ named too, within the timeout, and every process of the engine is ended.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import math
 import multiprocessing
@@ -196,11 +197,7 @@ class Ranks:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes.values():
             if process.is_alive():
-                process.terminate()
-        for process in self.processes.values():
-            process.join(5.0)
-            if process.is_alive():
-                process.kill()
+                process.kill()  # a rank ignores SIGTERM (see _rank_main)
                 process.join(5.0)
         if dist.is_initialized() and (self.processes or self.broken is None):
             try:
@@ -209,7 +206,7 @@ class Ranks:
                 logger.debug("destroy_process_group failed", exc_info=True)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
-        distributed._set(0, 1)
+        distributed._clear()
 
 
 def free_port() -> int:
@@ -328,7 +325,11 @@ def _init(
         dead = {r: p for r, p in processes.items() if p.exitcode is not None}
         if dead and thread.is_alive():
             gone = "; ".join(f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in dead.items())
-            raise TensorParallelError(f"Tensor parallelism could not start: {gone} before the ranks met.")
+            raise TensorParallelError(
+                f"Tensor parallelism could not start: {gone} before the ranks met. Its own error is above, on "
+                "stderr. Each rank imports the main script again (multiprocessing's spawn): a script must build "
+                'its engine under `if __name__ == "__main__":`, and be a file (not read from stdin).'
+            )
     try:
         if outcome[0] is not None:
             raise outcome[0]
@@ -403,9 +404,16 @@ class Agreement:
 
 def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
     """What must be the same on every rank before the model is built."""
+    pm = host.plugin_manager
     return {
         "plugins": {
-            r.name: {"status": r.status, "distribution": r.distribution, "version": r.version, "hooks": list(r.hooks)}
+            r.name: {
+                "status": r.status,
+                "distribution": r.distribution,
+                "version": r.version,
+                "hooks": list(r.hooks),
+                "settings": _plain_attributes(pm.get_plugin(r.name)),
+            }
             for r in host.records
         },
         "architectures": {
@@ -414,6 +422,24 @@ def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
         },
         "config": config.model_dump(mode="json"),
     }
+
+
+def _plain_attributes(plugin: object) -> dict[str, str] | None:
+    """A plugin object's public attributes of plain values (numbers, strings, ...), as text; ``None`` for others.
+
+    The other ranks import an in-process plugin by name, so they get it as its module makes it: a
+    change made afterwards (under the script's ``if __name__ == "__main__":``) is rank 0's alone, and
+    the ranks would build different models in silence. Other attributes (a lock, a start time) may
+    rightly differ between processes, so they are not compared.
+    """
+    if plugin is None or inspect.ismodule(plugin) or inspect.isclass(plugin) or inspect.isroutine(plugin):
+        return None
+    try:
+        attributes = vars(plugin)
+    except TypeError:  # __slots__ only
+        return None
+    plain = int | float | complex | str | bytes | bool | type(None)
+    return {k: repr(v) for k, v in sorted(attributes.items()) if not k.startswith("_") and isinstance(v, plain)}
 
 
 def _differences(prints: list[dict[str, Any]]) -> list[str]:
@@ -431,6 +457,11 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
                 changed = ", ".join(
                     f"{k} {mine[k]!r} on rank 0, {theirs[k]!r} on rank {rank}" for k in mine if mine[k] != theirs[k]
                 )
+                if mine["settings"] != theirs["settings"]:  # the other ranks imported it before the change
+                    changed += (
+                        " (the other ranks import an in-process plugin by name: give it these values where its "
+                        'module makes it, not later in the script\'s `if __name__ == "__main__":` block)'
+                    )
                 problems.append(f"plugin {name!r} differs: {changed}")
         for arch in sorted(set(base["architectures"]) | set(other["architectures"])):
             mine, theirs = base["architectures"].get(arch), other["architectures"].get(arch)
@@ -486,7 +517,10 @@ def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
 
 def _rank_main(spec: RankSpec) -> None:
     """A spawned rank: build the same engine, then run rank 0's steps until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the others
+    # Ctrl-C and a SIGTERM sent to the whole process group (a terminal, systemd's `stop`) reach rank 0 too,
+    # which finishes what is in flight, then stops the others: a rank ending at once would fail it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked when spawned from another thread
     _exit_with(spec.parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"pluginhost rank {spec.rank}: %(levelname)s: %(message)s")
@@ -523,6 +557,8 @@ def _rank_main(spec: RankSpec) -> None:
     try:
         serve_steps(runner, ranks)
     except BaseException:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
+        if os.getppid() != spec.parent_pid:  # rank 0 is gone, and took the collective with it: nothing to add
+            _leave(1)
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
         _leave(1)
     _leave(0)
