@@ -7,9 +7,11 @@ Sources, highest precedence first:
 
 ``PLUGINHOST_PLUGINS`` unset means every installed plugin; empty means none;
 otherwise it is a comma-separated allow-list. A CLI allow-list replaces the
-environment's. Deny lists add up, except that a name the CLI explicitly
-allows is no longer denied by the environment. Names match an entry-point name
-or a distribution name, case-insensitively, with ``-``, ``_`` and ``.`` alike.
+environment's. Deny lists add up, except that a plugin the CLI explicitly
+allows is no longer denied by the environment, unless the environment names its
+distribution and the CLI only an entry-point name other distributions declare too.
+Names match an entry-point name or a distribution name, case-insensitively, with
+``-``, ``_`` and ``.`` alike.
 
 This module only decides; it reads the environment when asked, never at import.
 """
@@ -82,13 +84,32 @@ class PluginSelection:
                 deny[normalize_name(name)] = "--disable-plugin"
         return PluginSelection(allow=allow, allow_source=allow_source, deny=deny)
 
-    def decide(self, entry_point: str, distribution: str | None) -> str | None:
-        """Return ``None`` when the plugin may load, else why it is blocked."""
+    def decide(
+        self,
+        entry_point: str,
+        distribution: str | None,
+        *,
+        installed: Iterable[tuple[str, str | None]] | None = None,
+    ) -> str | None:
+        """Return ``None`` when the plugin may load, else why it is blocked.
+
+        ``installed`` (every installed entry point and its distribution) tells whether another
+        distribution declares the same entry-point name; it is read from the package metadata
+        when needed and not given.
+        """
         names = _names_of([(entry_point, distribution)])
-        # Named by --plugins (by either of its names): an explicit CLI choice beats the environment's denial.
-        chosen = self.allow_source == "--plugins" and bool(names & {normalize_name(n) for n in self.allow or ()})
+        allowed = {normalize_name(n) for n in self.allow or ()} if self.allow_source == "--plugins" else set()
+        by_distribution = distribution is not None and normalize_name(distribution) in allowed
         for name in sorted(names):
-            if name in self.deny and not (chosen and self.deny[name] == DISABLED_ENV):
+            if name not in self.deny:
+                continue
+            # Named by --plugins: an explicit CLI choice beats the environment's denial, by either name...
+            overridden = self.deny[name] == DISABLED_ENV and (by_distribution or normalize_name(entry_point) in allowed)
+            # ...but a name other distributions share does not choose this one over a denial of its distribution
+            # (the conflict error's own advice, PLUGINHOST_DISABLED_PLUGINS=<distribution>, would do nothing).
+            if overridden and not by_distribution and name != normalize_name(entry_point):
+                overridden = not _declared_by_others(entry_point, distribution, installed)
+            if not overridden:
                 return f"disabled by {self.deny[name]}"
         if self.allow is None:
             return None
@@ -107,6 +128,21 @@ class PluginSelection:
         """Deny-list names that match nothing installed (probably typos)."""
         known = _names_of(installed)
         return [n for n in self.deny if n not in known]
+
+
+def _declared_by_others(
+    entry_point: str, distribution: str | None, installed: Iterable[tuple[str, str | None]] | None
+) -> bool:
+    """Whether a distribution other than ``distribution`` declares the entry-point name ``entry_point``."""
+    if installed is None:
+        from pluginhost.discovery import discover_installed
+
+        installed = [(p.name, p.distribution) for p in discover_installed()]
+    own = normalize_name(distribution or "")
+    return any(
+        normalize_name(name) == normalize_name(entry_point) and normalize_name(dist or "") != own
+        for name, dist in installed
+    )
 
 
 def _names_of(installed: Iterable[tuple[str, str | None]]) -> set[str]:

@@ -288,6 +288,22 @@ def test_disabling_the_builtins_from_the_environment_is_one_clear_error(capsys, 
     assert code == 0 and "OPTForCausalLM" in out
 
 
+def test_disabling_one_of_two_distributions_sharing_a_plugin_name_works_as_the_error_advises(
+    install_plugin, capsys, monkeypatch, tiny_opt
+):
+    plugin = "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n"
+    install_plugin("dup", plugin, dist="dupa-dist", module="dup_a")
+    install_plugin("dup", plugin, dist="dupb-dist", module="dup_b")
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--plugins", "dup")
+    assert code == 2 and "the plugin name 'dup' is already taken" in err and "DISABLED_PLUGINS=dupb-dist" in err
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "dupb-dist")
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--plugins", "dup")
+    assert code == 0, err  # --plugins dup chose dupb-dist too, by the name both declare: the same error
+    code, out, _ = run(capsys, "plugins", "--json", "--plugins", "dup")
+    statuses = {r["distribution"]: r["status"] for r in json.loads(out) if r["name"] == "dup"}
+    assert statuses == {"dupa-dist": "loaded", "dupb-dist": "blocked"}
+
+
 def test_undecodable_prompt_bytes_from_the_shell_exit_2(run_pluginhost):
     result = run_pluginhost("generate", "--prompt", b"caf\xe9", "--no-plugins")
     assert result.returncode == 2, result.stderr
