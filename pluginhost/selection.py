@@ -57,13 +57,20 @@ class PluginSelection:
     allow_source: str = ""
     #: Denied names (normalized) and where each denial came from.
     deny: Mapping[str, str] = field(default_factory=dict)
+    #: Each denied name (normalized) as it was given, for messages: ``My_Plugin``, not ``my-plugin``.
+    deny_as_given: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSelection:
         env = os.environ if environ is None else environ
         allow = parse_name_list(env[PLUGINS_ENV]) if PLUGINS_ENV in env else None
-        deny = {normalize_name(n): DISABLED_ENV for n in parse_name_list(env.get(DISABLED_ENV, ""))}
-        return cls(allow=allow, allow_source=PLUGINS_ENV if allow is not None else "", deny=deny)
+        denied = parse_name_list(env.get(DISABLED_ENV, ""))
+        return cls(
+            allow=allow,
+            allow_source=PLUGINS_ENV if allow is not None else "",
+            deny={normalize_name(n): DISABLED_ENV for n in denied},
+            deny_as_given={normalize_name(n): n for n in denied},
+        )
 
     def with_cli(
         self,
@@ -74,7 +81,7 @@ class PluginSelection:
     ) -> PluginSelection:
         """Apply CLI flags on top of this (environment) selection."""
         allow, allow_source = self.allow, self.allow_source
-        deny = dict(self.deny)
+        deny, deny_as_given = dict(self.deny), dict(self.deny_as_given)
         if no_plugins:
             allow, allow_source = (), "--no-plugins"
         elif plugins is not None:  # beats the environment's denial too: see decide()
@@ -82,7 +89,8 @@ class PluginSelection:
         for value in disable:
             for name in parse_name_list(value):
                 deny[normalize_name(name)] = "--disable-plugin"
-        return PluginSelection(allow=allow, allow_source=allow_source, deny=deny)
+                deny_as_given[normalize_name(name)] = name
+        return PluginSelection(allow=allow, allow_source=allow_source, deny=deny, deny_as_given=deny_as_given)
 
     def decide(
         self,
@@ -125,9 +133,12 @@ class PluginSelection:
         return [n for n in self.allow or () if normalize_name(n) not in known]
 
     def unmatched_denied(self, installed: Iterable[tuple[str, str | None]]) -> list[str]:
-        """Deny-list names that match nothing installed (probably typos)."""
+        """Deny-list names that match nothing installed (probably typos), as they were given.
+
+        ``deny[normalize_name(name)]`` says where each came from.
+        """
         known = _names_of(installed)
-        return [n for n in self.deny if n not in known]
+        return [self.deny_as_given.get(n, n) for n in self.deny if n not in known]
 
 
 def _declared_by_others(
