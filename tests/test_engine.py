@@ -896,19 +896,29 @@ def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_it
     assert third.error is None and third.output().token_ids == alone.token_ids
 
 
-def test_a_sequence_waiting_while_newcomers_are_prefilled_is_not_ended_for_their_lack_of_room(long_opt, monkeypatch):
+def test_a_sequence_waiting_while_newcomers_are_prefilled_keeps_the_room_its_next_token_needs(long_opt, monkeypatch):
+    # 15 newcomers were prefilled into 16 rows x 256 slots; the long one's next token needed 512 slots, which
+    # 16 rows could not have, so it was ended at the very next step, for the newcomers' sake.
+    llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=64)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    expected = llm.generate([[2, *[5] * 199]], params)[0].token_ids
     llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=64)
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 512))
-    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     long = llm._inputs.make_request("long", [2, *[5] * 199], params)
     llm.engine.submit([long])
-    while long.sequences[0].num_computed < 256:  # it needs slot 256 at its next decoding step
+    while not long.finished and long.sequences[0].num_computed < 256:  # it needs slot 256 at its next step
         llm.engine.step()
     newcomers = [llm._inputs.make_request(f"new-{i}", [2, 10 + i, 20], params.clone(max_tokens=3)) for i in range(20)]
     llm.engine.submit(newcomers)
-    llm.engine.step()  # their prefill step: 24 rows x 256 slots do not fit, 16 do; the long one takes no part
-    llm.engine.step()  # so 15 of them are prefilled, beside it
-    assert long.error is None and sum(r.sequences[0].num_computed > 0 for r in newcomers) == 15
+    llm.engine.step()  # their prefill step: 24 rows x 512 slots do not fit, 8 do
+    llm.engine.step()  # so 7 of them are prefilled, beside it
+    assert long.error is None and sum(r.sequences[0].num_computed > 0 for r in newcomers) == 7
+    for _ in range(1000):
+        if long.finished and all(r.finished for r in newcomers):
+            break
+        llm.engine.step()
+    assert long.error is None and long.output().token_ids == expected
+    assert all(r.error is None and len(r.output().token_ids) == 3 for r in newcomers)
 
 
 def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):

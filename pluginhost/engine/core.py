@@ -416,12 +416,13 @@ class EngineCore:
                     request.on_output(request.output(), None)
 
     def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
-        """End the step's requests longer than the cache can be; hold back newcomers beyond its rows, and run fewer.
+        """End the requests longer than the cache can be; hold back newcomers beyond its rows, and run fewer.
 
-        Only the step's own rows: a sequence waiting while newcomers are prefilled asks for nothing this step.
+        Every row counts: while newcomers are prefilled, a running sequence asks for the slot of its next
+        token too, so newcomers are not let into the room it is about to need.
         """
         held, changed = 0, False
-        for row in sorted(plan.active_rows, reverse=True):  # held back last row first: the queue keeps its order
+        for row in reversed(range(len(plan.rows))):  # held back last row first: the queue keeps its order
             sequence = plan.rows[row]
             if sequence.request.finished or sequence.request.error is not None:
                 continue

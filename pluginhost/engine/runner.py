@@ -56,7 +56,7 @@ class StepInputs:
     #: "move" (only the cache changes: rows move, for a step that failed before its forward after the
     #: scheduler moved rows; or it takes ``cache_shape``, giving back slots).
     kind: str
-    #: Rows of the batch, and cache slots its rows need: those the step writes, and those the others hold.
+    #: Rows of the batch, and cache slots its rows need: those the step writes, and the others' next ones.
     num_rows: int = 0
     slots_needed: int = 0
     #: KV cache rows to move before the forward: (from, to, slots to copy).
@@ -82,7 +82,8 @@ class StepInputs:
             return cls(
                 "prefill",
                 len(step.rows),
-                max(*(len(t) for t in texts), *(s.num_computed for s in step.rows)),  # the waiting rows' too
+                # The others' next tokens too: newcomers must not take the room those are about to need.
+                max([*(len(t) for t in texts), *(s.num_computed + 1 for s in step.rows if s.num_computed)]),
                 moves,
                 rows=list(step.prefill_rows),
                 texts=texts,
