@@ -161,8 +161,12 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
     ("argv", "message"),
     [
         (["config", "--model", "/nonexistent/dir"], "does not exist"),
-        (["config", "--model", ""], "Invalid engine settings: model: the model path is empty"),  # pydantic's report
-        (["generate", "--model", "", "--prompt", "hi"], "model: the model path is empty"),  # " has no tokenizer files"
+        (["config", "--model", ""], "Invalid engine settings: --model: the model path is empty"),  # pydantic's report
+        (
+            ["generate", "--model", "", "--prompt", "hi"],
+            "--model: the model path is empty",
+        ),  # " has no tokenizer files"
+        (["config", "--model", "{tiny}", "--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than 0"),
         (["config", "--model", "{tiny}", "--hf-overrides", "{bad"], "--hf-overrides is not valid JSON"),
         (["config", "--model", "{tiny}", "--hf-overrides", "[1]"], "--hf-overrides must be a JSON object"),
         (

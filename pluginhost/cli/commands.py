@@ -126,11 +126,11 @@ def _settings_or_demo(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
 
 def _engine_config(settings: dict[str, Any]) -> EngineConfig:
-    """The ``EngineConfig`` of ``settings``, or one ``UsageError`` in the engine's words.
+    """The ``EngineConfig`` of ``settings``, or one ``UsageError`` naming the flags at fault.
 
-    ``Invalid engine settings: model: the model path is empty; ...``, as the engine would say, and
-    not pydantic's report. Commands call it before anything takes the values as valid: to
-    ``pathlib``, an empty model path is the current directory.
+    ``Invalid engine settings: --max-num-seqs: Input should be greater than 0 (got 0)``: the engine's
+    words with the flags for its field names, not pydantic's report. Commands call it before anything
+    takes the values as valid: to ``pathlib``, an empty model path is the current directory.
     """
     from pydantic import ValidationError
 
@@ -139,7 +139,14 @@ def _engine_config(settings: dict[str, Any]) -> EngineConfig:
     try:
         return EngineConfig(**settings)
     except ValidationError as exc:
-        raise UsageError(f"Invalid engine settings: {describe_validation_error(exc)}") from None
+        problems = describe_validation_error(exc)  # "field: message; field.key: message"
+        flags = re.sub(r"(^|; )(\w+)(?=[.:])", lambda m: m[1] + _flag(m[2]) if m[2] in settings else m[0], problems)
+        raise UsageError(f"Invalid engine settings: {flags}") from None
+
+
+def _flag(field: str) -> str:
+    """The command-line flag that sets an ``EngineConfig`` field (or a ``SamplingParams`` one)."""
+    return "--" + field.replace("_", "-")
 
 
 def show_config(args: argparse.Namespace, out: ResultStream) -> int:
@@ -185,7 +192,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
             ignore_eos=args.ignore_eos,
         )
     except InvalidParameterError as exc:  # in the flags' words: "--top-p must be in (0, 1]"
-        flag = "--" + exc.param.replace("_", "-")
+        flag = _flag(exc.param)
         message = str(exc).removeprefix("SamplingParams: ").replace(" (or None)", "")  # a flag cannot be None
         raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
     host = make_host(args)
