@@ -119,6 +119,17 @@ def test_chat_through_the_template(client, offline):
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_joins_them(client, offline):
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a plugin?"}]
+    answer = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0
+    )
+    joined = [{"role": "user", "content": "What is\na plugin?"}]
+    expected = offline.generate([chat_ids(offline, joined)], greedy(12))[0]
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
 def test_stop_strings_n_seed_and_logprobs(client, offline):
     free = offline.generate([PROMPTS[0]], greedy(20))[0].text
     stop = free[8:12]

@@ -247,7 +247,7 @@ class ChatMessage(_Strict):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins a message's text parts
 
 
 class ChatCompletionRequest(_SamplingFields):
