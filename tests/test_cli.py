@@ -250,6 +250,15 @@ def test_only_these_plugins_and_no_plugins_together_is_a_usage_error(capsys):
     assert "argument --no-plugins: not allowed with argument --plugins" in capsys.readouterr().err
 
 
+def test_an_unknown_option_is_reported_with_the_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["plugins", "--bogus"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pluginhost plugins ") and "--disable-plugin NAME" in err  # it was the top level's
+    assert "pluginhost plugins: error: unrecognized arguments: --bogus" in err
+
+
 def test_no_command_prints_help_and_exits_2(capsys):
     code, _, err = run(capsys)
     assert code == 2 and "usage: pluginhost" in err

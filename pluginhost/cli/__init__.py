@@ -29,6 +29,23 @@ class UsageError(PluginhostError):
     """A bad command-line value."""
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own usage error.
+
+    argparse hands such arguments back to the top-level parser, whose usage
+    (``pluginhost [-h] [--version] COMMAND ...``) shows none of the subcommand's options;
+    and nothing after the subcommand's name is for the top-level parser anyway.
+    """
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _selection_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
@@ -94,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference engine extended by installed plugins (pluggy hooks).",
     )
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     selection = _selection_options()
 
     gen = commands.add_parser(
