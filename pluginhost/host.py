@@ -9,10 +9,13 @@ Loading, in order:
 3. in-process plugin objects, in the order given.
 
 A plugin is a module or object holding hook implementations, or a function
-taking no arguments (vLLM's ``register()`` shape): the host calls such a
-function once each time it loads the plugin, acting as that plugin, so what it
-registers through ``ModelRegistry`` is attributed to it. Anything else, holding
-no hook implementation, is a broken plugin.
+taking no arguments (vLLM's ``register()`` shape). Anything else, holding no
+hook implementation, is a broken plugin. A function is called once per
+process, as vLLM calls its general plugins (a second call would patch what the
+first patched again), acting as its plugin: what it registers through
+``ModelRegistry`` is attributed to it and kept with the call, and every engine
+that loads that function, installed or in-process, applies it in the plugin's
+place; engines that do not load it never do.
 
 Each plugin is checked when it is registered: pluggy's own argument check at
 ``register``, ``check_pending`` for unknown hooks, and the one check pluggy
@@ -37,10 +40,10 @@ import inspect
 import logging
 import re
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -59,7 +62,14 @@ from pluginhost.errors import (
     PluginSelectionError,
     RequestRefusedError,
 )
-from pluginhost.registry import BUILTIN_PLUGIN, ArchitectureRegistry, ModelRegistry, builtin_ref, collecting_into
+from pluginhost.registry import (
+    BUILTIN_PLUGIN,
+    ArchitectureRegistry,
+    ModelRegistry,
+    Registration,
+    builtin_ref,
+    collecting_into,
+)
 from pluginhost.selection import SKIP_BROKEN_ENV, PluginSelection, normalize_name
 
 if TYPE_CHECKING:
@@ -108,6 +118,20 @@ def _remedy(record: PluginRecord, *, broken: bool = False, by_distribution: bool
         return "Fix it, or leave it out of LLM(plugins=...)."
     skip = f" Or set {SKIP_BROKEN_ENV}=1 to skip broken plugins." if broken else ""
     return record.ref.remedy(by_distribution=by_distribution) + skip
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The one call of a ``register()`` function in this process: what it registered, or why it failed."""
+
+    registrations: ArchitectureRegistry
+    failure: str | None
+    seconds: float
+
+
+# Each register() function's call, by function: made by the first load that needs it, replayed by the others.
+_CALLS: dict[object, _Call] = {}
+_CALLS_LOCK = threading.RLock()  # two engines built at once in two threads call a function once
 
 
 @dataclass(frozen=True)
@@ -163,8 +187,10 @@ class PluginHost:
         self._records: list[PluginRecord] = []
         self._owners = HookOwners()
         self._warned_returns: set[str] = set()
-        # What in-process register() functions registered: this host's alone.
-        self._in_process_registrations = ArchitectureRegistry()
+        # The register() functions this host loads: the plugin each is loaded as, and its call.
+        self._calls: list[tuple[PluginRef, _Call]] = []
+        # Installed plugins loaded (name, distribution): their direct ModelRegistry registrations apply.
+        self._active: set[tuple[str, str | None]] = set()
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
@@ -250,7 +276,8 @@ class PluginHost:
             records += self._import_installed(pm)
         twins: set[str] = set()  # installed plugins also passed in-process: loaded once, as installed
         records += self._in_process_records({id(p): record for record, p in records if p is not None}, twins)
-        # register() functions run once per load, as their plugin, in hook call order.
+        self._active = _loaded_installed(record for record, _ in records)
+        # register() functions run once per process, as their plugin, in hook call order (replayed after that).
         records = [self._run_if_function(pm, record, plugin) for record, plugin in records]
 
         # pluggy calls the last registered first: register in reverse call order.
@@ -258,6 +285,7 @@ class PluginHost:
             self._register(pm, record, plugin) if plugin is not None else record for record, plugin in reversed(records)
         ]
         self._records = registered[::-1]
+        self._active = _loaded_installed(self._records)
         for record in self._records:
             if (record.kind == "in-process" or record.name in twins) and record.status == "failed":
                 raise PluginError(f"{record.ref.describe()} is broken: {record.reason}. {_remedy(record)}")
@@ -323,12 +351,13 @@ class PluginHost:
     def _run_if_function(
         self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object | None
     ) -> tuple[PluginRecord, object | None]:
-        """Call a ``register()``-function plugin; refuse a plugin with no hook implementation.
+        """Call a ``register()``-function plugin (once per process); refuse a plugin with no hook implementation.
 
-        An installed plugin's registrations are process-wide (``ModelRegistry``
-        lists them) and apply wherever that plugin is selected; an in-process
-        plugin's belong to this host alone, like everything else it passes.
-        Returns the record and what is left to register with pluggy (``None``
+        What the function registered applies to this host, in the plugin's place, and to
+        every later host loading the same function, which does not call it again. An
+        installed plugin's call is listed by ``ModelRegistry`` (process-wide, as in vLLM);
+        an in-process plugin's belongs to the engines passing it, like everything else
+        they pass. Returns the record and what is left to register with pluggy (``None``
         for a function plugin, which has no hooks, or a failed one).
         """
         if plugin is None:
@@ -380,18 +409,38 @@ class PluginHost:
                 "is called with none (mark hook implementations with @hookimpl instead)"
             )
             return replace(record, status="failed", reason=reason), None
+        with _CALLS_LOCK:
+            call = _CALLS.get(plugin)
+            if call is None:
+                call = _CALLS[plugin] = self._call(record, plugin, function)
+            elif call.failure is not None:
+                reason = f"{call.failure} (when first called: a register function is called once per process)"
+                return replace(record, status="failed", reason=reason), None
+        if call.failure is not None:
+            return replace(record, status="failed", reason=call.failure), None
+        self._calls.append((record.ref, call))
+        if record.kind == "installed":
+            ModelRegistry.record(call.registrations)
+        seconds = (record.import_seconds or 0.0) + call.seconds
+        return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
+
+    def _call(self, record: PluginRecord, plugin: Any, function: str) -> _Call:
+        """Call ``plugin()`` as ``record``'s plugin, its registrations kept apart; the process's one call of it."""
+        registrations = ArchitectureRegistry()
         start = time.perf_counter()
-        scope = collecting_into(self._in_process_registrations) if record.kind == "in-process" else nullcontext()
         try:
-            with acting_as(record.ref), scope:
+            with acting_as(record.ref), collecting_into(registrations):
                 plugin()
         except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            reason = f"its register function {function}() failed: {_describe_exception(exc)}"
-            return replace(record, status="failed", reason=reason), None
-        seconds = (record.import_seconds or 0.0) + _since(start)
-        return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
+            return _Call(registrations, f"its register function {function}() failed: {_describe_exception(exc)}", 0.0)
+        return _Call(registrations, None, _since(start))
+
+    def _applies_directly(self, entry: Registration) -> bool:
+        """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
+        ref = entry.registered_by
+        return ref.distribution is None or (ref.name, ref.distribution) in self._active
 
     def _in_process_records(
         self, already: dict[int, PluginRecord], twins: set[str]
@@ -646,21 +695,39 @@ class PluginHost:
                     for r in self._records
                 ]
                 pm.unregister(name=exc.plugin)
+                self._active = _loaded_installed(self._records)
                 continue
-            # Direct ModelRegistry registrations: from your own code (always), or from an
-            # installed plugin's code (only where that plugin is loaded). The builtins
-            # came through the hook already. Every registration takes its plugin's place in
-            # call order (your own code's last): the plugin called later wins, however it registered.
-            active = {(r.name, r.distribution) for r in self._records if r.kind == "installed" and r.status == "loaded"}
-            order = {r.ref: i for i, r in enumerate(self._records)}
-            return ArchitectureRegistry.merged(
-                [
-                    (hooked, lambda ref: True),
-                    (ModelRegistry, lambda r, a=active: r.distribution is None or (r.name, r.distribution) in a),
-                    (self._in_process_registrations, lambda ref: True),
-                ],
-                rank=lambda ref, o=order: o.get(ref, len(o)),
-            )
+            return self._merged(hooked)
+
+    def _merged(self, hooked: ArchitectureRegistry) -> ArchitectureRegistry:
+        """This engine's registry: its hooks' registrations (``hooked``) and those made outside them.
+
+        Direct ModelRegistry registrations: from your own code (always), or from an installed
+        plugin's code (only where that plugin is loaded); the builtins came through the hook
+        already. Then what the register() functions this host loads registered, in their one
+        call. Every registration takes its plugin's place in call order (your own code's last):
+        the plugin called later wins, however it registered.
+        """
+        order = {r.ref: i for i, r in enumerate(self._records)}
+        last = len(order)
+
+        def ranked(entry: Registration) -> int:
+            return order.get(entry.registered_by, last)
+
+        def at(rank: int) -> Callable[[Registration], int]:
+            return lambda entry: rank
+
+        sources: list[tuple[list[Registration], Callable[[Registration], int | None]]] = [
+            (hooked.entries(), ranked),
+            (ModelRegistry.direct_entries(), lambda e: ranked(e) if self._applies_directly(e) else None),
+        ]
+        sources += [(call.registrations.entries(), at(order.get(ref, last))) for ref, call in self._calls]
+        return ArchitectureRegistry.merged(sources)
+
+
+def _loaded_installed(records: Iterable[PluginRecord]) -> set[tuple[str, str | None]]:
+    """(name, distribution) of the installed plugins among ``records`` that are loaded."""
+    return {(r.name, r.distribution) for r in records if r.kind == "installed" and r.status == "loaded"}
 
 
 def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:

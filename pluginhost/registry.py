@@ -9,6 +9,10 @@ at import, in a ``register()`` function, or in a hook) work too:
   ``if arch not in ModelRegistry.get_supported_archs()`` behaves as in vLLM;
 * called while an engine collects registrations (inside a hook), it registers
   into that engine's registry, so two engines never see each other's hooks;
+* called while the host runs a plugin's ``register()`` function, it registers
+  into that call's own registry: the function runs once per process, and the
+  host replays what it registered to every engine that loads the plugin
+  (an installed plugin's calls are ``record``-ed here, so they are listed);
 * called anywhere else, it keeps the registration, attributed to the installed
   plugin whose code made it (or, for code that belongs to no installed plugin,
   to the calling module). An engine applies it in its plugin's place in call
@@ -103,6 +107,8 @@ class RegistrySnapshot:
     """A registry's entries at one moment, for ``ArchitectureRegistry.restore``."""
 
     entries: MappingProxyType[str, Registration]
+    #: ``ModelRegistry``'s recorded ``register()`` calls (``_ProcessRegistry.record``).
+    recorded: tuple[ArchitectureRegistry, ...] = ()
 
 
 def _registering() -> PluginRef:
@@ -210,24 +216,26 @@ class ArchitectureRegistry:
     @classmethod
     def merged(
         cls,
-        sources: Iterable[tuple[ArchitectureRegistry, Callable[[PluginRef], bool]]],
-        rank: Callable[[PluginRef], int],
+        sources: Iterable[tuple[Iterable[Registration], Callable[[Registration], int | None]]],
+        *,
+        log_replacements: bool = True,
     ) -> ArchitectureRegistry:
-        """One registry replaying the registrations of ``sources`` that each one's filter accepts.
+        """One registry replaying ``sources``: each is (current entries, ``place``), ``place`` giving an entry's rank.
 
-        Every registration (each entry's whole history) is replayed in the ``rank`` of its source,
-        stably: a plugin's registrations keep their own order, and of two plugins registering one
-        name, the one ranked later wins, whether it used a hook or ``ModelRegistry`` directly.
+        Every registration (each entry's whole history) that its source places (``None``: not
+        applied) is replayed in that rank, stably: a plugin's registrations keep their own order,
+        and of two plugins registering one name, the one ranked later wins, whether it used a hook,
+        ``ModelRegistry`` directly or a ``register()`` function.
         """
         replay = [
-            entry
-            for registry, include in sources
-            for latest in registry.entries()
+            (rank, entry)
+            for latest_entries, place in sources
+            for latest in latest_entries
             for entry in reversed([latest, *latest.overrides])
-            if include(entry.registered_by)
+            if (rank := place(entry)) is not None
         ]
-        merged = cls(log_replacements=True)
-        for entry in sorted(replay, key=lambda e: rank(e.registered_by)):
+        merged = cls(log_replacements=log_replacements)
+        for _, entry in sorted(replay, key=lambda ranked: ranked[0]):
             merged._add(entry.architecture, entry.model_class or entry.implementation, entry.registered_by)
         return merged
 
@@ -357,8 +365,8 @@ def _compute_logits_problem(cls: type) -> str | None:
     return "(" + ", ".join(prefix.get(p.kind, "") + p.name for p in signature.parameters.values()) + ")"
 
 
-# Set while an engine runs its register_models hook: the process-wide registry
-# forwards registrations into that engine's registry.
+# Set while an engine runs its register_models hook or a plugin's register() function: the
+# process-wide registry forwards registrations into that registry.
 _collecting: ContextVar[ArchitectureRegistry | None] = ContextVar("pluginhost_collecting", default=None)
 
 
@@ -373,22 +381,33 @@ def collecting_into(registry: ArchitectureRegistry) -> Iterator[None]:
 
 
 class _ProcessRegistry(ArchitectureRegistry):
-    """The process-wide default registry (see the module docstring)."""
+    """The process-wide default registry (see the module docstring).
+
+    It holds the registrations made directly through it, and lists beside them the
+    ``record``-ed calls of installed plugins' ``register()`` functions (kept by the host,
+    which replays each to the engines loading its plugin).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._seeded = False
+        self._recorded: tuple[ArchitectureRegistry, ...] = ()
 
     def _seed(self) -> None:
         # The builtins, registered through the builtin plugin's own hook, on first use
         # (not at import: pluginhost's version is not known yet while it is imported).
+        # Into this registry, even when first used inside an engine's collection.
         if not self._seeded:
             self._seeded = True
             import builtin_models
             from pluginhost.attribution import acting_as
 
-            with acting_as(builtin_ref()):
-                builtin_models.register_models(self)
+            token = _collecting.set(None)
+            try:
+                with acting_as(builtin_ref()):
+                    builtin_models.register_models(self)
+            finally:
+                _collecting.reset(token)
 
     def register_model(self, architecture: str, model: type | str) -> None:
         source = _registering()
@@ -399,29 +418,55 @@ class _ProcessRegistry(ArchitectureRegistry):
         self._seed()
         self._add(architecture, model, source)
 
+    def record(self, registrations: ArchitectureRegistry) -> None:
+        """List ``registrations`` (what an installed plugin's one ``register()`` call made) from now on."""
+        if all(r is not registrations for r in self._recorded):
+            self._recorded += (registrations,)
+            self._resolved.clear()
+
+    def recorded(self) -> tuple[ArchitectureRegistry, ...]:
+        """The ``record``-ed registries, oldest first."""
+        return self._recorded
+
+    def direct_entries(self) -> list[Registration]:
+        """The entries registered through this registry itself (the builtins among them), not recorded ones."""
+        self._seed()
+        return super().entries()
+
+    def _everything(self) -> ArchitectureRegistry:
+        """Direct and recorded registrations as one registry, a recorded one replacing a direct one."""
+        sources = [(self.direct_entries(), lambda entry: 0)]
+        sources += [(r.entries(), lambda entry, i=i: i) for i, r in enumerate(self._recorded, 1)]
+        return ArchitectureRegistry.merged(sources, log_replacements=False)
+
     def get_supported_archs(self) -> list[str]:
         """The builtin architectures and every registration made so far (and, inside a hook, the engine's)."""
         self._seed()
         collecting = _collecting.get()
         extra = collecting.get_supported_archs() if collecting is not None else []
-        return sorted({*self._entries, *extra})
+        own = self._everything().get_supported_archs() if self._recorded else self._entries
+        return sorted({*own, *extra})
 
     def entries(self) -> list[Registration]:
-        self._seed()
-        return super().entries()
+        return self._everything().entries() if self._recorded else self.direct_entries()
 
     def get(self, architecture: str) -> Registration:
         self._seed()
-        return super().get(architecture)
+        return self._everything().get(architecture) if self._recorded else super().get(architecture)
 
     def __contains__(self, architecture: object) -> bool:
         self._seed()
-        return super().__contains__(architecture)
+        return super().__contains__(architecture) or any(architecture in r for r in self._recorded)
 
     def snapshot(self) -> RegistrySnapshot:
         self._seed()
-        return super().snapshot()
+        return RegistrySnapshot(MappingProxyType(dict(self._entries)), self._recorded)
+
+    def restore(self, snapshot: RegistrySnapshot) -> None:
+        """Put back the entries and the recorded calls of ``snapshot`` (the host still replays forgotten calls)."""
+        super().restore(snapshot)
+        self._recorded = snapshot.recorded
 
 
 #: The process-wide default registry (``from pluginhost import ModelRegistry``).
-ModelRegistry: ArchitectureRegistry = _ProcessRegistry()
+ModelRegistry: _ProcessRegistry = _ProcessRegistry()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pluginhost import LLM, EngineConfig, hookimpl
+from pluginhost import LLM, EngineConfig, ModelRegistry, hookimpl
 from pluginhost.errors import (
     PluginError,
     PluginHookError,
@@ -106,6 +106,62 @@ def test_an_installed_plugin_also_passed_in_process_loads_once(install_plugin):
     alone.load()
     assert statuses(alone) == {"builtin_models": "builtin", "alpha": "loaded"}
     assert alone.records[-1].kind == "in-process"
+
+
+COUNTED_REGISTER = """
+from pluginhost import ModelRegistry
+CALLS = []
+
+def register():
+    CALLS.append(1)
+    ModelRegistry.register_model("CountedArch", "counted_impl:Model")
+"""
+
+
+def test_a_register_function_is_called_once_per_process_and_its_registrations_replayed(install_plugin, monkeypatch):
+    """vLLM calls a general plugin once per process: a second call would patch what the first patched again."""
+    import importlib
+
+    install_plugin("counted", COUNTED_REGISTER, target="counted:register")
+    for _ in range(3):
+        host = PluginHost()
+        assert "CountedArch" in host.collect_models()
+        assert next(r for r in host.records if r.name == "counted").hooks == ("register",)
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "counted")
+    assert "CountedArch" not in PluginHost().collect_models()  # recorded with the plugin: not applied without it
+    monkeypatch.delenv("PLUGINHOST_DISABLED_PLUGINS")
+    in_process = PluginHost(plugins=[importlib.import_module("counted").register], load_installed=False)
+    assert "CountedArch" in in_process.collect_models()  # the same function, passed in-process: replayed too
+    assert importlib.import_module("counted").CALLS == [1]
+
+
+def test_an_in_process_register_function_is_called_once_for_every_engine_passing_it():
+    calls = []
+
+    def register():
+        calls.append(1)
+        ModelRegistry.register_model("PassedArch", "passed_impl:Model")
+
+    for _ in range(2):
+        assert "PassedArch" in PluginHost(plugins=[register], load_installed=False).collect_models()
+    assert calls == [1]
+    assert "PassedArch" not in PluginHost(load_installed=False).collect_models()  # only where it is passed
+
+
+def test_a_register_function_that_failed_is_not_called_again(install_plugin):
+    import importlib
+
+    install_plugin(
+        "flaky",
+        "CALLS = []\ndef register():\n    CALLS.append(1)\n    raise OSError('no licence')\n",
+        target="flaky:register",
+    )
+    first = {r.name: r for r in PluginHost().load(strict=False)}["flaky"]
+    again = {r.name: r for r in PluginHost().load(strict=False)}["flaky"]
+    assert first.status == again.status == "failed"
+    assert "failed: OSError: no licence" in first.reason
+    assert again.reason.startswith(first.reason) and "called once per process" in again.reason
+    assert importlib.import_module("flaky").CALLS == [1]
 
 
 def test_an_installed_plugin_passed_in_process_and_broken_stops_the_engine_even_when_skipping(

@@ -123,6 +123,15 @@ def test_the_register_function_works_in_process_too(dummy_plugin, dummy_opt_path
         LLM(model=dummy_opt_path, load_installed_plugins=False)
 
 
+def test_the_register_function_works_in_process_after_the_installed_plugin_ran(dummy_plugin, dummy_opt_path: str):
+    """The error below advises plugins=[register]: it must work whichever engine called register() first."""
+    from vllm_add_dummy_model import register
+
+    assert type(LLM(model=dummy_opt_path).model).__name__ == "MyOPTForCausalLM"  # installed, loaded
+    llm = LLM(model=dummy_opt_path, plugins=[register], load_installed_plugins=False)
+    assert llm.generate([[2, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids == [0, 0, 0]
+
+
 def test_the_guard_and_a_second_register_call_are_silent(dummy_plugin, caplog: pytest.LogCaptureFixture):
     from vllm_add_dummy_model import register
     from vllm_add_dummy_model.my_opt import MyOPTForCausalLM
@@ -154,7 +163,37 @@ def test_a_registration_by_a_plugin_this_engine_does_not_load_is_explained(dummy
         LLM(model=dummy_opt_path, load_installed_plugins=False)
 
 
-def test_an_unguarded_register_function_called_by_every_engine_is_silent(install_plugin, caplog, tiny_opt):
+SOFTCAP_PLUGIN = """
+import torch
+from builtin_models.opt import OPTForCausalLM  # was: from vllm.model_executor.models.opt import OPTForCausalLM
+
+def register():
+    original = OPTForCausalLM.compute_logits
+
+    def compute_logits(self, hidden_states):
+        return 2.0 * torch.tanh(original(self, hidden_states) / 2.0)  # Gemma-2's soft-capping
+
+    OPTForCausalLM.compute_logits = compute_logits
+"""
+
+
+def test_a_general_plugin_that_patches_the_model_patches_it_once(install_plugin, monkeypatch, tiny_opt):
+    """vLLM's plugins_loaded guard: register() runs once per process, not once per engine (patches piled up)."""
+    monkeypatch.setattr(OPTForCausalLM, "compute_logits", OPTForCausalLM.compute_logits)  # undone after the test
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+
+    def logprob() -> float:
+        out = LLM(str(tiny_opt)).generate([[2, 5, 9]], params)[0]
+        return out.logprobs[0][out.token_ids[0]]
+
+    plain = logprob()
+    install_plugin("softcap", SOFTCAP_PLUGIN, target="softcap:register")
+    capped = [logprob() for _ in range(3)]
+    assert capped[0] != pytest.approx(plain, abs=1e-3)  # the patch is there
+    assert capped == [capped[0]] * 3  # and there once
+
+
+def test_an_unguarded_register_function_applied_to_every_engine_is_silent(install_plugin, caplog, tiny_opt):
     install_plugin(
         "unguarded",
         "from pluginhost import ModelRegistry\n"
@@ -164,7 +203,7 @@ def test_an_unguarded_register_function_called_by_every_engine_is_silent(install
     )
     with caplog.at_level(logging.INFO, logger="pluginhost.registry"):
         for _ in range(2):
-            LLM(str(tiny_opt))  # each load calls register(): the second call changes nothing
+            LLM(str(tiny_opt))  # the first load calls register(), the second replays what it registered
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == []  # overriding a builtin is what registration is for: logged, not warned about
     entry = ModelRegistry.get("OPTForCausalLM")
