@@ -429,7 +429,7 @@ class PluginHost:
         registrations = ArchitectureRegistry()
         start = time.perf_counter()
         try:
-            with acting_as(record.ref), collecting_into(registrations):
+            with acting_as(record.ref), collecting_into(registrations, listed=self._applied_architectures):
                 plugin()
         except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything
             if isinstance(exc, KeyboardInterrupt):
@@ -441,6 +441,19 @@ class PluginHost:
         """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
         ref = entry.registered_by
         return ref.distribution is None or (ref.name, ref.distribution) in self._active
+
+    def _applied_architectures(self) -> set[str]:
+        """The architectures this engine applies so far: what ``get_supported_archs()`` lists inside its plugins."""
+        builtin = builtin_ref()
+        names = {
+            entry.architecture
+            for latest in ModelRegistry.direct_entries()
+            for entry in (latest, *latest.overrides)
+            if entry.registered_by == builtin or self._applies_directly(entry)
+        }
+        for _, call in self._calls:
+            names.update(call.registrations.get_supported_archs())
+        return names
 
     def _in_process_records(
         self, already: dict[int, PluginRecord], twins: set[str]
@@ -685,7 +698,7 @@ class PluginHost:
         while True:
             hooked = ArchitectureRegistry()
             try:
-                with collecting_into(hooked):
+                with collecting_into(hooked, listed=self._applied_architectures):
                     self.call("register_models", registry=hooked)
             except PluginHookError as exc:
                 if strict or exc.plugin == BUILTIN_PLUGIN:

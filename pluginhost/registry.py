@@ -21,6 +21,10 @@ at import, in a ``register()`` function, or in a hook) work too:
   registrations even when its module was imported earlier. Registrations by
   code that belongs to no installed plugin (your own script) always apply, last.
 
+Inside an engine's plugin code (a ``register()`` call, a hook),
+``get_supported_archs()`` answers what that engine applies, so vLLM's guard
+decides on the engine being built; anywhere else, every registration made so far.
+
 Registering a name that exists replaces the entry; the entry remembers what it
 replaced. Registering the same model again from the same source is silent.
 Lazy ``"package.module:ClassName"`` targets are imported only when the
@@ -365,15 +369,30 @@ def _compute_logits_problem(cls: type) -> str | None:
     return "(" + ", ".join(prefix.get(p.kind, "") + p.name for p in signature.parameters.values()) + ")"
 
 
+@dataclass(frozen=True)
+class _Collecting:
+    registry: ArchitectureRegistry
+    #: The other architectures the engine applies (``None``: every registration in the process).
+    listed: Callable[[], Iterable[str]] | None
+
+
 # Set while an engine runs its register_models hook or a plugin's register() function: the
 # process-wide registry forwards registrations into that registry.
-_collecting: ContextVar[ArchitectureRegistry | None] = ContextVar("pluginhost_collecting", default=None)
+_collecting: ContextVar[_Collecting | None] = ContextVar("pluginhost_collecting", default=None)
 
 
 @contextmanager
-def collecting_into(registry: ArchitectureRegistry) -> Iterator[None]:
-    """Route ``ModelRegistry.register_model`` calls into ``registry`` inside the block."""
-    token = _collecting.set(registry)
+def collecting_into(
+    registry: ArchitectureRegistry, *, listed: Callable[[], Iterable[str]] | None = None
+) -> Iterator[None]:
+    """Route ``ModelRegistry.register_model`` calls into ``registry`` inside the block.
+
+    ``listed``: the other architectures the engine being built applies. Inside the block,
+    ``ModelRegistry.get_supported_archs()`` lists them and ``registry``'s, no more: a vLLM guard
+    (``if arch not in ...get_supported_archs()``) must not skip a registration because of one
+    that this engine will not apply. Without it, every registration in the process is listed.
+    """
+    token = _collecting.set(_Collecting(registry, listed))
     try:
         yield
     finally:
@@ -413,7 +432,7 @@ class _ProcessRegistry(ArchitectureRegistry):
         source = _registering()
         collecting = _collecting.get()
         if collecting is not None:
-            collecting._add(architecture, model, source)
+            collecting.registry._add(architecture, model, source)
             return
         self._seed()
         self._add(architecture, model, source)
@@ -440,10 +459,12 @@ class _ProcessRegistry(ArchitectureRegistry):
         return ArchitectureRegistry.merged(sources, log_replacements=False)
 
     def get_supported_archs(self) -> list[str]:
-        """The builtin architectures and every registration made so far (and, inside a hook, the engine's)."""
+        """The builtin architectures and every registration made so far; inside an engine, what it applies."""
         self._seed()
         collecting = _collecting.get()
-        extra = collecting.get_supported_archs() if collecting is not None else []
+        if collecting is not None and collecting.listed is not None:
+            return sorted({*collecting.listed(), *collecting.registry.get_supported_archs()})
+        extra = collecting.registry.get_supported_archs() if collecting is not None else []
         own = self._everything().get_supported_archs() if self._recorded else self._entries
         return sorted({*own, *extra})
 

@@ -134,6 +134,34 @@ def test_vllm_style_registration_inside_a_hook_stays_in_that_engine():
     assert "OnlyHere" not in collect().get_supported_archs()
 
 
+def test_the_vllm_guard_sees_what_the_engine_being_built_applies(install_plugin, monkeypatch):
+    """Inside an engine, get_supported_archs() lists what that engine applies, not every registration so far."""
+    install_plugin(
+        "other",
+        "from pluginhost import ModelRegistry\n"
+        "def register():\n"
+        "    ModelRegistry.register_model('Shared', 'other:M')\n",
+        target="other:register",
+    )
+    assert "Shared" in PluginHost().collect_models()  # the installed plugin registered it, process-wide
+    assert "Shared" in ModelRegistry.get_supported_archs()
+
+    def guarded():
+        if "Shared" not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model("Shared", "mine:M")
+
+    class GuardedHook:
+        @hookimpl
+        def register_models(self, registry):
+            if "Hooked" not in ModelRegistry.get_supported_archs():
+                ModelRegistry.register_model("Hooked", "mine:Hooked")
+
+    alone = collect(guarded, GuardedHook())  # without the installed plugin: both guards let their registration in
+    assert alone.get("Shared").implementation == "mine:M" and "Hooked" in alone
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "other")
+    assert PluginHost(plugins=[guarded]).collect_models().get("Shared").implementation == "mine:M"
+
+
 def test_unknown_architecture_names_close_matches_and_how_to_list():
     with pytest.raises(UnknownArchitectureError) as info:
         collect().get("OPTForCausalLm")
