@@ -67,6 +67,7 @@ from pluginhost.registry import (
     ArchitectureRegistry,
     ModelRegistry,
     Registration,
+    RegistrySnapshot,
     builtin_ref,
     collecting_into,
 )
@@ -177,7 +178,10 @@ class PluginHost:
         load_installed: bool = True,
         selection: PluginSelection | None = None,
         skip_broken: bool | None = None,
+        apply_registrations_since: RegistrySnapshot | None = None,
     ) -> None:
+        """``apply_registrations_since``: also apply what ``ModelRegistry`` gained since that snapshot, whoever's
+        code registered it (the test kit's engines: what the test registered itself, as vLLM tests do)."""
         self._in_process = _checked_in_process(plugins)
         self._installed_names: set[str] = set()  # every installed plugin's name, loaded or not
         self._load_installed = load_installed
@@ -191,6 +195,7 @@ class PluginHost:
         self._calls: list[tuple[PluginRef, _Call]] = []
         # Installed plugins loaded (name, distribution): their direct ModelRegistry registrations apply.
         self._active: set[tuple[str, str | None]] = set()
+        self._since = apply_registrations_since
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
@@ -440,7 +445,21 @@ class PluginHost:
     def _applies_directly(self, entry: Registration) -> bool:
         """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
         ref = entry.registered_by
+        if self._since is not None and not self._since.holds(entry):
+            return True
         return ref.distribution is None or (ref.name, ref.distribution) in self._active
+
+    def _recorded_since(self) -> list[ArchitectureRegistry]:
+        """Installed plugins' calls ``ModelRegistry`` lists since ``apply_registrations_since`` (that this host does
+        not replay itself)."""
+        if self._since is None:
+            return []
+        own = [call.registrations for _, call in self._calls]
+        return [
+            r
+            for r in ModelRegistry.recorded()
+            if all(r is not held for held in self._since.recorded) and all(r is not o for o in own)
+        ]
 
     def _applied_architectures(self) -> set[str]:
         """The architectures this engine applies so far: what ``get_supported_archs()`` lists inside its plugins."""
@@ -451,8 +470,8 @@ class PluginHost:
             for entry in (latest, *latest.overrides)
             if entry.registered_by == builtin or self._applies_directly(entry)
         }
-        for _, call in self._calls:
-            names.update(call.registrations.get_supported_archs())
+        for registrations in [call.registrations for _, call in self._calls] + self._recorded_since():
+            names.update(registrations.get_supported_archs())
         return names
 
     def _in_process_records(
@@ -735,6 +754,7 @@ class PluginHost:
             (ModelRegistry.direct_entries(), lambda e: ranked(e) if self._applies_directly(e) else None),
         ]
         sources += [(call.registrations.entries(), at(order.get(ref, last))) for ref, call in self._calls]
+        sources += [(r.entries(), at(last)) for r in self._recorded_since()]
         return ArchitectureRegistry.merged(sources)
 
 

@@ -114,6 +114,10 @@ class RegistrySnapshot:
     #: ``ModelRegistry``'s recorded ``register()`` calls (``_ProcessRegistry.record``).
     recorded: tuple[ArchitectureRegistry, ...] = ()
 
+    def holds(self, entry: Registration) -> bool:
+        """Whether ``entry`` was in the registry then, current or replaced (by identity: not one made since)."""
+        return any(entry is held for latest in self.entries.values() for held in (latest, *latest.overrides))
+
 
 def _registering() -> PluginRef:
     """Who makes a registration now: the distribution whose code makes it.

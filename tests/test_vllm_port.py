@@ -193,6 +193,16 @@ def test_a_general_plugin_that_patches_the_model_patches_it_once(install_plugin,
     assert capped == [capped[0]] * 3  # and there once
 
 
+def test_the_test_kit_applies_what_the_test_registered_itself(dummy_plugin, make_engine, model_registry):
+    """A vLLM test calls the plugin's register() and builds: the same installed or from a source checkout."""
+    from vllm_add_dummy_model import register
+
+    register()
+    assert "MyOPTForCausalLM" in model_registry.get_supported_archs()
+    llm = make_engine(model_architecture_override="MyOPTForCausalLM")
+    assert llm.generate([[2, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids == [0, 0, 0]
+
+
 def test_an_unguarded_register_function_applied_to_every_engine_is_silent(install_plugin, caplog, tiny_opt):
     install_plugin(
         "unguarded",

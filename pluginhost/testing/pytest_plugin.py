@@ -4,7 +4,9 @@
   offline once per test session (transformers' own ``save_pretrained``).
 * ``make_engine(*plugins, **settings)``: an ``LLM`` on ``tiny_opt_dir`` (or
   ``model=...``) that loads only the plugins under test, whatever else is
-  installed; pass your plugin module or object.
+  installed; pass your plugin module or object. What the test registers
+  through ``ModelRegistry`` itself (calling a plugin's ``register()``, as vLLM
+  tests do) applies too, whether that plugin is installed or not.
 * ``make_host(*plugins)``: the same isolation without building a model, for
   registry and configuration checks (``make_host(p).collect_models()``).
 * ``hook_recorder``: every hook call made by engines and hosts from the two
@@ -38,7 +40,7 @@ import pytest
 if TYPE_CHECKING:
     from pluginhost.engine import LLM
     from pluginhost.host import PluginHost
-    from pluginhost.registry import ArchitectureRegistry
+    from pluginhost.registry import ArchitectureRegistry, RegistrySnapshot
 
 __all__ = ["HookCall", "HookRecorder", "hook_recorder", "make_engine", "make_host", "model_registry", "tiny_opt_dir"]
 
@@ -95,23 +97,33 @@ def hook_recorder() -> HookRecorder:
 
 
 @pytest.fixture
-def model_registry() -> Iterator[ArchitectureRegistry]:
-    """``pluginhost.ModelRegistry``, with every registration made during the test undone afterwards."""
+def _model_registry_at_start() -> Iterator[RegistrySnapshot]:
+    """What ``ModelRegistry`` held when the test started, put back when it ends."""
     from pluginhost.registry import ModelRegistry
 
     snapshot = ModelRegistry.snapshot()
     try:
-        yield ModelRegistry
+        yield snapshot
     finally:
         ModelRegistry.restore(snapshot)
 
 
 @pytest.fixture
-def make_host(hook_recorder: HookRecorder, model_registry: ArchitectureRegistry) -> Callable[..., PluginHost]:
+def model_registry(_model_registry_at_start: RegistrySnapshot) -> ArchitectureRegistry:
+    """``pluginhost.ModelRegistry``, with every registration made during the test undone afterwards."""
+    from pluginhost.registry import ModelRegistry
+
+    return ModelRegistry
+
+
+@pytest.fixture
+def make_host(hook_recorder: HookRecorder, _model_registry_at_start: RegistrySnapshot) -> Callable[..., PluginHost]:
     def factory(*plugins: object) -> PluginHost:
         from pluginhost.host import PluginHost
 
-        host = PluginHost(plugins=plugins, load_installed=False)
+        # Installed plugins stay out, but not what the test registered itself: an installed plugin's code
+        # registers as that plugin, and the test would otherwise pass from a source checkout only.
+        host = PluginHost(plugins=plugins, load_installed=False, apply_registrations_since=_model_registry_at_start)
         hook_recorder.attach(host)
         return host
 
