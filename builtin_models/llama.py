@@ -207,7 +207,10 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
         return {
             "model.layers.*.self_attn": Heads(),
-            "model.layers.*.self_attn.qkv_proj": Colwise(parts=attn.sizes if attn is not None else 1),
+            "model.layers.*.self_attn.qkv_proj": Colwise(
+                parts=attn.sizes if attn is not None else 1,
+                heads=(attn.n_heads, attn.n_kv_heads, attn.n_kv_heads) if attn is not None else None,
+            ),
             "model.layers.*.self_attn.o_proj": Rowwise(),
             "model.layers.*.mlp.gate_up_proj": Colwise(parts=2),
             "model.layers.*.mlp.down_proj": Rowwise(),

@@ -7,7 +7,8 @@ are vLLM's (Megatron-LM's):
 
 * ``Colwise``: a linear layer's outputs are split, rank r computing chunk r of
   them (q/k/v and the MLP's first product). A fused weight (q, k and v
-  stacked) is split part by part.
+  stacked) is split part by part; key/value heads fewer than the ranks are
+  copied, each rank keeping the one its query heads use (as vLLM does).
 * ``Rowwise``: a linear layer's inputs are split; each rank's partial product
   is summed over ranks by one all-reduce, the bias added on rank 0 only (the
   attention output and the MLP's second product).
@@ -51,9 +52,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Colwise:
-    """Split the outputs; ``parts``: a fused weight's parts (a count of equal ones, or their sizes)."""
+    """Split the outputs; ``parts``: a fused weight's parts (a count of equal ones, or their sizes).
+
+    ``heads``: each part's attention heads, when a part may have fewer heads than there are ranks
+    (grouped-query key/value): such a part is cut into its heads, each copied on ``world // heads`` ranks.
+    """
 
     parts: int | tuple[int, ...] = 1
+    heads: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,10 @@ class Rowwise:
 
 @dataclass(frozen=True)
 class Heads:
-    """Divide an attention module's ``n_heads``, ``n_kv_heads`` and ``sizes`` by the ranks."""
+    """Divide an attention module's ``n_heads``, ``n_kv_heads`` and ``sizes`` (q, then k and v) by the ranks.
+
+    Key/value heads fewer than the ranks, whose count divides them, are copied instead: one a rank.
+    """
 
 
 @dataclass(frozen=True)
@@ -149,16 +158,20 @@ def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, gr
     out_features, in_features = module.weight.shape
     if isinstance(style, Colwise):
         parts = style.parts if isinstance(style.parts, tuple) else (out_features // style.parts,) * style.parts
-        if sum(parts) != out_features or any(p % world for p in parts):
+        chunks = tuple(_chunks(h, world) for h in style.heads) if style.heads else (world,) * len(parts)
+        if sum(parts) != out_features or any(not c or p % c for p, c in zip(parts, chunks, strict=True)):
             raise ModelClassError(
                 f"{name} cannot be split over {world} ranks: its {out_features} outputs (in parts {list(parts)}) "
                 f"are not divisible by {world}"
             )
-        shard = Shard(rank, world, dim=0, parts=parts if len(parts) > 1 else None)
-        _replace(module, "weight", (out_features // world, in_features), shard)
+        shard = Shard(
+            rank, world, dim=0, parts=parts if len(parts) > 1 else None, chunks=chunks if style.heads else None
+        )
+        outputs = sum(p // c for p, c in zip(parts, chunks, strict=True))
+        _replace(module, "weight", (outputs, in_features), shard)
         if module.bias is not None:
-            _replace(module, "bias", (out_features // world,), shard)
-        module.out_features = out_features // world
+            _replace(module, "bias", (outputs,), shard)
+        module.out_features = outputs
     elif isinstance(style, Rowwise):
         if in_features % world:
             raise ModelClassError(f"{name} cannot be split over {world} ranks: {in_features} inputs")
@@ -183,19 +196,35 @@ def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, gr
 
 
 def _split_heads(name: str, module: nn.Module, world: int) -> None:
-    for attr in ("n_heads", "n_kv_heads"):
-        count = getattr(module, attr, None)
-        if count is None:
-            continue
-        if count % world:
+    n_heads = module.n_heads
+    if n_heads % world:
+        raise ModelClassError(
+            f"{name} has {n_heads} heads, which do not split over {world} ranks: use a tensor_parallel_size "
+            f"that divides {n_heads}"
+        )
+    module.n_heads = n_heads // world
+    kv_chunks = world
+    n_kv = getattr(module, "n_kv_heads", None)
+    if n_kv is not None:
+        kv_chunks = _chunks(n_kv, world)
+        if not kv_chunks:
             raise ModelClassError(
-                f"{name} has {count} {'key/value ' if attr == 'n_kv_heads' else ''}heads, which do not split over "
-                f"{world} ranks: use a tensor_parallel_size that divides {count}"
+                f"{name} has {n_kv} key/value heads, which neither split over {world} ranks nor can be copied "
+                f"onto them: use a tensor_parallel_size that divides {n_kv}, or a multiple of {n_kv} that divides "
+                f"{n_heads}"
             )
-        setattr(module, attr, count // world)
+        module.n_kv_heads = n_kv // kv_chunks
     sizes = getattr(module, "sizes", None)
-    if sizes is not None:
-        module.sizes = tuple(size // world for size in sizes)
+    if sizes is not None:  # q, then key and value
+        module.sizes = (sizes[0] // world, *(size // kv_chunks for size in sizes[1:]))
+
+
+def _chunks(heads: int, world: int) -> int:
+    """Into how many chunks a part of ``heads`` heads is cut over ``world`` ranks: ``world``, or its heads
+    when there are fewer (each copied on ``world // heads`` ranks); 0 when neither divides the other."""
+    if heads % world == 0:
+        return world
+    return heads if world % heads == 0 else 0
 
 
 def _replace(module: nn.Module, attr: str, shape: tuple[int, ...], shard: Shard) -> None:

@@ -68,7 +68,10 @@ class Shard:
 
     Along ``dim``, the tensor is cut into ``world`` equal chunks and this rank
     keeps chunk ``rank``; a fused tensor (``parts``: the full sizes of its parts
-    along ``dim``, such as q, k and v stacked) is cut part by part. ``pad``
+    along ``dim``, such as q, k and v stacked) is cut part by part. A part may
+    be cut into fewer chunks than ranks (``chunks``: each part's count, a
+    divisor of ``world``; key/value heads fewer than the ranks): rank r keeps
+    chunk ``r * chunks // world``, a copy of what its neighbours keep. ``pad``
     (a vocabulary split): chunks of ``ceil(size / world)``, the last one padded
     with zeros. ``rank0_only`` (the bias of a row-parallel product, whose
     outputs are summed over ranks): rank 0 keeps the tensor, the others zeros.
@@ -78,6 +81,7 @@ class Shard:
     world: int
     dim: int = 0
     parts: tuple[int, ...] | None = None
+    chunks: tuple[int, ...] | None = None
     pad: bool = False
     rank0_only: bool = False
 
@@ -99,22 +103,26 @@ class Shard:
                 piece = torch.cat([piece, piece.new_zeros(shape)], dim=self.dim)
             return piece.contiguous()
         parts = self.parts or (size,)
-        if sum(parts) != size or any(p % self.world for p in parts):
+        if sum(parts) != size or any(p % self._chunks(i) for i, p in enumerate(parts)):
             return tensor  # not this model's tensor: the shape check reports it
         pieces = tensor.split(list(parts), dim=self.dim)
-        mine = [
-            p.narrow(self.dim, self.rank * (p.shape[self.dim] // self.world), p.shape[self.dim] // self.world)
-            for p in pieces
-        ]
+        mine = [self._mine(piece, self.dim, self._chunks(i)) for i, piece in enumerate(pieces)]
         return torch.cat(mine, dim=self.dim) if len(mine) > 1 else mine[0].contiguous()
 
-    def take_part(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of one part of a stacked parameter (its rows, cut into ``world`` chunks)."""
-        size = tensor.shape[0] if tensor.dim() else 0
-        if self.dim != 0 or size % self.world:
+    def take_part(self, tensor: torch.Tensor, part: int) -> torch.Tensor:
+        """This rank's slice of part ``part`` of a stacked parameter (its rows, cut into that part's chunks)."""
+        size, chunks = tensor.shape[0] if tensor.dim() else 0, self._chunks(part)
+        if self.dim != 0 or size % chunks:
             return tensor  # the shape check reports it
-        chunk = size // self.world
-        return tensor.narrow(0, self.rank * chunk, chunk).contiguous()
+        return self._mine(tensor, 0, chunks).contiguous()
+
+    def _chunks(self, part: int) -> int:
+        return self.chunks[part] if self.chunks is not None else self.world
+
+    def _mine(self, piece: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+        """This rank's chunk of ``piece`` cut into ``chunks`` along ``dim`` (shared by ``world // chunks`` ranks)."""
+        length = piece.shape[dim] // chunks
+        return piece.narrow(dim, self.rank * chunks // self.world * length, length)
 
 
 def assign_weights(
@@ -150,7 +158,7 @@ def assign_weights(
             continue
         shard = shards.get(name)
         if shard is not None:
-            tensor = shard.take_part(tensor) if isinstance(target, Stacked) else shard.take(tensor)
+            tensor = shard.take_part(tensor, target.part) if isinstance(target, Stacked) else shard.take(tensor)
         if isinstance(target, Stacked):  # held, even if it does not fit: that is reported, not "no k_proj"
             stacked_parts.setdefault(name, (target, set()))[1].add(target.part)
         expected = _part_shape(param, target) if isinstance(target, Stacked) else tuple(param.shape)

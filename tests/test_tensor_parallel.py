@@ -20,7 +20,7 @@ import torch
 
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.engine.parallel import free_port
-from pluginhost.errors import ConfigError, ModelRunError, PluginhostError, TensorParallelError
+from pluginhost.errors import ConfigError, ModelClassError, ModelRunError, PluginhostError, TensorParallelError
 from pluginhost.testing import make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -60,6 +60,7 @@ def tiny_models(tmp_path_factory, tiny_opt):
     return {
         "opt": tiny_opt,
         "llama (grouped-query)": make_tiny_model(root / "llama", "llama"),
+        "llama (one key/value head: copied)": make_tiny_model(root / "llama-mqa", "llama", num_key_value_heads=1),
         "qwen2 (tied, q/k/v biases)": make_tiny_model(root / "qwen2", "qwen2"),
         "gpt2 (vocabulary of 383: padded)": make_tiny_model(root / "gpt2", "gpt2", vocab_size=383),
     }
@@ -75,7 +76,14 @@ def assert_same(one, two):
 
 
 @pytest.mark.parametrize(
-    "model", ["opt", "llama (grouped-query)", "qwen2 (tied, q/k/v biases)", "gpt2 (vocabulary of 383: padded)"]
+    "model",
+    [
+        "opt",
+        "llama (grouped-query)",
+        "llama (one key/value head: copied)",
+        "qwen2 (tied, q/k/v biases)",
+        "gpt2 (vocabulary of 383: padded)",
+    ],
 )
 def test_two_ranks_generate_what_one_process_does(tiny_models, model):
     path = str(tiny_models[model])
@@ -741,3 +749,47 @@ COMPILES_IN_POST_LOAD = CompilesInPostLoad()
 def test_a_combination_a_post_load_sets_is_refused_too(tiny_opt):
     with pytest.raises(PluginhostError, match="compile_decode cannot be combined with tensor parallelism"):
         LLM(str(tiny_opt), plugins=[COMPILES_IN_POST_LOAD], load_installed_plugins=False, tensor_parallel_size=2)
+
+
+# -- how a model splits ---------------------------------------------------------------------------
+
+
+def llama_split(path: Path, rank: int, world: int):  # noqa: ANN201 - a LlamaForCausalLM
+    """Rank ``rank`` of ``world``'s Llama, split and loaded as a rank builds it (no collective runs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from builtin_models.llama import LlamaForCausalLM
+    from builtin_models.tp import shard_model
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+    shard_model(model, rank, world)
+    model.load_weights(AutoModelForCausalLM.from_pretrained(path).state_dict().items())
+    return model
+
+
+def test_key_value_heads_fewer_than_the_ranks_are_copied_each_to_the_ranks_whose_queries_use_it(tiny_models):
+    # 4 query heads, 2 key/value heads, 4 ranks: rank r computes query head r, which reads key/value head r // 2.
+    path = tiny_models["llama (grouped-query)"]
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path).model.layers[0].self_attn
+    d = full.head_dim
+    for rank in range(4):
+        attn = llama_split(path, rank, 4).model.layers[0].self_attn
+        assert (attn.n_heads, attn.n_kv_heads, attn.sizes) == (1, 1, (d, d, d))
+        kv = rank // 2
+        expected = torch.cat(
+            [
+                full.q_proj.weight[rank * d : (rank + 1) * d],
+                full.k_proj.weight[kv * d : (kv + 1) * d],
+                full.v_proj.weight[kv * d : (kv + 1) * d],
+            ]
+        )
+        assert torch.equal(attn.qkv_proj.weight, expected)
+
+
+def test_key_value_heads_that_neither_split_nor_copy_over_the_ranks_are_one_clear_error(tmp_path):
+    path = make_tiny_model(tmp_path / "kv3", "llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ModelClassError, match="has 3 key/value heads, which neither split over 2 ranks nor can be"):
+        llama_split(path, 0, 2)
