@@ -115,8 +115,9 @@ class RegistrySnapshot:
     recorded: tuple[ArchitectureRegistry, ...] = ()
 
     def holds(self, entry: Registration) -> bool:
-        """Whether ``entry`` was in the registry then, current or replaced (by identity: not one made since)."""
-        return any(entry is held for latest in self.entries.values() for held in (latest, *latest.overrides))
+        """Whether ``entry`` was in the registry then, current or replaced, or recorded (by identity: not one since)."""
+        latest_entries = [*self.entries.values(), *(e for r in self.recorded for e in r.entries())]
+        return any(entry is held for latest in latest_entries for held in (latest, *latest.overrides))
 
 
 def _registering() -> PluginRef:
@@ -415,6 +416,8 @@ class _ProcessRegistry(ArchitectureRegistry):
         super().__init__()
         self._seeded = False
         self._recorded: tuple[ArchitectureRegistry, ...] = ()
+        # Which registrations it lists and answers for (``showing_only``); the engines' own rules are unchanged.
+        self._shown: Callable[[Registration], bool] | None = None
 
     def _seed(self) -> None:
         # The builtins, registered through the builtin plugin's own hook, on first use
@@ -456,10 +459,33 @@ class _ProcessRegistry(ArchitectureRegistry):
         self._seed()
         return super().entries()
 
+    @contextmanager
+    def showing_only(self, shown: Callable[[Registration], bool]) -> Iterator[None]:
+        """Inside the block, list and answer for the registrations ``shown`` accepts, as if they were all.
+
+        The test kit shows what its engines apply: a test's vLLM-style guard then decides as
+        those engines would. What an engine applies does not change.
+        """
+        previous, self._shown = self._shown, shown
+        self._resolved.clear()
+        try:
+            yield
+        finally:
+            self._shown = previous
+            self._resolved.clear()
+
+    def _filtered(self) -> bool:
+        return bool(self._recorded) or self._shown is not None
+
     def _everything(self) -> ArchitectureRegistry:
-        """Direct and recorded registrations as one registry, a recorded one replacing a direct one."""
-        sources = [(self.direct_entries(), lambda entry: 0)]
-        sources += [(r.entries(), lambda entry, i=i: i) for i, r in enumerate(self._recorded, 1)]
+        """Direct and recorded registrations (those shown) as one registry, a recorded one replacing a direct one."""
+        shown = self._shown or (lambda entry: True)
+
+        def at(rank: int) -> Callable[[Registration], int | None]:
+            return lambda entry: rank if shown(entry) else None
+
+        sources = [(self.direct_entries(), at(0))]
+        sources += [(r.entries(), at(i)) for i, r in enumerate(self._recorded, 1)]
         return ArchitectureRegistry.merged(sources, log_replacements=False)
 
     def get_supported_archs(self) -> list[str]:
@@ -469,18 +495,20 @@ class _ProcessRegistry(ArchitectureRegistry):
         if collecting is not None and collecting.listed is not None:
             return sorted({*collecting.listed(), *collecting.registry.get_supported_archs()})
         extra = collecting.registry.get_supported_archs() if collecting is not None else []
-        own = self._everything().get_supported_archs() if self._recorded else self._entries
+        own = self._everything().get_supported_archs() if self._filtered() else self._entries
         return sorted({*own, *extra})
 
     def entries(self) -> list[Registration]:
-        return self._everything().entries() if self._recorded else self.direct_entries()
+        return self._everything().entries() if self._filtered() else self.direct_entries()
 
     def get(self, architecture: str) -> Registration:
         self._seed()
-        return self._everything().get(architecture) if self._recorded else super().get(architecture)
+        return self._everything().get(architecture) if self._filtered() else super().get(architecture)
 
     def __contains__(self, architecture: object) -> bool:
         self._seed()
+        if self._shown is not None:
+            return architecture in self._everything()
         return super().__contains__(architecture) or any(architecture in r for r in self._recorded)
 
     def snapshot(self) -> RegistrySnapshot:

@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,54 @@ def test_the_test_kit_applies_what_the_test_registered_itself(dummy_plugin, make
     assert "MyOPTForCausalLM" in model_registry.get_supported_archs()
     llm = make_engine(model_architecture_override="MyOPTForCausalLM")
     assert llm.generate([[2, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids == [0, 0, 0]
+
+
+AUTHOR_TESTS = """
+import pytest
+from pluginhost import LLM, SamplingParams
+from vllm_add_dummy_model import register
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+@pytest.fixture(scope="session")
+def installed_llm(tiny_opt_dir):  # the plugin as users get it: installed, loaded by LLM()
+    return LLM(str(tiny_opt_dir), model_architecture_override="MyOPTForCausalLM")
+
+
+def test_installed(installed_llm):
+    assert installed_llm.generate([[2, 7]], GREEDY)[0].token_ids == [0, 0, 0]
+
+
+def test_register_called_directly(make_engine, model_registry):
+    register()
+    assert "MyOPTForCausalLM" in model_registry.get_supported_archs()
+    llm = make_engine(model_architecture_override="MyOPTForCausalLM")
+    assert llm.generate([[2, 7]], GREEDY)[0].token_ids == [0, 0, 0]
+
+
+def test_in_process(make_engine):
+    llm = make_engine(register, model_architecture_override="MyOPTForCausalLM")
+    assert llm.generate([[2, 7]], GREEDY)[0].token_ids == [0, 0, 0]
+"""
+
+
+@pytest.mark.parametrize("order", ["installed first", "installed last"])
+def test_a_plugin_authors_kit_tests_pass_in_any_order(dummy_plugin_site: Path, tmp_path: Path, order: str):
+    """A plain LLM() earlier in the session (loading the installed plugin) must not change what the kit's tests see."""
+    head, installed, rest = re.split(r"\n(?=def test_)", AUTHOR_TESTS, maxsplit=2)
+    code = "\n".join([head, installed, rest] if order == "installed first" else [head, rest, installed])
+    (tmp_path / "test_author.py").write_text(code)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "test_author.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dummy_plugin_site), *sys.path])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 passed" in result.stdout
 
 
 def test_an_unguarded_register_function_applied_to_every_engine_is_silent(install_plugin, caplog, tiny_opt):

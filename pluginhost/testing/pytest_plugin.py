@@ -14,7 +14,10 @@
 * ``model_registry``: the process-wide ``pluginhost.ModelRegistry``, restored
   after the test to what it held before: registrations a test makes (at a
   plugin's import, in a ``register()`` function, in your own code) do not
-  leak into later tests. ``make_host`` and ``make_engine`` use it.
+  leak into later tests. During the test it shows what the kit's engines
+  apply (installed plugins' registrations from before the test, made by
+  engines that loaded them, are hidden), so a vLLM guard the test runs decides
+  as they would. ``make_host`` and ``make_engine`` use it.
 
 Example::
 
@@ -98,12 +101,20 @@ def hook_recorder() -> HookRecorder:
 
 @pytest.fixture
 def _model_registry_at_start() -> Iterator[RegistrySnapshot]:
-    """What ``ModelRegistry`` held when the test started, put back when it ends."""
-    from pluginhost.registry import ModelRegistry
+    """What ``ModelRegistry`` held when the test started, put back when it ends; meanwhile it shows what kit engines
+    apply: the builtins, registrations by code of no installed plugin, and everything registered during the test."""
+    from pluginhost.registry import ModelRegistry, Registration, builtin_ref
 
     snapshot = ModelRegistry.snapshot()
+    builtin = builtin_ref()
+
+    def applied(entry: Registration) -> bool:
+        ref = entry.registered_by
+        return ref == builtin or ref.distribution is None or not snapshot.holds(entry)
+
     try:
-        yield snapshot
+        with ModelRegistry.showing_only(applied):
+            yield snapshot
     finally:
         ModelRegistry.restore(snapshot)
 
