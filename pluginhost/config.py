@@ -26,6 +26,16 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
+#: vLLM's ``LLM()`` settings that pluginhost takes another way: refused, saying which.
+_TAKEN_ELSEWHERE = {
+    "logits_processors": (
+        "pluginhost adds logits processors from plugins, not from LLM(): add each class in a "
+        "register_logits_processors hook (registry.add(cls)) of a plugin, installed or passed in-process as "
+        "LLM(model, plugins=[plugin]); the classes port as they are (docs/porting-from-vllm.md, 'Loading a logits "
+        "processor')"
+    ),
+}
+
 
 class EngineConfig(BaseModel):
     """The settings of one engine. Build one with ``LLM(model=..., **fields)``."""
@@ -210,7 +220,9 @@ def describe_validation_error(exc: Exception) -> str:
     for error in errors():
         where = ".".join(str(p) for p in error.get("loc", ())) or "value"
         message = error.get("msg", "invalid")
-        if error.get("type") in ("extra_forbidden", "no_such_attribute"):
+        if error.get("type") in ("extra_forbidden", "no_such_attribute") and where in _TAKEN_ELSEWHERE:
+            parts.append(f"{where}: {_TAKEN_ELSEWHERE[where]}")
+        elif error.get("type") in ("extra_forbidden", "no_such_attribute"):
             known = ", ".join(EngineConfig.model_fields)
             parts.append(f"{where}: unknown setting (known settings: {known})")
         elif error.get("type") == "value_error":  # our validators' messages say what was given

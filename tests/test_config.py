@@ -48,6 +48,32 @@ def test_unknown_fields_are_refused_with_the_known_ones_listed():
     )
 
 
+def test_vllms_logits_processors_setting_is_refused_naming_the_hook(tiny_opt):
+    """vLLM's examples pass LLM(model, logits_processors=[Cls]); pluginhost takes them from a plugin's hook."""
+    from pluginhost import LLM
+    from pluginhost.logits_processors import LogitsProcessor
+
+    class Dummy(LogitsProcessor):
+        def __init__(self, config, device):
+            pass
+
+        def apply(self, logits):
+            return logits
+
+        def is_argmax_invariant(self):
+            return True
+
+        def update_state(self, batch_update):
+            pass
+
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_opt), load_installed_plugins=False, logits_processors=[Dummy])
+    message = str(info.value)
+    assert "logits_processors: pluginhost adds logits processors from plugins" in message
+    assert "register_logits_processors hook (registry.add(cls))" in message and "plugins=[plugin]" in message
+    assert "unknown setting" not in message
+
+
 @pytest.mark.parametrize(
     ("given", "dtype"), [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"), ("HALF", "float16")]
 )
