@@ -346,7 +346,16 @@ def _check_model_class(entry: Registration, cls: type) -> None:
             f"{where} does not implement {', '.join(missing)}: a model class needs "
             f"{', '.join(REQUIRED_METHODS)} (see builtin_models.opt.OPTForCausalLM). {entry.registered_by.remedy()}"
         )
-    signature = _compute_logits_problem(cls)
+    signature = _one_argument_problem(cls.__init__)
+    if signature is not None:
+        raise ModelClassError(
+            f"{where} defines __init__{signature}, but pluginhost constructs a model with the Hugging Face config "
+            f"alone, as {cls.__name__}(config) (vLLM v1's __init__(self, *, vllm_config, prefix='') does not port): "
+            "take the config (a transformers PretrainedConfig) as the first parameter and give any other a default; "
+            "see 'What does not port' in docs/porting-from-vllm.md. "
+            f"{entry.registered_by.remedy()}"
+        )
+    signature = _one_argument_problem(cls.compute_logits)
     if signature is not None:
         raise ModelClassError(
             f"{where} defines compute_logits{signature}, but pluginhost calls compute_logits(hidden_states) with "
@@ -356,10 +365,10 @@ def _check_model_class(entry: Registration, cls: type) -> None:
         )
 
 
-def _compute_logits_problem(cls: type) -> str | None:
-    """The signature of ``cls.compute_logits`` when it cannot be called with the hidden states alone."""
+def _one_argument_problem(method: Callable[..., object]) -> str | None:
+    """The signature of ``method`` when it cannot be called with one positional argument (besides ``self``)."""
     try:
-        signature = inspect.signature(cls.compute_logits)
+        signature = inspect.signature(method)
     except (TypeError, ValueError):  # a builtin or C function: nothing to check
         return None
     params = list(signature.parameters.values())[1:]  # drop self
@@ -370,8 +379,14 @@ def _compute_logits_problem(cls: type) -> str | None:
     ]
     if takes_one and len(required) <= 1 and all(p.kind in positional for p in required):
         return None
-    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    return "(" + ", ".join(prefix.get(p.kind, "") + p.name for p in signature.parameters.values()) + ")"
+    # The names as written, without annotations or defaults: (self, *, vllm_config, prefix).
+    names, starred = [], False
+    for p in signature.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not starred:
+            names.append("*")
+        starred = starred or p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY)
+        names.append({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name)
+    return "(" + ", ".join(names) + ")"
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,21 @@ def test_vllms_older_compute_logits_signature_is_refused_when_resolved(tiny_opt)
     assert "calls compute_logits(hidden_states)" in message
 
 
+def test_vllms_v1_model_constructor_is_refused_when_resolved(tiny_opt):
+    class V1InitOPT(OPTForCausalLM):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__(vllm_config)
+
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_opt), plugins=[RegistersModel("OPTForCausalLM", V1InitOPT)], load_installed_plugins=False)
+    message = str(info.value)
+    assert "V1InitOPT" in message and "registered by plugin 'RegistersModel'" in message
+    assert "defines __init__(self, *, vllm_config, prefix)" in message
+    assert "constructs a model with the Hugging Face config alone, as V1InitOPT(config)" in message
+    assert "'What does not port' in docs/porting-from-vllm.md" in message
+    assert "TypeError" not in message
+
+
 def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt_path: str, run_pluginhost):
     def run_cli(*args: str):
         path = os.pathsep.join([str(dummy_plugin_site), *sys.path])
