@@ -305,6 +305,68 @@ def test_vllms_v1_model_constructor_is_refused_when_resolved(tiny_opt):
     assert "TypeError" not in message
 
 
+VLLM_PROCESSOR_IMPORTS = """
+from vllm.v1.sample.logits_processor import AdapterLogitsProcessor, BatchUpdate, BatchUpdateBuilder, LogitsProcessor
+from vllm.v1.sample.logits_processor import MoveDirectionality
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
+"""
+
+
+def test_vllms_logits_processor_imports_port_by_changing_the_package_name():
+    """The porting guide's rule, for every module path a vLLM v1 processor (or its test) imports from."""
+    exec(VLLM_PROCESSOR_IMPORTS.replace("vllm.v1.sample.logits_processor", "pluginhost.logits_processors"), {})
+
+
+def test_a_processor_driven_by_vllms_batch_update_builder_follows_the_batch():
+    """vLLM's processor tests build each step's BatchUpdate with BatchUpdateBuilder: the same code runs here."""
+    from pluginhost.logits_processors.builtin import process_dict_updates
+    from pluginhost.logits_processors.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+    from pluginhost.logits_processors.state import BatchUpdateBuilder
+
+    class TargetToken(LogitsProcessor):  # vLLM's DummyLogitsProcessor, imports changed
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.req_info: dict[int, int] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            process_dict_updates(self.req_info, batch_update, lambda params, _, __: (params.extra_args or {}).get("t"))
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            for row, token in self.req_info.items():
+                kept = logits[row, token].clone()
+                logits[row] = float("-inf")
+                logits[row, token] = kept
+            return logits
+
+    def winners(processor: TargetToken, batch_size: int) -> list[int]:
+        return processor.apply(torch.zeros(batch_size, 8)).argmax(-1).tolist()
+
+    processor, builder = TargetToken(None, torch.device("cpu"), False), BatchUpdateBuilder()
+    for row, target in enumerate([5, 3, None]):
+        builder.added.append((row, SamplingParams(extra_args={"t": target} if target else None), [2], []))
+    processor.update_state(builder.get_and_reset(batch_size=3))
+    assert winners(processor, 3) == [5, 3, 0]
+    assert builder.get_and_reset(batch_size=3) is None  # nothing changed since
+
+    builder.removed_append(1)
+    builder.removed_append(0)
+    assert builder.pop_removed() == 0  # the lowest row, which the newcomer takes
+    builder.added.append((0, SamplingParams(extra_args={"t": 7}), [2], []))
+    builder.moved.append((2, 1, MoveDirectionality.UNIDIRECTIONAL))  # compacted: row 2 fills the hole at 1
+    update = builder.get_and_reset(batch_size=2)
+    assert (update.removed, update.batch_size) == ([1], 2)
+    processor.update_state(update)
+    assert winners(processor, 2) == [7, 0]
+    builder.removed_append(1)
+    assert builder.removed == [1]
+    with pytest.raises(RuntimeError, match="after self.removed has been read"):  # vLLM's rule for one step
+        builder.removed_append(0)
+
+
 def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt_path: str, run_pluginhost):
     def run_cli(*args: str):
         path = os.pathsep.join([str(dummy_plugin_site), *sys.path])

@@ -25,7 +25,13 @@ A vLLM v1 processor ports by changing its imports: its
 ``EngineConfig``, the device, and ``False``. vLLM's helpers for writing one
 are here too: ``process_dict_updates`` (per-row state that follows the
 batch) and ``AdapterLogitsProcessor``, which runs a per-request function
-(a ``RequestLogitsProcessor``) on each row that has one.
+(a ``RequestLogitsProcessor``) on each row that has one; and, for tests
+that drive a processor by hand, ``BatchUpdateBuilder``. vLLM's submodules
+``interface``, ``builtin`` and ``state`` exist under this package with the
+same names in them, so ``vllm.v1.sample.logits_processor.X`` becomes
+``pluginhost.logits_processors.X`` for every import a processor makes
+(vLLM's builtin processors are not among them: pluginhost's sampler does
+min_p, min_tokens and the rest itself).
 """
 
 from __future__ import annotations
@@ -50,10 +56,13 @@ __all__ = [
     "AdapterLogitsProcessor",
     "AddedRequest",
     "BatchUpdate",
+    "BatchUpdateBuilder",
     "LogitsProcessor",
     "LogitsProcessorRegistry",
     "MoveDirectionality",
+    "MovedRequest",
     "RegisteredProcessor",
+    "RemovedRequest",
     "RequestLogitsProcessor",
     "process_dict_updates",
 ]
@@ -85,6 +94,10 @@ class MoveDirectionality(StrEnum):
 #: (row, params, prompt token ids, output token ids): the output list is the sequence's own,
 #: growing as it generates.
 AddedRequest = tuple[int, SamplingParams, Sequence[int], Sequence[int]]
+#: A row that left the batch.
+RemovedRequest = int
+#: (from, to, directionality).
+MovedRequest = tuple[int, int, MoveDirectionality]
 
 
 @dataclass(frozen=True)
@@ -94,10 +107,84 @@ class BatchUpdate:
     #: Rows in the batch after the update.
     batch_size: int
     # vLLM's order, so that one built positionally (a ported test) means the same.
-    removed: Sequence[int] = field(default_factory=list)
+    removed: Sequence[RemovedRequest] = field(default_factory=list)
     added: Sequence[AddedRequest] = field(default_factory=list)
-    #: (from, to, directionality).
-    moved: Sequence[tuple[int, int, MoveDirectionality]] = field(default_factory=list)
+    moved: Sequence[MovedRequest] = field(default_factory=list)
+
+
+class BatchUpdateBuilder:
+    """Collects one step's changes to the batch and makes the ``BatchUpdate`` (vLLM's builder of that name).
+
+    As in vLLM: removals are appended first (``removed_append``); once ``removed`` is read (sorted,
+    highest row first) or a row is taken back with ``pop_removed`` (the lowest, for a newcomer to
+    reuse), no more removals may be appended until ``get_and_reset`` starts the next step.
+    """
+
+    def __init__(
+        self,
+        removed: list[RemovedRequest] | None = None,
+        added: list[AddedRequest] | None = None,
+        moved: list[MovedRequest] | None = None,
+    ) -> None:
+        self._removed = removed or []
+        self.added = added or []
+        self.moved = moved or []
+        self._sorted = False
+        #: Whether anything changed since the last reset (vLLM tracks it for batches without ``added``).
+        self.batch_changed = False
+
+    @property
+    def removed(self) -> list[RemovedRequest]:
+        """The removed rows, highest first."""
+        self._sort()
+        return self._removed
+
+    def _sort(self) -> None:
+        if not self._sorted:
+            self._removed.sort(reverse=True)
+            self._sorted = True
+
+    def removed_append(self, index: RemovedRequest) -> None:
+        """Record that row ``index`` left the batch; refused once the removals were read."""
+        if self._sorted:
+            raise RuntimeError("Cannot register new removed request after self.removed has been read.")
+        self._removed.append(index)
+        self.batch_changed = True
+
+    def has_removed(self) -> bool:
+        return bool(self._removed)
+
+    def peek_removed(self) -> RemovedRequest | None:
+        """The lowest removed row, or ``None``."""
+        if not self._removed:
+            return None
+        self._sort()
+        return self._removed[-1]
+
+    def pop_removed(self) -> RemovedRequest | None:
+        """Take back the lowest removed row (a newcomer reuses it), or ``None``."""
+        if not self._removed:
+            return None
+        self._sort()
+        return self._removed.pop()
+
+    def reset(self) -> bool:
+        """Forget the step's changes; whether there were any."""
+        changed = self.batch_changed
+        self._removed.clear()
+        self.added.clear()
+        self.moved.clear()
+        self._sorted = self.batch_changed = False
+        return changed
+
+    def get_and_reset(self, batch_size: int) -> BatchUpdate | None:
+        """The step's ``BatchUpdate`` for a batch of ``batch_size`` rows (``None``: nothing changed); starts afresh."""
+        self._sorted = self.batch_changed = False
+        if not (self._removed or self.added or self.moved):
+            return None
+        update = BatchUpdate(batch_size=batch_size, removed=self._removed, added=self.added, moved=self.moved)
+        self._removed, self.added, self.moved = [], [], []
+        return update
 
 
 class LogitsProcessor(ABC):
