@@ -37,13 +37,16 @@ import difflib
 import importlib
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from importlib import metadata
 from types import MappingProxyType
 
+from hookspecs import ENTRY_POINT_GROUP
 from pluginhost.attribution import PluginRef, current_plugin, importing_plugin
 from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
 
@@ -282,7 +285,7 @@ class ArchitectureRegistry:
         return (
             f"Architecture {architecture!r} is not registered.{hint} "
             "Run `pluginhost models` to list every registered architecture; "
-            "a plugin can add one with registry.register_model()."
+            f"a plugin can add one with registry.register_model().{_vllm_leftovers()}"
         )
 
     def resolve(self, architecture: str) -> type:
@@ -303,6 +306,34 @@ class ArchitectureRegistry:
         """Put back the entries of ``snapshot``, forgetting every registration made since."""
         self._entries = dict(snapshot.entries)
         self._resolved.clear()
+
+
+#: Where vLLM finds its general plugins, and its selection variable: pluginhost reads neither.
+VLLM_PLUGIN_GROUP = "vllm.general_plugins"
+VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
+
+
+def _vllm_leftovers() -> str:
+    """`` ...``: vLLM general plugins installed and vLLM's selection variable set, which pluginhost ignores.
+
+    Read from package metadata: nothing is imported (listing commands stay free of torch).
+    """
+    found = sorted(
+        {
+            f"{ep.name} = {ep.value} (distribution {ep.dist.metadata['Name'] if ep.dist else '?'})"
+            for ep in metadata.entry_points(group=VLLM_PLUGIN_GROUP)
+        }
+    )
+    hint = ""
+    if found:
+        hint += (
+            f" Installed entry points in vLLM's group {VLLM_PLUGIN_GROUP}, which pluginhost does not read: "
+            f"{'; '.join(found)}. If one registers this architecture, move it to the group {ENTRY_POINT_GROUP} "
+            f'([project.entry-points."{ENTRY_POINT_GROUP}"], the same name and value) and reinstall it.'
+        )
+    if os.environ.get(VLLM_PLUGINS_ENV):
+        hint += f" {VLLM_PLUGINS_ENV} is set but not read: pluginhost's selection is PLUGINHOST_PLUGINS."
+    return hint
 
 
 def _import_target(entry: Registration) -> type:

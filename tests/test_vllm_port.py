@@ -290,6 +290,33 @@ def test_vllms_older_compute_logits_signature_is_refused_when_resolved(tiny_opt)
     assert "calls compute_logits(hidden_states)" in message
 
 
+def test_a_plugin_left_in_vllms_entry_point_group_is_named_when_its_architecture_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_opt
+):
+    """A port that kept vllm.general_plugins loads nothing: the unknown architecture says where the plugin is."""
+    site = tmp_path / "site-packages"
+    (site / "left_behind-0.1.dist-info").mkdir(parents=True)
+    (site / "left_behind-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: left-behind\nVersion: 0.1\n"
+    )
+    (site / "left_behind-0.1.dist-info" / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nregister_left = left_behind:register\n"
+    )
+    (site / "left_behind.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    monkeypatch.setenv("VLLM_PLUGINS", "register_left")
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_opt), model_architecture_override="LeftArch")
+    message = str(info.value)
+    assert "Architecture 'LeftArch' is not registered" in message
+    assert "in vLLM's group vllm.general_plugins, which pluginhost does not read: register_left = " in message
+    assert "left_behind:register (distribution left-behind)" in message
+    assert "move it to the group pluginhost.plugins" in message
+    assert "VLLM_PLUGINS is set but not read: pluginhost's selection is PLUGINHOST_PLUGINS" in message
+    assert "left_behind" not in sys.modules
+
+
 def test_vllms_v1_model_constructor_is_refused_when_resolved(tiny_opt):
     class V1InitOPT(OPTForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
