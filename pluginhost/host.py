@@ -339,6 +339,10 @@ class PluginHost:
                 out.append((replace(base, status="failed", reason=reason), None))
                 continue
             seen[plugin.name] = plugin
+            malformed = _malformed_target(plugin.value)
+            if malformed is not None:
+                out.append((replace(base, status="failed", reason=malformed), None))
+                continue
             start = time.perf_counter()
             try:
                 with acting_as(base.ref):
@@ -806,6 +810,22 @@ def _builtin_answered_by(route: Any, builtin: set[str], late: Sequence[str]) -> 
         if match.name == "FULL":  # PARTIAL: the path, for another method (DELETE /v1/models/{name})
             return taken
     return None
+
+
+#: What importlib.metadata can load: ``module`` or ``module:attribute``, dotted names, optional [extras].
+_ENTRY_POINT_VALUE = re.compile(r"[\w.]+\s*(:\s*[\w.]+\s*)?(\[.*\]\s*)?$")
+
+
+def _malformed_target(value: str) -> str | None:
+    """Why an entry point's value cannot be loaded (``my-plugin``: importlib fails with an AttributeError), if so."""
+    if _ENTRY_POINT_VALUE.match(value):
+        return None
+    fixed = value.replace("-", "_")
+    hint = f", such as {fixed!r} (import names use underscores)" if _ENTRY_POINT_VALUE.match(fixed) else ""
+    return (
+        f"its entry point's value {value!r} is not of the form 'package.module' or 'package.module:attribute' "
+        f"(dotted Python names){hint}: fix it in the distribution's entry points and reinstall"
+    )
 
 
 def _raised_at(exc: BaseException, module: str) -> str:

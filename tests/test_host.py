@@ -620,6 +620,12 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         ),
         ("async def register():\n    pass\n", "fn:register", "is async: plugin functions are called, not awaited"),
         (
+            "X = 1\n",
+            "my-plugin",
+            "its entry point's value 'my-plugin' is not of the form 'package.module' or 'package.module:attribute' "
+            "(dotted Python names), such as 'my_plugin' (import names use underscores)",
+        ),
+        (
             "from pluginhost import hookimpl\n@hookimpl\ndef register_models(*, registry):\n    pass\n",
             None,
             "its register_models implementation takes registry as keyword-only parameters (after *), which pluggy "
@@ -640,6 +646,7 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         "logits-processor-entry-point",
         "class-instead-of-instance",
         "async-function",
+        "hyphen-in-the-entry-point",
         "keyword-only-hook-argument",
         "async-hook",
     ],
