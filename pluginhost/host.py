@@ -283,11 +283,12 @@ class PluginHost:
         records += self._in_process_records({id(p): record for record, p in records if p is not None}, twins)
         self._active = _loaded_installed(record for record, _ in records)
         # register() functions run once per process, as their plugin, in hook call order (replayed after that).
-        records = [self._run_if_function(pm, record, plugin) for record, plugin in records]
+        records = [self._run_if_function_safely(pm, record, plugin) for record, plugin in records]
 
         # pluggy calls the last registered first: register in reverse call order.
         registered = [
-            self._register(pm, record, plugin) if plugin is not None else record for record, plugin in reversed(records)
+            self._register_safely(pm, record, plugin) if plugin is not None else record
+            for record, plugin in reversed(records)
         ]
         self._records = registered[::-1]
         self._active = _loaded_installed(self._records)
@@ -356,6 +357,24 @@ class PluginHost:
                 continue
             out.append((replace(base, import_seconds=_since(start)), obj))
         return out
+
+    def _run_if_function_safely(
+        self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object | None
+    ) -> tuple[PluginRecord, object | None]:
+        """``_run_if_function``; a plugin object that raises when inspected (its ``dir()``, an attribute) failed."""
+        try:
+            return self._run_if_function(pm, record, plugin)
+        except Exception as exc:  # noqa: BLE001 - a plugin object's __dir__ or __getattr__ may raise anything
+            return _uninspectable(record, exc), None
+
+    def _register_safely(self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object) -> PluginRecord:
+        """``_register``; a plugin object that raises when inspected failed, and nothing of it stays registered."""
+        try:
+            return self._register(pm, record, plugin)
+        except Exception as exc:  # noqa: BLE001 - a plugin object's __dir__ or __getattr__ may raise anything
+            if pm.get_plugin(record.name) is plugin:  # pluggy takes the name before it reads the object
+                pm.unregister(plugin, name=record.name)
+            return _uninspectable(record, exc)
 
     def _run_if_function(
         self, pm: pluggy.PluginManager, record: PluginRecord, plugin: object | None
@@ -760,6 +779,13 @@ class PluginHost:
         sources += [(call.registrations.entries(), at(order.get(ref, last))) for ref, call in self._calls]
         sources += [(r.entries(), at(last)) for r in self._recorded_since()]
         return ArchitectureRegistry.merged(sources)
+
+
+def _uninspectable(record: PluginRecord, exc: Exception) -> PluginRecord:
+    """``record`` failed: its plugin object raised while the host read its hook implementations."""
+    where = _raised_at(exc, record.target.partition(":")[0]) if record.target else ""
+    reason = f"reading its plugin object for hook implementations failed: {_describe_exception(exc)}{where}"
+    return replace(record, status="failed", reason=reason)
 
 
 def _loaded_installed(records: Iterable[PluginRecord]) -> set[tuple[str, str | None]]:

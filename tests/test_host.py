@@ -626,6 +626,11 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
             "(dotted Python names), such as 'my_plugin' (import names use underscores)",
         ),
         (
+            "class Odd:\n    def __dir__(self):\n        raise RuntimeError('no listing')\nODD = Odd()\n",
+            "fn:ODD",
+            "reading its plugin object for hook implementations failed: RuntimeError: no listing (at ",
+        ),
+        (
             "from pluginhost import hookimpl\n@hookimpl\ndef register_models(*, registry):\n    pass\n",
             None,
             "its register_models implementation takes registry as keyword-only parameters (after *), which pluggy "
@@ -647,6 +652,7 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         "class-instead-of-instance",
         "async-function",
         "hyphen-in-the-entry-point",
+        "object-whose-dir-raises",
         "keyword-only-hook-argument",
         "async-hook",
     ],

@@ -105,6 +105,10 @@ FAULTS = {
         HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_len = 5\n",
         "max_len: unknown setting",
     ),
+    "dir() of the plugin raises": Fault(
+        "def __dir__():\n    raise RuntimeError('no listing')\n",
+        "reading its plugin object for hook implementations failed: RuntimeError: no listing",
+    ),
 }
 
 IDENTITY = "plugin 'faulty' (distribution faulty-dist 0.3.1)"
@@ -179,6 +183,14 @@ def test_slow_plugin_import_time_is_visible(install_plugin, capsys):
     assert main(["plugins"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("slow "))
     assert " ms" in line and int(line.split(" ms")[0].split()[-1]) >= 300
+
+
+def test_a_plugin_that_cannot_be_inspected_is_listed_as_failed(install_plugin, capsys):
+    """``pluginhost plugins`` never fails because of a plugin: one whose dir() raises is listed with the reason."""
+    install_plugin("faulty", FAULTS["dir() of the plugin raises"].code, dist="faulty-dist", version="0.3.1")
+    assert main(["plugins", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "faulty")
+    assert row["status"] == "failed" and FAULTS["dir() of the plugin raises"].cause in row["reason"]
 
 
 def test_allow_list_naming_nothing_installed_exits_2_listing_what_is(install_plugin, capsys, monkeypatch):
