@@ -797,21 +797,17 @@ def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what availabl
 
 
 def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(long_opt, monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-
     llm = LLM(str(long_opt), load_installed_plugins=False)
-    short = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    expected = llm.generate([PROMPTS[0]], short)[0].token_ids
+    expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 2, 256))
-    long_prompt, long = [2, *[5] * 199], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    with ThreadPoolExecutor(2) as pool:  # one batch: the long one reaches 256 slots while the short one runs
-        running = pool.submit(llm.generate, [long_prompt], long)
-        together = pool.submit(llm.generate, [PROMPTS[0]], short)
-        with pytest.raises(KVCacheMemoryError, match=r"cannot grow to 8 rows x 512 slots.*2 sequences of up to 256"):
-            running.result(timeout=120)
-        assert together.result(timeout=120)[0].token_ids == expected
-    assert llm.engine.runner.cache_shape == (8, 256)  # grown before the memory ran short: kept
-    assert llm.generate([PROMPTS[2]], short)[0].finish_reason == "length"  # and the engine serves on
+    # The long one (600 tokens, room for 512 alone) waits for the short one's row, then is ended at 512.
+    short, long = step_requests(llm, [(PROMPTS[0], 120), ([2, *[5] * 199], 400)])
+    assert short.error is None and short.output().token_ids == expected.token_ids
+    assert isinstance(long.error, KVCacheMemoryError)
+    assert "The KV cache cannot grow to 1 rows x 768 slots" in str(long.error)
+    assert "so it holds 1 sequences of up to 512 tokens" in str(long.error)
+    assert len(long.output().token_ids) < 400  # what it had generated, as far as it got
+    assert llm.generate([PROMPTS[2]], SamplingParams(max_tokens=9))[0].finish_reason == "length"  # and it serves on
 
 
 def test_a_long_request_takes_the_slots_of_rows_no_sequence_holds_and_gives_them_back(long_opt, monkeypatch, caplog):
@@ -834,7 +830,7 @@ def test_a_long_request_takes_the_slots_of_rows_no_sequence_holds_and_gives_them
     assert request.error is None and llm.engine.runner.cache_shape == (2, 768)  # rows no sequence held, for slots
     with caplog.at_level("WARNING", logger="pluginhost"):  # three newcomers: one beside it, two wait for a row
         newcomers = step_requests(llm, [(shorts[i], 5) for i in range(3)])
-    assert "room for 2 sequences of up to 768 tokens in the memory available: at most 2 run at once" in caplog.text
+    assert "room for 2 sequences of up to 1024 tokens in the memory available: at most 2 run at once" in caplog.text
     while not request.finished:
         llm.engine.step()
     assert request.error is None and request.output().token_ids == expected_long
@@ -852,9 +848,13 @@ def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, m
     prompts = [[2, 10 + i, 20 + i] for i in range(28)]
     expected = [llm.generate([p], params)[0].token_ids for p in prompts]
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 16, 256))
+    running: list[int] = []
+    llm.engine.stats_listeners.append(lambda stats: running.append(stats.num_running))
     with caplog.at_level("WARNING", logger="pluginhost"):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected  # 28 asked, 16 at a time
-    assert llm.engine.runner.cache_shape == (16, 256) and llm.engine.scheduler.max_num_seqs == 16
+    assert llm.engine.runner.cache_shape == (16, 256) and max(running) == 16
+    # The cap was lifted when none of the first 16 ran any more: growing is checked against the memory again.
+    assert llm.engine.scheduler.max_num_seqs == llm.engine.loaded.config.max_num_seqs
     assert "room for 16 sequences of up to 256 tokens in the memory available: at most 16 run at once" in caplog.text
 
 
@@ -869,8 +869,10 @@ def test_a_batch_larger_than_the_rows_memory_allowed_earlier_waits_instead_of_fa
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(fresh, 5, 256))
     assert [o.token_ids for o in fresh.generate(jobs[:3], params)] == expected[:3]
     assert fresh.engine.runner.cache_shape == (5, 256)
+    running: list[int] = []
+    fresh.engine.stats_listeners.append(lambda stats: running.append(stats.num_running))
     assert [o.token_ids for o in fresh.generate(jobs, params)] == expected  # the sixth waits for a row
-    assert fresh.engine.runner.cache_shape == (5, 256) and fresh.engine.scheduler.max_num_seqs == 5
+    assert fresh.engine.runner.cache_shape == (5, 256) and max(running) == 5
 
 
 def step_requests(llm: LLM, jobs: list[tuple[list[int], int]]) -> list:
@@ -885,13 +887,77 @@ def step_requests(llm: LLM, jobs: list[tuple[list[int], int]]) -> list:
     return requests
 
 
+def run_staged(llm: LLM, stages: list[tuple[list, int]]) -> list:
+    """Submit each stage's requests, then step the engine that many times; then to the end. All the requests."""
+    submitted = []
+    for requests, steps in stages:
+        llm.engine.submit(requests)
+        submitted += requests
+        for _ in range(steps):
+            llm.engine.step()
+    for _ in range(5000):
+        if all(r.finished for r in submitted):
+            return submitted
+        llm.engine.step()
+    raise AssertionError("the requests did not finish")
+
+
+@pytest.mark.parametrize(
+    ("room", "first", "steps", "then"),
+    [
+        # Eight requests of 300 tokens were all ended at 256 (8 x 512 slots do not fit): 4 at a time serves them.
+        ((4, 512), [([2, 10 + i, 20 + i], 300) for i in range(8)], 0, []),
+        # A 300-token prompt arriving beside 6 running requests was ended, though it fits once they leave.
+        ((8, 256), [([2, 10 + i, 20], 100) for i in range(6)], 5, [([2, *[5 + i for i in range(299)]], 10)]),
+        # Newcomers in rows the cache held counted as rows in use: the running one, needing slot 256, was ended.
+        ((6, 512), [([2, *[5] * 199], 100)], 57, [([2, 10 + i, 20], 3) for i in range(7)]),
+        # Its slots given back as the 400-token one ended, newcomers filled the rows; 4 running ones then needed
+        # slot 256, which 8 rows could not have, and were ended.
+        ((4, 512), [([2, 7, 8], 400)], 258, [([2, 10 + i, 20 + i], 300) for i in range(8)]),
+    ],
+    ids=["many-long-ones-run-by-turns", "a-long-prompt-waits", "newcomers-wait-for-room", "a-give-back-waits"],
+)
+def test_under_a_memory_shortage_no_request_is_ended_that_waiting_would_serve(
+    long_opt, monkeypatch, room, first, steps, then
+):
+    def requests(jobs: list, tag: str) -> list:
+        greedy = SamplingParams(temperature=0, ignore_eos=True)
+        return [llm._inputs.make_request(f"{tag}-{i}", p, greedy.clone(max_tokens=n)) for i, (p, n) in enumerate(jobs)]
+
+    unbounded = LLM(str(long_opt), load_installed_plugins=False)
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    expected = [unbounded.generate([p], greedy.clone(max_tokens=n))[0].token_ids for p, n in first + then]
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, *room))
+    done = run_staged(llm, [(requests(first, "first"), steps), (requests(then, "then"), 0)])
+    assert [r.error for r in done] == [None] * len(expected)
+    assert [r.output().token_ids for r in done] == expected
+
+
 def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_its_own(long_opt, monkeypatch):
     """The step that finds no room comes after one request left: the row moved then must still move in the cache."""
     llm = LLM(str(long_opt), load_installed_plugins=False)
     alone = llm.generate([[2, 30, 31, 32]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
-    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 3, 256))
-    # The first ends one step before the second needs slot 256; the third then moves into the first's row.
-    first, second, third = step_requests(llm, [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)])
+    # The first ends one step before the second needs slot 256; the third then moves into the first's row. The
+    # memory runs short as the first ends (another process took it): too late to keep the second from starting.
+    room = {"now": memory_for(llm, 8, 512), "then": memory_for(llm, 3, 256)}
+    jobs = [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)]
+    first, second, third = [
+        llm._inputs.make_request(f"job-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for i, (p, n) in enumerate(jobs)
+    ]
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
+    llm.engine.submit([first, second, third])
+    for _ in range(100):  # until the first has ended: the rows move at the next step
+        if first.finished:
+            break
+        llm.engine.step()
+    assert first.finished and second.sequences[0].num_computed == 256  # it needs slot 256 at the next step
+    room["now"] = room["then"]
+    for _ in range(200):
+        if second.finished and third.finished:
+            break
+        llm.engine.step()
     assert first.error is None and isinstance(second.error, KVCacheMemoryError)
     assert third.error is None and third.output().token_ids == alone.token_ids
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pluginhost.engine.loader import LoadedModel
-from pluginhost.engine.request import EngineRequest
+from pluginhost.engine.request import EngineRequest, Sequence
 from pluginhost.engine.runner import ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
@@ -416,25 +416,37 @@ class EngineCore:
                     request.on_output(request.output(), None)
 
     def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
-        """End the requests longer than the cache can be; hold back newcomers beyond its rows, and run fewer.
+        """End the requests longer than the cache can be; hold back newcomers it has no room for, and run fewer.
 
         Every row counts: while newcomers are prefilled, a running sequence asks for the slot of its next
-        token too, so newcomers are not let into the room it is about to need.
+        token too, so newcomers are not let into the room it is about to need. A newcomer whose prompt
+        fits no row beside the running sequences waits for one of them to leave; alone, it is ended.
         """
-        held, changed = 0, False
-        for row in reversed(range(len(plan.rows))):  # held back last row first: the queue keeps its order
+        live = [r for r in reversed(range(len(plan.rows))) if _live(plan.rows[r])]  # last row first: held back
+        changed = False  # last, it heads the queue again, so the queue keeps its order
+        for row in live:
             sequence = plan.rows[row]
-            if sequence.request.finished or sequence.request.error is not None:
-                continue
-            needed = sequence.num_computed + 1 if sequence.num_computed else len(sequence.prompt_token_ids)
-            if needed > full.slots or (row >= full.rows and sequence.num_computed):
+            if sequence.num_computed and (sequence.num_computed + 1 > full.slots or row >= full.rows):
                 self._end(sequence.request, full)
-            elif row >= full.rows:
+                changed = True
+        running = any(plan.rows[r].num_computed and _live(plan.rows[r]) for r in live)
+        held = waits_for_room = 0
+        for row in live:
+            sequence = plan.rows[row]
+            if sequence.num_computed or not _live(sequence):
+                continue
+            too_long = len(sequence.prompt_token_ids) > full.slots
+            if row >= full.rows or (too_long and running):
                 self.scheduler.hold_back(sequence)
                 held += 1
+                waits_for_room += row < full.rows
+            elif too_long:
+                self._end(sequence.request, full)
             else:
                 continue
             changed = True
+        if waits_for_room:
+            self.scheduler.pause_admission()
         if not changed:  # the same step would be refused again: end its requests rather than spin
             for row in plan.active_rows:
                 if not plan.rows[row].request.finished:
@@ -442,7 +454,7 @@ class EngineCore:
         if held and full.rows < self.scheduler.max_num_seqs:
             logger.warning(
                 "The KV cache has room for %d sequences of up to %d tokens in the memory available: at most %d run "
-                "at once (max_num_seqs is %d) until the running sequences are shorter; the others wait.",
+                "at once (max_num_seqs is %d) while these run; the others wait.",
                 full.rows,
                 full.slots,
                 full.rows,
@@ -451,10 +463,10 @@ class EngineCore:
             self.scheduler.max_num_seqs = full.rows
 
     def _lift_row_cap(self) -> None:
-        """Let as many sequences run again as the cache's rows may grow to, once it has given back slots."""
+        """Let as many sequences run again as the cache's rows may grow to, once its cap is lifted."""
         most = min(self.loaded.config.max_num_seqs, self.runner.row_cap)
         if self.scheduler.max_num_seqs < most:
-            logger.info("The KV cache gave back the slots of long sequences: up to %d sequences run at once.", most)
+            logger.info("The KV cache may grow again: up to %d sequences run at once.", most)
             self.scheduler.max_num_seqs = most
 
     def _fail(self, plan: ScheduledStep, error: BaseException) -> None:
@@ -588,3 +600,8 @@ class _ProcessorFailure(Exception):
     def __init__(self, processor: _LiveProcessor, method: str, cause: BaseException) -> None:
         super().__init__(f"{processor.entry.describe()} failed in {method}")
         self.processor, self.method, self.cause = processor, method, cause
+
+
+def _live(sequence: Sequence) -> bool:
+    """Whether a sequence of the batch still runs: its request has neither finished nor failed."""
+    return not sequence.request.finished and sequence.request.error is None

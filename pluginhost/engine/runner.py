@@ -145,8 +145,15 @@ class ModelRunner:
         """
         inputs = StepInputs.of(step, cached=self.cached)
         if inputs.kind != "recompute":
-            self._give_back(inputs.slots_needed)
-            self.check_memory(inputs.num_rows, inputs.slots_needed)
+            # The running sequences (not those prefilled now): the rows below the last one's, and the slots
+            # the longest can come to need (its prompt and max_tokens).
+            running = [(row, s) for row, s in enumerate(step.rows) if s.num_computed]
+            rows_in_use = running[-1][0] + 1 if running else 0
+            slots_to_come = max((len(s.prompt_token_ids) + s.max_tokens - 1 for _, s in running), default=0)
+            self._give_back(rows_in_use, max(slots_to_come, inputs.slots_needed))
+            if inputs.kind == "prefill":
+                self._check_room_to_come(step, rows_in_use)
+            self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)
             if not self._fits(inputs.num_rows, inputs.slots_needed):
                 inputs = replace(inputs, cache_shape=self._grown_shape(inputs.num_rows, inputs.slots_needed))
         return self.run(inputs)
@@ -160,14 +167,15 @@ class ModelRunner:
         if self.cached and step.moves:
             self.run(StepInputs("move", moves=StepInputs.moves_of(step)))
 
-    def check_memory(self, rows: int, slots: int) -> None:
+    def check_memory(self, rows: int, slots: int, in_use: int | None = None) -> None:
         """Raise ``KVCacheMemoryError`` when growing the cache to hold ``rows`` x ``slots`` would not fit.
 
         Growing holds the old block and the new one at once, so the new block alone must fit in
-        ``CACHE_SHARE`` of the memory available now. Rows held beyond the step's own hold no sequence
-        (the scheduler keeps them in rows ``0 .. rows-1``), so they count for nothing: the cache may
-        trade them for slots. The error says what can be had: the slots the step needs with as many
-        rows as then fit, else as many slots as fit beside the rows in use.
+        ``CACHE_SHARE`` of the memory available now. Only the rows of running sequences (below
+        ``in_use``; by default the rows held, up to ``rows``) must be kept: the others hold no sequence
+        yet, and newcomers in them may wait, so the cache may trade them for slots. The error says what
+        can be had: the slots the step needs with as many rows as then fit, else as many slots as fit
+        beside the rows in use.
         """
         if self._fits(rows, slots):
             return
@@ -185,7 +193,7 @@ class ModelRunner:
         # ``_grown_shape``): the slots the step needs, with as many rows as then fit if that keeps the
         # rows in use; else those rows (one at least), with as many slots as fit beside them.
         fit_rows = int(budget // (grown_slots * per_slot))
-        in_use = max(min(self._rows, rows), 1)  # a newcomer beyond the rows held may wait instead
+        in_use = max(min(self._rows, rows) if in_use is None else in_use, 1)
         if fit_rows >= in_use:
             allowed = (min(grown_rows, fit_rows), grown_slots)
         else:
@@ -203,6 +211,34 @@ class ModelRunner:
             "fewer tokens, or free memory.",
             rows=allowed[0],
             slots=allowed[1],
+        )
+
+    def _check_room_to_come(self, step: ScheduledStep, rows_in_use: int) -> None:
+        """Raise ``KVCacheMemoryError`` for the newcomers that could not run to their ends beside the others.
+
+        Without preemption, a sequence the cache cannot grow for is ended; so when the memory cannot
+        hold every row of the batch at the length its longest may reach (prompt and ``max_tokens``),
+        newcomers beyond the rows that can wait for a free one. Eight requests of 300 tokens in room
+        for 4 x 512 slots: 4 run at once, not 8 that all end at 256.
+        """
+        rows = len(step.rows)
+        slots = self._slots_for(max(len(s.prompt_token_ids) + s.max_tokens - 1 for s in step.rows))
+        if self._fits(rows, slots):
+            return
+        if not self._caches:
+            self._setup_caches()
+        available = available_bytes(self.device)
+        if available is None:
+            return
+        budget = CACHE_SHARE * available
+        room = max(int(budget // (slots * self.slot_bytes())), rows_in_use, 1)
+        if not any(row >= room for row in step.prefill_rows):
+            return  # nothing to hold back: the growth check decides, token by token
+        self.row_cap = min(self.row_cap, room)  # until the cache gives slots back (``_give_back``)
+        raise KVCacheMemoryError(
+            f"The KV cache has room for {room} sequences of up to {slots} tokens in the memory available",
+            rows=room,
+            slots=slots,
         )
 
     def slot_bytes(self) -> int:
@@ -296,20 +332,23 @@ class ModelRunner:
             return min(self.max_model_len, _round_up(slots, _SLOT_STEP))
         return min(self.max_model_len, _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length())  # 256, 512, ...
 
-    def _give_back(self, slots: int) -> None:
-        """After the memory ran short, give back the slots beyond what the running sequences hold or need.
+    def _give_back(self, rows_in_use: int, slots: int) -> None:
+        """After the memory ran short, give back the slots no sequence of the batch can come to need.
 
-        A shortage caps the rows (``row_cap``); once the sequences that made the cache long have ended,
-        the cache shrinks to what the others need, and the cap is lifted: growing rows again is checked
-        against the memory then. Without a shortage the cache keeps what it holds, as growing it again
-        would cost a copy (and a compile, for a compiled step).
+        A shortage caps the rows (``row_cap``). Once the sequences that made the cache long have ended
+        (``slots``: what the batch's longest can come to, its prompt and ``max_tokens``), the cache
+        shrinks to that and the cap is lifted; so it is when no sequence runs. Growing rows again is then
+        checked against the memory. Without a shortage the cache keeps what it holds, as growing it
+        again would cost a copy (and a compile, for a compiled step).
         """
         if self.row_cap >= self.max_num_seqs or not self._caches:
             return
         shorter = self._slots_for(slots)
         if shorter < self._slots:
             self.run(StepInputs("move", cache_shape=(self._rows, shorter)))  # every rank's cache shrinks alike
-            self.row_cap = self.max_num_seqs
+        elif rows_in_use:
+            return
+        self.row_cap = self.max_num_seqs
 
     def _realizable_slots(self, most: int) -> int:
         """The most slots, at most ``most``, that the cache grows to (steps of 256; doubling when compiled)."""

@@ -64,6 +64,8 @@ class Scheduler:
         #: admission, or with nothing left to run, come in between.
         self._removed: set[int] = set()
         self._last_prefilled = False
+        #: No admission until a running sequence leaves (``pause_admission``).
+        self._paused = False
 
     @property
     def num_running(self) -> int:
@@ -85,6 +87,10 @@ class Scheduler:
         self.free(sequence)
         self.waiting.appendleft(sequence)
 
+    def pause_admission(self) -> None:
+        """Admit no one until a sequence leaves its row: the head of the queue waits for the room it frees."""
+        self._paused = True
+
     def free(self, sequence: Sequence) -> None:
         """Take a finished (or aborted) sequence out of its row, or out of the queue."""
         if sequence.row is None:
@@ -93,6 +99,7 @@ class Scheduler:
             except ValueError:
                 pass
             return
+        self._paused = False
         row, sequence.row = sequence.row, None
         self._rows[row] = None
         bisect.insort(self._free, row)
@@ -101,7 +108,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """Admit, place and compact; ``None`` when nothing runs."""
         # While sequences run, a prefill step is followed by a decoding one.
-        may_admit = not (self._last_prefilled and self.num_running > 0)
+        may_admit = not (self._last_prefilled and self.num_running > 0) and not self._paused
         if may_admit:
             self._admit()
         moves = self._compact()
