@@ -934,6 +934,23 @@ def test_under_a_memory_shortage_no_request_is_ended_that_waiting_would_serve(
     assert [r.output().token_ids for r in done] == expected
 
 
+def test_under_a_memory_shortage_requests_without_max_tokens_reserve_nothing_ahead(long_opt, monkeypatch):
+    # Priced at all of what max_model_len leaves (1021 tokens each), 8 such requests ran 2 at a time.
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    llm.generate([[2, 10 + i, 20] for i in range(8)], SamplingParams(max_tokens=2))  # the cache: 8 rows x 256
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 8, 256))
+    open_ended = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    requests = [llm._inputs.make_request(f"open-{i}", [2, 10 + i, 20], open_ended) for i in range(8)]
+    llm.engine.submit(requests)
+    for _ in range(3):
+        llm.engine.step()
+    assert llm.engine.scheduler.num_running == 8
+    llm.engine.abort([r.request_id for r in requests])
+    for _ in range(10):
+        llm.engine.step()
+    assert all(r.finished for r in requests)
+
+
 def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_its_own(long_opt, monkeypatch):
     """The step that finds no room comes after one request left: the row moved then must still move in the cache."""
     llm = LLM(str(long_opt), load_installed_plugins=False)

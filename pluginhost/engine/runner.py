@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from builtin_models.kv_cache import KVCache
 from pluginhost.engine.compiled import CompiledDecode
 from pluginhost.engine.memory import CACHE_SHARE, available_bytes
+from pluginhost.engine.request import Sequence
 from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import KVCacheMemoryError, ModelClassError
 
@@ -149,7 +150,7 @@ class ModelRunner:
             # the longest can come to need (its prompt and max_tokens).
             running = [(row, s) for row, s in enumerate(step.rows) if s.num_computed]
             rows_in_use = running[-1][0] + 1 if running else 0
-            slots_to_come = max((len(s.prompt_token_ids) + s.max_tokens - 1 for _, s in running), default=0)
+            slots_to_come = max((_slots_to_come(s) for _, s in running), default=0)
             self._give_back(rows_in_use, max(slots_to_come, inputs.slots_needed))
             if inputs.kind == "prefill":
                 self._check_room_to_come(step, rows_in_use)
@@ -219,10 +220,11 @@ class ModelRunner:
         Without preemption, a sequence the cache cannot grow for is ended; so when the memory cannot
         hold every row of the batch at the length its longest may reach (prompt and ``max_tokens``),
         newcomers beyond the rows that can wait for a free one. Eight requests of 300 tokens in room
-        for 4 x 512 slots: 4 run at once, not 8 that all end at 256.
+        for 4 x 512 slots: 4 run at once, not 8 that all end at 256. A request without ``max_tokens``
+        reserves nothing ahead (``_slots_to_come``).
         """
         rows = len(step.rows)
-        slots = self._slots_for(max(len(s.prompt_token_ids) + s.max_tokens - 1 for s in step.rows))
+        slots = self._slots_for(max(_slots_to_come(s) for s in step.rows))
         if self._fits(rows, slots):
             return
         if not self._caches:
@@ -381,6 +383,18 @@ class ModelRunner:
                 "modules (or the model must not define setup_caches)."
             )
         self._rows = self._slots = 0
+
+
+def _slots_to_come(sequence: Sequence) -> int:
+    """The slots a sequence can come to need: its prompt and ``max_tokens``, when it asked for a number.
+
+    Without one (``max_tokens=None``, the server's chat default) only what it holds and its next
+    token: counting all of what ``max_model_len`` leaves for every such request would run them one
+    or two at a time, where most end long before.
+    """
+    if sequence.params.max_tokens is None:
+        return len(sequence.prompt_token_ids) + len(sequence.token_ids)
+    return len(sequence.prompt_token_ids) + sequence.max_tokens - 1
 
 
 #: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.
