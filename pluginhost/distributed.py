@@ -22,20 +22,15 @@ _running: tuple[int, int] | None = None
 def get_rank() -> int:
     """This process's rank among the engine's processes (0 in the process that schedules).
 
-    Under a launcher (torchrun) a process keeps its rank before its engine starts and after it stops,
-    so ``if get_rank() == 0:`` around generating holds on every process for its whole life.
+    Under a launcher (torchrun) a process keeps its rank after its engine stops, so
+    ``if get_rank() == 0:`` around generating holds on every process for the rest of its life.
     """
-    if _running is not None:
-        return _running[0]
-    launched = torchrun_rank()
-    return launched if launched is not None and launched_world_size() else 0
+    return _running[0] if _running is not None else 0
 
 
 def get_world_size() -> int:
     """How many processes the engine's model is split over (``tensor_parallel_size``)."""
-    if _running is not None:
-        return _running[1]
-    return launched_world_size() or 1
+    return _running[1] if _running is not None else 1
 
 
 def _set(rank: int, world_size: int) -> None:
@@ -45,9 +40,10 @@ def _set(rank: int, world_size: int) -> None:
 
 
 def _clear() -> None:
-    """Called when the engine's processes stop: back to the launcher's rank, or 0 of 1 without one."""
+    """Called when the engine's processes stop: back to 0 of 1, unless a launcher started this process as a rank."""
     global _running
-    _running = None
+    if torchrun_rank() is None:
+        _running = None
 
 
 def torchrun_rank() -> int | None:

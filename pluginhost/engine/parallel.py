@@ -372,6 +372,9 @@ class Agreement:
                 + ". No rank was built."
             )
         if phase == "plan":
+            if self.ranks.rank == 0:
+                for warning in _settings_differences([r["fingerprint"] for r in reports]):
+                    logger.warning("%s", warning)
             problems = _differences([r["fingerprint"] for r in reports])
             if problems:
                 raise TensorParallelError(
@@ -407,15 +410,11 @@ def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
     pm = host.plugin_manager
     return {
         "plugins": {
-            r.name: {
-                "status": r.status,
-                "distribution": r.distribution,
-                "version": r.version,
-                "hooks": list(r.hooks),
-                "settings": _plain_attributes(pm.get_plugin(r.name)),
-            }
+            r.name: {"status": r.status, "distribution": r.distribution, "version": r.version, "hooks": list(r.hooks)}
             for r in host.records
         },
+        # Compared for a warning only: such values may rightly differ between processes (a start time, a pid).
+        "settings": {r.name: _plain_attributes(pm.get_plugin(r.name)) for r in host.records if r.kind == "in-process"},
         "architectures": {
             e.architecture: f"{e.implementation} (registered by {e.registered_by.name})"
             for e in plan.registry.entries()
@@ -429,8 +428,7 @@ def _plain_attributes(plugin: object) -> dict[str, str] | None:
 
     The other ranks import an in-process plugin by name, so they get it as its module makes it: a
     change made afterwards (under the script's ``if __name__ == "__main__":``) is rank 0's alone, and
-    the ranks would build different models in silence. Other attributes (a lock, a start time) may
-    rightly differ between processes, so they are not compared.
+    the ranks would build different models in silence. Objects (a lock, a connection) are left out.
     """
     if plugin is None or inspect.ismodule(plugin) or inspect.isclass(plugin) or inspect.isroutine(plugin):
         return None
@@ -457,11 +455,6 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
                 changed = ", ".join(
                     f"{k} {mine[k]!r} on rank 0, {theirs[k]!r} on rank {rank}" for k in mine if mine[k] != theirs[k]
                 )
-                if mine["settings"] != theirs["settings"]:  # the other ranks imported it before the change
-                    changed += (
-                        " (the other ranks import an in-process plugin by name: give it these values where its "
-                        'module makes it, not later in the script\'s `if __name__ == "__main__":` block)'
-                    )
                 problems.append(f"plugin {name!r} differs: {changed}")
         for arch in sorted(set(base["architectures"]) | set(other["architectures"])):
             mine, theirs = base["architectures"].get(arch), other["architectures"].get(arch)
@@ -477,6 +470,24 @@ def _differences(prints: list[dict[str, Any]]) -> list[str]:
                     f"{other['config'].get(key)!r} on rank {rank} (a modify_config hook?)"
                 )
     return problems
+
+
+def _settings_differences(prints: list[dict[str, Any]]) -> list[str]:
+    """Each in-process plugin whose plain attributes differ on another rank (see ``_plain_attributes``)."""
+    base, found = prints[0]["settings"], []
+    for rank, other in enumerate(prints[1:], start=1):
+        for name, mine in base.items():
+            theirs = other["settings"].get(name)
+            if mine is not None and theirs is not None and mine != theirs:
+                changed = {k: (v, theirs.get(k)) for k, v in mine.items() if theirs.get(k) != v}
+                found.append(
+                    f"in-process plugin {name!r} has "
+                    + ", ".join(f"{k}={a} on rank 0 but {b} on rank {rank}" for k, (a, b) in changed.items())
+                    + ": the other ranks import it by name, so a value set after its module made it (in the "
+                    "script's `if __name__ == \"__main__\":` block) is rank 0's alone, and if its hooks read it the "
+                    "ranks build different models. Give it these values where its module makes it."
+                )
+    return found
 
 
 def _describe(error: BaseException) -> str:
