@@ -130,7 +130,8 @@ class _Call:
     seconds: float
 
 
-# Each register() function's call, by function: made by the first load that needs it, replayed by the others.
+# Each register() function's call that succeeded, by function: made by the first load that needs it, replayed
+# by the others. One that failed is not kept: the next load calls it again (the cause may have been fixed since).
 _CALLS: dict[object, _Call] = {}
 _CALLS_LOCK = threading.RLock()  # two engines built at once in two threads call a function once
 
@@ -440,10 +441,9 @@ class PluginHost:
         with _CALLS_LOCK:
             call = _CALLS.get(plugin)
             if call is None:
-                call = _CALLS[plugin] = self._call(record, plugin, function)
-            elif call.failure is not None:
-                reason = f"{call.failure} (when first called: a register function is called once per process)"
-                return replace(record, status="failed", reason=reason), None
+                call = self._call(record, plugin, function)
+                if call.failure is None:
+                    _CALLS[plugin] = call
         if call.failure is not None:
             return replace(record, status="failed", reason=call.failure), None
         self._calls.append((record.ref, call))
