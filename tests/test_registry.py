@@ -140,15 +140,19 @@ def test_the_vllm_guard_sees_what_the_engine_being_built_applies(install_plugin,
         "other",
         "from pluginhost import ModelRegistry\n"
         "def register():\n"
-        "    ModelRegistry.register_model('Shared', 'other:M')\n",
+        "    ModelRegistry.register_model('Shared', 'other:M')\n"
+        "    ModelRegistry.register_model('Hooked', 'other:Hooked')\n",
         target="other:register",
     )
-    assert "Shared" in PluginHost().collect_models()  # the installed plugin registered it, process-wide
-    assert "Shared" in ModelRegistry.get_supported_archs()
+    assert "Shared" in PluginHost().collect_models()  # the installed plugin registered them, process-wide
+    assert {"Shared", "Hooked"} <= set(ModelRegistry.get_supported_archs())
 
-    def guarded():
-        if "Shared" not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model("Shared", "mine:M")
+    def guarded():  # a new function each time: a register() function is called once per process
+        def register():
+            if "Shared" not in ModelRegistry.get_supported_archs():
+                ModelRegistry.register_model("Shared", "mine:M")
+
+        return register
 
     class GuardedHook:
         @hookimpl
@@ -156,10 +160,11 @@ def test_the_vllm_guard_sees_what_the_engine_being_built_applies(install_plugin,
             if "Hooked" not in ModelRegistry.get_supported_archs():
                 ModelRegistry.register_model("Hooked", "mine:Hooked")
 
-    alone = collect(guarded, GuardedHook())  # without the installed plugin: both guards let their registration in
-    assert alone.get("Shared").implementation == "mine:M" and "Hooked" in alone
-    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "other")
-    assert PluginHost(plugins=[guarded]).collect_models().get("Shared").implementation == "mine:M"
+    alone = collect(guarded(), GuardedHook())  # without the installed plugin: both guards let their registration in
+    assert alone.get("Shared").implementation == "mine:M" and alone.get("Hooked").implementation == "mine:Hooked"
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "other")  # installed, loaded earlier, and now disabled
+    disabled = PluginHost(plugins=[guarded(), GuardedHook()]).collect_models()
+    assert disabled.get("Shared").implementation == "mine:M" and disabled.get("Hooked").implementation == "mine:Hooked"
 
 
 def test_unknown_architecture_names_close_matches_and_how_to_list():
