@@ -377,3 +377,19 @@ def test_models_json_stays_json_and_still_says_on_stderr_that_plugins_failed(ins
     code, out, err = run(capsys, "models", "--json")
     assert code == 0 and json.loads(out)  # a script reading the JSON
     assert "1 plugin(s) failed to load; see `pluginhost plugins`." in err  # and one reading stderr learns of it
+
+
+def test_a_plugins_refusal_keeps_its_own_numbers_while_the_engines_prompt_numbers_count_from_1(
+    install_plugin, tiny_opt, capsys
+):
+    install_plugin(
+        "picky",
+        "from pluginhost import hookimpl\n"
+        "@hookimpl\n"
+        "def on_request(request):\n"
+        "    raise ValueError('prompt 4096 tokens is the most this service takes')\n",
+        dist="picky-dist",
+    )
+    code = main(["generate", "--model", str(tiny_opt), "--prompt", "Hi", "--plugins", "picky"])
+    err = capsys.readouterr().err
+    assert code == 2 and "prompt 4096 tokens is the most this service takes" in err and "--prompt 4097" not in err

@@ -239,7 +239,9 @@ def _counted_from_1(message: str) -> str:
     The engine starts a message about one prompt with ``prompt N``, also when it wraps
     another such message (``prompt 0 became invalid in the on_request hook of ...: prompt 0 has ...``).
     """
-    return re.sub(r"(^|: )prompt (\d+)\b", lambda m: f"{m[1]}--prompt {int(m[2]) + 1}", message)
+    # The engine's own wording only ("prompt 3 has ..."): a plugin's refusal may say "prompt 4096 tokens".
+    engine = r"(^|: )prompt (\d+) (?=is |has |became |asks |encodes |must )"
+    return re.sub(engine, lambda m: f"{m[1]}--prompt {int(m[2]) + 1} ", message)
 
 
 def _check_launcher(settings: dict[str, Any]) -> None:
