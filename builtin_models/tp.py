@@ -163,6 +163,7 @@ def _apply(style: Style, name: str, module: nn.Module, rank: int, world: int, gr
             raise ModelClassError(
                 f"{name} cannot be split over {world} ranks: its {out_features} outputs (in parts {list(parts)}) "
                 f"are not divisible by {world}"
+                + (f", nor are its parts' heads {list(style.heads)} copies for {world} ranks" if style.heads else "")
             )
         shard = Shard(
             rank, world, dim=0, parts=parts if len(parts) > 1 else None, chunks=chunks if style.heads else None

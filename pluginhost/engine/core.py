@@ -422,8 +422,9 @@ class EngineCore:
         token too, so newcomers are not let into the room it is about to need. A newcomer whose prompt
         fits no row beside the running sequences waits for one of them to leave; alone, it is ended.
         """
-        live = [r for r in reversed(range(len(plan.rows))) if _live(plan.rows[r])]  # last row first: held back
-        changed = False  # last, it heads the queue again, so the queue keeps its order
+        # Last row first: each one held back goes to the head of the queue, so the queue keeps its order.
+        live = [r for r in reversed(range(len(plan.rows))) if _live(plan.rows[r])]
+        changed = False
         for row in live:
             sequence = plan.rows[row]
             if sequence.num_computed and (sequence.num_computed + 1 > full.slots or row >= full.rows):

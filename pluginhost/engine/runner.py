@@ -180,9 +180,7 @@ class ModelRunner:
         """
         if self._fits(rows, slots):
             return
-        if not self._caches:
-            self._setup_caches()
-        available = available_bytes(self.device)
+        available = self._available()
         if available is None:
             return
         per_slot = self.slot_bytes()
@@ -227,13 +225,10 @@ class ModelRunner:
         slots = self._slots_for(max(_slots_to_come(s) for s in step.rows))
         if self._fits(rows, slots):
             return
-        if not self._caches:
-            self._setup_caches()
-        available = available_bytes(self.device)
+        available = self._available()
         if available is None:
             return
-        budget = CACHE_SHARE * available
-        room = max(int(budget // (slots * self.slot_bytes())), rows_in_use, 1)
+        room = max(int(CACHE_SHARE * available // (slots * self.slot_bytes())), rows_in_use, 1)
         if not any(row >= room for row in step.prefill_rows):
             return  # nothing to hold back: the growth check decides, token by token
         self.row_cap = min(self.row_cap, room)  # until the cache gives slots back (``_give_back``)
@@ -242,6 +237,12 @@ class ModelRunner:
             rows=room,
             slots=slots,
         )
+
+    def _available(self) -> int | None:
+        """The memory the cache may grow into now (``None``: unknown), its caches set up to know a slot's cost."""
+        if not self._caches:
+            self._setup_caches()
+        return available_bytes(self.device)
 
     def slot_bytes(self) -> int:
         """Bytes one row's slot takes: keys and values of every layer, on every rank sharing this memory."""
