@@ -196,7 +196,7 @@ class PluginHost:
         self._calls: list[tuple[PluginRef, _Call]] = []
         # Installed plugins loaded (name, distribution): their direct ModelRegistry registrations apply.
         self._active: set[tuple[str, str | None]] = set()
-        self._since = apply_registrations_since
+        self._kit_snapshot = apply_registrations_since
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
@@ -468,20 +468,20 @@ class PluginHost:
     def _applies_directly(self, entry: Registration) -> bool:
         """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
         ref = entry.registered_by
-        if self._since is not None and not self._since.holds(entry):
+        if self._kit_snapshot is not None and not self._kit_snapshot.holds(entry):
             return True
         return ref.distribution is None or (ref.name, ref.distribution) in self._active
 
     def _recorded_since(self) -> list[ArchitectureRegistry]:
         """Installed plugins' calls ``ModelRegistry`` lists since ``apply_registrations_since`` (that this host does
         not replay itself)."""
-        if self._since is None:
+        if self._kit_snapshot is None:
             return []
         own = [call.registrations for _, call in self._calls]
         return [
             r
             for r in ModelRegistry.recorded()
-            if all(r is not held for held in self._since.recorded) and all(r is not o for o in own)
+            if all(r is not held for held in self._kit_snapshot.recorded) and all(r is not o for o in own)
         ]
 
     def _applied_architectures(self) -> set[str]:

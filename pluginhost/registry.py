@@ -552,6 +552,8 @@ class _ProcessRegistry(ArchitectureRegistry):
         return self._everything().get(architecture) if self._filtered() else super().get(architecture)
 
     def __contains__(self, architecture: object) -> bool:
+        if _collecting.get() is not None:  # inside an engine: what it lists, as get_supported_archs() does
+            return architecture in self.get_supported_archs()
         self._seed()
         if self._shown is not None:
             return architecture in self._everything()

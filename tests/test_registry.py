@@ -157,7 +157,7 @@ def test_the_vllm_guard_sees_what_the_engine_being_built_applies(install_plugin,
     class GuardedHook:
         @hookimpl
         def register_models(self, registry):
-            if "Hooked" not in ModelRegistry.get_supported_archs():
+            if "Hooked" not in ModelRegistry:  # the other spelling of the guard
                 ModelRegistry.register_model("Hooked", "mine:Hooked")
 
     alone = collect(guarded(), GuardedHook())  # without the installed plugin: both guards let their registration in
