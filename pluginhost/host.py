@@ -319,7 +319,8 @@ class PluginHost:
                 f"plugin. Installed plugins: {names}. Names are entry-point or distribution names."
             )
         for name in selection.unmatched_denied(pairs):
-            logger.warning("%r is disabled but no installed plugin has that name", name)
+            source = selection.deny[normalize_name(name)]
+            logger.warning("%r is disabled (%s) but no installed plugin has that name", name, source)
 
         out: list[tuple[PluginRecord, object | None]] = []
         decisions = [selection.decide(p.name, p.distribution) for p in installed]

@@ -320,7 +320,8 @@ def test_disabling_one_of_two_distributions_sharing_a_plugin_name_works_as_the_e
 def test_a_disabled_name_matching_nothing_is_warned_about_as_it_was_given(run_pluginhost):
     result = run_pluginhost("plugins", "--no-plugins", env={"PLUGINHOST_DISABLED_PLUGINS": "My_Plugin"})
     assert result.returncode == 0, result.stderr
-    assert "'My_Plugin' is disabled but no installed plugin has that name" in result.stderr  # it said 'my-plugin'
+    warning = "'My_Plugin' is disabled (PLUGINHOST_DISABLED_PLUGINS) but no installed plugin has that name"
+    assert warning in result.stderr
 
 
 def test_undecodable_prompt_bytes_from_the_shell_exit_2(run_pluginhost):
