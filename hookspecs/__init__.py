@@ -300,8 +300,8 @@ def record_stats(stats: EngineStats) -> None:
 
     Must not: block (every step waits for it) or change anything. An
     exception is logged once, naming the plugin, and this plugin's
-    ``record_stats`` is not called again by that engine (implementations
-    after it in the call order miss that one step). A step that fails (the
+    ``record_stats`` is not called again by that engine; the others still
+    see that step. A step that fails (the
     model raised, a processor failed) has no statistics and no call.
 
     Example::

@@ -680,12 +680,22 @@ class PluginHost:
         pm = self.plugin_manager
         if self._stats_caller is None:
             self._stats_caller = pm.hook.record_stats
-        try:
-            self._dispatch(self._stats_caller, "record_stats", "", {"stats": stats})
-        except PluginHookError as exc:
-            logger.error("%s Its record_stats is not called again by this engine.", str(exc).rstrip())
-            self._stats_dropped.append(pm.get_plugin(exc.plugin))
-            self._stats_caller = pm.subset_hook_caller("record_stats", remove_plugins=self._stats_dropped)
+        caller = self._stats_caller
+        while True:
+            try:
+                self._dispatch(caller, "record_stats", "", {"stats": stats})
+                return
+            except PluginHookError as exc:
+                logger.error("%s Its record_stats is not called again by this engine.", str(exc).rstrip())
+                failed = pm.get_plugin(exc.plugin)
+                self._stats_dropped.append(failed)
+                self._stats_caller = pm.subset_hook_caller("record_stats", remove_plugins=self._stats_dropped)
+                # Those after it in pluggy's call order (the last registered first) have not seen this step yet.
+                order = [impl.plugin for impl in reversed(caller.get_hookimpls())]
+                ran = order[: order.index(failed) + 1] if failed in order else order
+                if len(ran) == len(order):
+                    return
+                caller = pm.subset_hook_caller("record_stats", remove_plugins=[*self._stats_dropped, *ran])
 
     def collect_logits_processors(self) -> LogitsProcessorRegistry:
         """This engine's logits processors: the ``register_logits_processors`` hook."""
