@@ -418,10 +418,11 @@ def test_a_plugin_failing_inside_a_step_is_named_and_the_engine_stops(install_pl
             with pytest.raises(ModelRunError, match=r"Code of plugin 'raisy' .* activation check failed on rank 0"):
                 llm.generate(PROMPTS[:1], GREEDY)
             stopped = r"rank 0 failed in a step \(RuntimeError: activation check failed on rank 0\).*engine is stopped"
-        else:  # rank 1 logs its error and exits; rank 0 names it (not "the ranks lost each other")
+        else:  # rank 1 logs its error, tells rank 0 and exits; rank 0 names it (not "the ranks lost each other")
             stopped = r"rank 1 \(pid \d+\) exited with status 1 while running a step \(its own error is in its log"
-            with pytest.raises(TensorParallelError, match=stopped):
+            with pytest.raises(TensorParallelError, match=stopped) as info:
                 llm.generate(PROMPTS[:1], GREEDY)
+            assert re.search(r"; rank 1: Code of plugin 'raisy' .* activation check failed on rank 1", str(info.value))
         with pytest.raises(TensorParallelError, match=stopped):
             llm.generate(PROMPTS[:1], GREEDY)
     finally:

@@ -44,7 +44,7 @@ from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, Registere
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
 
-__all__ = ["EngineCore", "EngineStats"]
+__all__ = ["EngineCore", "EngineStats", "blame"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class EngineCore:
                 self._nonfinite(plan, nonfinite.rows)
                 return True
             except Exception as exc:
-                self._fail(plan, self._blame(exc))
+                self._fail(plan, blame(self.loaded, exc))
                 return True
             self._lift_row_cap()
             deliveries = self._advance(plan, tokens, logprobs)
@@ -494,34 +494,35 @@ class EngineCore:
             if self._live.get(request.request_id) is request:
                 del self._live[request.request_id]
 
-    def _blame(self, exc: Exception) -> BaseException:
-        """A failure in the model's code, or in code a plugin installed, as a ``ModelRunError`` naming it.
 
-        The innermost frame that is the model's or a plugin's decides: a plugin's forward hook or patched
-        method raising inside the model's forward is the plugin's fault. The engine's own errors stay as
-        they are (and are logged as internal).
-        """
-        if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
-            return exc
-        what = f"{type(exc).__name__}: {exc}"
-        for filename in reversed(_traceback_files(exc.__traceback__)):
-            if filename in self.loaded.code_files:
-                error = ModelRunError(f"The model {self.loaded.describe()} failed while generating: {what}")
-                break
-            plugins = self._host.plugins_of_file(filename)
-            if plugins:
-                names = " or ".join(p.describe() for p in plugins)
-                error = ModelRunError(
-                    f"Code of {names} (in {filename}) failed while the model {self.loaded.describe()} was generating, "
-                    f"code the plugin installed (a forward hook, a replaced method): {what}. The requests of the step "
-                    f"were ended. {plugins[0].remedy() if len(plugins) == 1 else 'Fix the plugin, or disable it.'}"
-                )
-                break
-        else:
-            logger.error("internal error in an engine step", exc_info=exc)
-            return exc
-        error.__cause__ = exc
-        return error
+def blame(loaded: LoadedModel, exc: Exception) -> BaseException:
+    """A failure in the model's code, or in code a plugin installed, as a ``ModelRunError`` naming it.
+
+    The innermost frame that is the model's or a plugin's decides: a plugin's forward hook or patched
+    method raising inside the model's forward is the plugin's fault. The engine's own errors stay as
+    they are (and are logged as internal).
+    """
+    if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
+        return exc
+    what = f"{type(exc).__name__}: {exc}"
+    for filename in reversed(_traceback_files(exc.__traceback__)):
+        if filename in loaded.code_files:
+            error = ModelRunError(f"The model {loaded.describe()} failed while generating: {what}")
+            break
+        plugins = loaded.host.plugins_of_file(filename)
+        if plugins:
+            names = " or ".join(p.describe() for p in plugins)
+            error = ModelRunError(
+                f"Code of {names} (in {filename}) failed while the model {loaded.describe()} was generating, "
+                f"code the plugin installed (a forward hook, a replaced method): {what}. The requests of the step "
+                f"were ended. {plugins[0].remedy() if len(plugins) == 1 else 'Fix the plugin, or disable it.'}"
+            )
+            break
+    else:
+        logger.error("internal error in an engine step", exc_info=exc)
+        return exc
+    error.__cause__ = exc
+    return error
 
 
 def _traceback_files(tb: TracebackType | None) -> list[str]:

@@ -105,6 +105,8 @@ class RankSpec:
     parent_pid: int
     num_threads: int
     timeout_s: float
+    #: Where a rank that fails in a step says why, for rank 0's error (a ``SimpleQueue`` of (rank, reason)).
+    reasons: Any = None
 
 
 class Ranks:
@@ -127,6 +129,8 @@ class Ranks:
         self._threads_before = threads_before
         self.broken: TensorParallelError | None = None
         self._closed = False
+        #: Spawned ranks' reasons for failing in a step (``RankSpec.reasons``); ``None`` under torchrun.
+        self.reasons: Any = None
 
     def check_alive(self) -> None:
         """Raise ``TensorParallelError`` when a spawned rank has died (or an earlier failure broke the engine)."""
@@ -158,9 +162,10 @@ class Ranks:
             time.sleep(0.05)
         dead = self.dead_ranks()
         if dead:
+            reasons = self._reasons()
             failed = any(process.exitcode == 1 for process in self.processes.values())  # it logged its error
             logged = " (its own error is in its log: lines starting 'pluginhost rank')" if failed else ""
-            message = f"{dead} while {doing}{logged}"
+            message = f"{dead} while {doing}{logged}" + "".join(f"; rank {r}: {why}" for r, why in reasons)
         elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             message = (
                 f"a rank did not answer within {self.timeout_s:g} s while {doing} ({TIMEOUT_ENV} sets the limit): "
@@ -171,6 +176,16 @@ class Ranks:
         error = TensorParallelError(f"Tensor parallelism failed: {message}. The engine is stopped.")
         error.__cause__ = exc
         return error
+
+    def _reasons(self) -> list[tuple[int, str]]:
+        """What failed ranks said of their failure before exiting (spawned ranks only)."""
+        found = []
+        try:
+            while self.reasons is not None and not self.reasons.empty():
+                found.append(self.reasons.get())
+        except (OSError, EOFError):  # the queue's pipe broken with the rank: nothing more to read
+            pass
+        return found
 
     def fail(self, error: TensorParallelError) -> TensorParallelError:
         """Mark the engine broken (the ranks are out of step) and end the other ranks; returns ``error``."""
@@ -227,6 +242,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
     backend = _backend(device)
     rank = torchrun_rank()
     processes: dict[int, multiprocessing.Process] = {}
+    reasons = None
     threads_before = None
     if rank is not None:  # torchrun: every rank runs this same code
         launched = int(os.environ["WORLD_SIZE"])
@@ -249,6 +265,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
         context = multiprocessing.get_context("spawn")
+        reasons = context.SimpleQueue()
         # The ranks ignore Ctrl-C from their first instruction (a terminal sends it to the whole group;
         # rank 0 ends them): an ignored signal stays ignored in the spawned interpreter. Only the main
         # thread may set a handler; another (AsyncLLM builds in its engine thread) blocks the signal
@@ -273,6 +290,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                         os.getpid(),
                         torch.get_num_threads(),
                         timeout_s,
+                        reasons,
                     )
                     processes[r] = context.Process(
                         target=_rank_main, args=(spec,), name=f"pluginhost-rank-{r}", daemon=True
@@ -294,9 +312,11 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             raise
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     distributed._set(rank, world_size)
-    return Ranks(
+    ranks = Ranks(
         rank, world_size, processes=processes, control=control, timeout_s=timeout_s, threads_before=threads_before
     )
+    ranks.reasons = reasons
+    return ranks
 
 
 def _init(
@@ -542,6 +562,7 @@ def _rank_main(spec: RankSpec) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+    from pluginhost.engine.core import blame
     from pluginhost.engine.loader import load_model
     from pluginhost.host import PluginHost
 
@@ -567,12 +588,22 @@ def _rank_main(spec: RankSpec) -> None:
     )
     try:
         serve_steps(runner, ranks)
-    except BaseException:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
+    except BaseException as exc:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
         if os.getppid() != spec.parent_pid:  # rank 0 is gone, and took the collective with it: nothing to add
             _leave(1)
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
+        if isinstance(exc, Exception) and not _raised_in_a_collective(exc):  # its own fault: tell rank 0 why
+            _tell(spec, _describe(blame(loaded, exc)))
         _leave(1)
     _leave(0)
+
+
+def _tell(spec: RankSpec, reason: str) -> None:
+    """Give rank 0 this rank's reason for failing, for the error it raises (best effort: it may be gone)."""
+    try:
+        spec.reasons.put((spec.rank, reason))
+    except Exception:  # noqa: BLE001, S110 - rank 0 still names the rank and its exit status
+        pass
 
 
 def _leave(code: int) -> None:
