@@ -24,6 +24,18 @@ def test_refuses_denied_architectures_before_loading(make_engine, monkeypatch):
     assert info.value.hook == "pre_load"
 
 
+def test_refuses_a_denied_architecture_served_by_another_plugins_class(make_engine, monkeypatch):
+    from builtin_models.opt import OPTForCausalLM
+    from pluginhost.testing.plugins import RegistersModel
+
+    class SiteOPT(OPTForCausalLM):  # another plugin's class for the denied architecture
+        pass
+
+    monkeypatch.setenv("PLUGINHOST_GUARD_DENY", "OPTForCausalLM")
+    with pytest.raises(PluginHookError, match="OPTForCausalLM is denied on this site"):
+        make_engine(pluginhost_model_guard, RegistersModel("OPTForCausalLM", SiteOPT))
+
+
 def test_refuses_non_finite_weights(make_engine, tiny_opt_dir, tmp_path):
     broken = tmp_path / "nan-model"
     shutil.copytree(tiny_opt_dir, broken)

@@ -1,14 +1,18 @@
 """pluginhost-model-guard: refuse what a site does not run, and check what it loads.
 
 * ``pre_load``: refuses architectures or classes named in
-  ``PLUGINHOST_GUARD_DENY`` (comma-separated), before any memory is allocated.
+  ``PLUGINHOST_GUARD_DENY`` (comma-separated), before any memory is allocated:
+  the checkpoint's architecture (``config.json``), an override of it, and the
+  class that implements it, whichever plugin registered that class.
 * ``post_load``: refuses a model with NaN or infinite parameters (a corrupt or
   badly converted checkpoint), and logs its parameter count and memory.
   The report is also kept on the model as ``model.guard_report``.
 """
 
+import json
 import logging
 import os
+from pathlib import Path
 
 from pluginhost import hookimpl
 
@@ -21,10 +25,20 @@ def denied() -> set[str]:
     return {name.strip() for name in os.environ.get("PLUGINHOST_GUARD_DENY", "").split(",") if name.strip()}
 
 
+def _checkpoint_architectures(model_dir: str) -> list[str]:
+    """The architectures ``config.json`` names (the engine has read it already: it exists and parses)."""
+    try:
+        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+
+
 @hookimpl
 def pre_load(config, model_class):
-    names = {model_class.__name__, config.model_architecture_override} - {None}
-    refused = names & denied()
+    # The class alone is not enough: another plugin may serve a denied architecture with a class of its own.
+    names = {model_class.__name__, config.model_architecture_override, *_checkpoint_architectures(config.model)}
+    refused = (names - {None}) & denied()
     if refused:
         raise PermissionError(
             f"{', '.join(sorted(refused))} is denied on this site (PLUGINHOST_GUARD_DENY); ask the operator"
