@@ -209,7 +209,12 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
     """Apply ``hf_overrides`` and the architecture override to ``hf_config`` in place."""
     for key, value in overrides.items():
         if not hasattr(hf_config, key):
-            logger.warning("hf_overrides sets %r, which %s does not define", key, type(hf_config).__name__)
+            logger.warning(
+                "hf_overrides sets %r, which %s does not define: it is added for the model to read (a plugin's "
+                "model may); if it is a misspelt name, it changes nothing",
+                key,
+                type(hf_config).__name__,
+            )
         try:
             setattr(hf_config, key, value)
         except Exception as exc:  # noqa: BLE001 - transformers' typed configs raise their validators' own errors

@@ -1,10 +1,12 @@
 """The mock OPT plugin, tested with pluginhost's pytest fixtures."""
 
 import pluginhost_mock_opt
+import pytest
 from pluginhost_mock_opt.model import DEFAULT_TOKEN_ID, MockOPTForCausalLM
 
 from hookspecs import BUILD_HOOKS
 from pluginhost import SamplingParams
+from pluginhost.errors import ModelClassError
 
 
 def test_registers_its_architecture_lazily(make_host):
@@ -33,3 +35,12 @@ def test_the_token_comes_from_the_config(make_engine):
 def test_without_the_override_the_builtin_runs(make_engine):
     llm = make_engine(pluginhost_mock_opt)
     assert type(llm.model).__name__ == "OPTForCausalLM"
+
+
+@pytest.mark.parametrize("token", [99999, -1, "7", True])
+def test_a_token_outside_the_vocabulary_is_refused_when_the_model_is_built(make_engine, token):
+    # 99999 was taken, and every generation then failed with an IndexError.
+    with pytest.raises(ModelClassError, match=r"mock_token_id must be a token id in \[0, \d+\)"):
+        make_engine(
+            pluginhost_mock_opt, model_architecture_override="MockOPTForCausalLM", hf_overrides={"mock_token_id": token}
+        )

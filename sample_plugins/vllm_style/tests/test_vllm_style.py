@@ -1,8 +1,10 @@
 """The vLLM-style plugin, tested with pluginhost's pytest fixtures (in-process, as a register() function)."""
 
+import pytest
 from pluginhost_vllm_style import register
 
 from pluginhost import SamplingParams
+from pluginhost.errors import ModelClassError
 
 PROMPT = [[2, 5, 9]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -18,3 +20,10 @@ def test_banned_tokens_are_never_generated(make_engine):
     banned = sorted(set(free))
     out = make_engine(register, hf_overrides={"banned_token_ids": banned}).generate(PROMPT, GREEDY)[0]
     assert len(out.token_ids) == 6 and not set(out.token_ids) & set(banned)
+
+
+@pytest.mark.parametrize("banned", [[99999], [-1], 5, ["x"]])
+def test_banned_ids_outside_the_vocabulary_are_refused_when_the_model_is_built(make_engine, banned):
+    # [99999] was taken, and every generation then failed with an IndexError.
+    with pytest.raises(ModelClassError, match=r"banned_token_ids must be a list of token ids in \[0, \d+\)"):
+        make_engine(register, hf_overrides={"banned_token_ids": banned})

@@ -15,7 +15,12 @@ class MockOPTForCausalLM(OPTForCausalLM):
 
     def __init__(self, config):
         super().__init__(config)
-        self.mock_token_id = int(getattr(config, "mock_token_id", DEFAULT_TOKEN_ID))
+        token = getattr(config, "mock_token_id", DEFAULT_TOKEN_ID)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < config.vocab_size:
+            raise ValueError(
+                f"mock_token_id must be a token id in [0, {config.vocab_size}) (the vocabulary), got {token!r}"
+            )
+        self.mock_token_id = token
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden_states)
