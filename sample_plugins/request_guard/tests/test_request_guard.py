@@ -98,6 +98,7 @@ def test_blocked_words_are_whole_words_in_any_case_and_token_prompts_are_refused
     message = refused(llm, "The quick brown FOX!", greedy(), r"the prompt contains 'FOX', a word this server blocks")
     assert "PLUGINHOST_GUARD_BLOCKED_WORDS" in message
     refused(llm, "over the Lazy dog.", greedy(), r"the prompt contains 'Lazy dog'")
+    refused(llm, "over the lazy   dog", greedy(), r"the prompt contains 'lazy   dog'")  # spaced out: the same
     assert llm.generate(["foxes and a lazy cat", "firefox"], greedy())[1].outputs[0].token_ids
     refused(llm, [2, 5], greedy(), r"cannot read a prompt given as token ids; send it as text")
 

@@ -83,7 +83,8 @@ def _parse(values: tuple[str, ...]) -> Limits:
     words = tuple(dict.fromkeys(w.strip() for w in raw[BLOCKED_WORDS].split(",") if w.strip()))
     blocked = None
     if words:
-        alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        # Any run of whitespace in the text matches a space in a phrase: "secret  key" is "secret key".
+        alternatives = "|".join(r"\s+".join(map(re.escape, w.split())) for w in sorted(words, key=len, reverse=True))
         blocked = re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
     return Limits(
         max_prompt_tokens=_positive_int(MAX_PROMPT_TOKENS, raw[MAX_PROMPT_TOKENS]),
