@@ -485,6 +485,17 @@ def test_max_model_len_ends_generation_as_in_vllm_and_a_prompt_it_cannot_hold_is
         LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=4096)
 
 
+def test_a_max_model_len_a_plugin_set_is_named_as_the_plugins_in_the_prompts_error(tiny_opt):
+    class SitePolicy:
+        @hookimpl
+        def modify_config(self, config):
+            config.max_model_len = 4
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[SitePolicy()])
+    with pytest.raises(ValueError, match=r"no room to generate within max_model_len=4 \(set by plugin 'SitePolicy'\)"):
+        llm.generate([[2, 5, 6, 7]], SamplingParams(max_tokens=2))
+
+
 def test_no_prompts_give_no_outputs(llm):
     assert llm.generate([]) == [] and llm.generate([], []) == []  # vLLM's LLM.generate([]) too
 

@@ -133,19 +133,19 @@ class InputProcessor:
         if room < 1:
             raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={loaded.max_model_len}. Shorten the prompt."
+                f"{_max_model_len(loaded)}. Shorten the prompt."
             )
         if params.max_tokens is not None and params.max_tokens > room and exact_max_tokens:
             raise PromptTooLongError(
                 f"prompt {index} has {len(token_ids)} tokens; with max_tokens={params.max_tokens} that is "
-                f"{len(token_ids) + params.max_tokens}, more than max_model_len={loaded.max_model_len}. Shorten the "
+                f"{len(token_ids) + params.max_tokens}, more than {_max_model_len(loaded)}. Shorten the "
                 "prompt or lower max_tokens."
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.min_tokens > max_tokens:
             raise InvalidParameterError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves room for {room} within "
-                f"max_model_len={loaded.max_model_len}: fewer than min_tokens={params.min_tokens}. Shorten the "
+                f"{_max_model_len(loaded)}: fewer than min_tokens={params.min_tokens}. Shorten the "
                 "prompt or lower min_tokens.",
                 param="min_tokens",
             )
@@ -248,3 +248,10 @@ def _unchanged(now: object, given: object) -> bool:
         return bool(now == given)
     except Exception:  # noqa: BLE001 - extra_args may hold anything (a tensor's == is not a bool)
         return False
+
+
+def _max_model_len(loaded: LoadedModel) -> str:
+    """``max_model_len=N`` for a message, saying which plugin set it when one did (the user did not)."""
+    source = loaded.config.provenance.get("max_model_len", "default")
+    by = f" (set by plugin {source.removeprefix('plugin:')!r})" if source.startswith("plugin:") else ""
+    return f"max_model_len={loaded.max_model_len}{by}"
