@@ -154,7 +154,9 @@ def pre_load(config: EngineConfig, model_class: type[torch.nn.Module]) -> None:
     the model is constructed.
 
     May: inspect ``config`` and ``model_class``; raise an exception to refuse
-    the build (its message reaches the user, naming this plugin).
+    the build (its message reaches the user, naming this plugin; a
+    ``PermissionError`` reads as a refusal by policy, anything else as the
+    plugin's failure).
 
     Must not: construct the model or allocate device memory.
 

@@ -654,6 +654,9 @@ class PluginHost:
         remedy = _remedy(record) if record is not None else ""
         if hook == "on_request" and isinstance(exc, ValueError):
             return RequestRefusedError(f"{plugin.describe()} refused the request: {exc}", plugin=plugin.name, hook=hook)
+        if isinstance(exc, PermissionError):  # a policy said no, as it should: not a fault to fix or disable
+            message = f"{plugin.describe()} refused, in its {hook} hook: {exc}. {consequence}".strip()
+            return PluginHookError(message, plugin=plugin.name, hook=hook)
         message = f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}."
         return PluginHookError(
             f"{message} {consequence} {remedy}".replace("  ", " ").strip(), plugin=plugin.name, hook=hook
