@@ -121,6 +121,7 @@ class Ranks:
         control: Any,
         timeout_s: float,
         threads_before: int | None,
+        reasons: Any = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.processes = processes  # rank -> the spawned process (rank 0 only, not under torchrun)
@@ -130,7 +131,7 @@ class Ranks:
         self.broken: TensorParallelError | None = None
         self._closed = False
         #: Spawned ranks' reasons for failing in a step (``RankSpec.reasons``); ``None`` under torchrun.
-        self.reasons: Any = None
+        self.reasons = reasons
 
     def check_alive(self) -> None:
         """Raise ``TensorParallelError`` when a spawned rank has died (or an earlier failure broke the engine)."""
@@ -312,11 +313,15 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             raise
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     distributed._set(rank, world_size)
-    ranks = Ranks(
-        rank, world_size, processes=processes, control=control, timeout_s=timeout_s, threads_before=threads_before
+    return Ranks(
+        rank,
+        world_size,
+        processes=processes,
+        control=control,
+        timeout_s=timeout_s,
+        threads_before=threads_before,
+        reasons=reasons,
     )
-    ranks.reasons = reasons
-    return ranks
 
 
 def _init(

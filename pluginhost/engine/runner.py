@@ -146,12 +146,8 @@ class ModelRunner:
         """
         inputs = StepInputs.of(step, cached=self.cached)
         if inputs.kind != "recompute":
-            # The running sequences (not those prefilled now): the rows below the last one's, and the slots
-            # the longest can come to need (its prompt and max_tokens).
-            running = [(row, s) for row, s in enumerate(step.rows) if s.num_computed]
-            rows_in_use = running[-1][0] + 1 if running else 0
-            slots_to_come = max((_slots_to_come(s) for _, s in running), default=0)
-            self._give_back(rows_in_use, max(slots_to_come, inputs.slots_needed))
+            rows_in_use = _rows_in_use(step)
+            self._give_back(step, rows_in_use, inputs.slots_needed)
             if inputs.kind == "prefill":
                 self._check_room_to_come(step, rows_in_use)
             self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)
@@ -335,18 +331,19 @@ class ModelRunner:
             return min(self.max_model_len, _round_up(slots, _SLOT_STEP))
         return min(self.max_model_len, _SLOT_STEP << ((slots - 1) // _SLOT_STEP).bit_length())  # 256, 512, ...
 
-    def _give_back(self, rows_in_use: int, slots: int) -> None:
+    def _give_back(self, step: ScheduledStep, rows_in_use: int, slots_needed: int) -> None:
         """After the memory ran short, give back the slots no sequence of the batch can come to need.
 
         A shortage caps the rows (``row_cap``). Once the sequences that made the cache long have ended
-        (``slots``: what the batch's longest can come to, its prompt and ``max_tokens``), the cache
-        shrinks to that and the cap is lifted; so it is when no sequence runs. Growing rows again is then
-        checked against the memory. Without a shortage the cache keeps what it holds, as growing it
-        again would cost a copy (and a compile, for a compiled step).
+        (what the running ones can come to, their prompt and ``max_tokens``, and what the step needs),
+        the cache shrinks to that and the cap is lifted; so it is when no sequence runs. Growing rows
+        again is then checked against the memory. Without a shortage the cache keeps what it holds, as
+        growing it again would cost a copy (and a compile, for a compiled step).
         """
         if self.row_cap >= self.max_num_seqs or not self._caches:
-            return
-        shorter = self._slots_for(slots)
+            return  # the common case, every step: nothing to work out
+        to_come = max((_slots_to_come(s) for s in step.rows if s.num_computed), default=0)
+        shorter = self._slots_for(max(to_come, slots_needed))
         if shorter < self._slots:
             self.run(StepInputs("move", cache_shape=(self._rows, shorter)))  # every rank's cache shrinks alike
         elif rows_in_use:
@@ -384,6 +381,13 @@ class ModelRunner:
                 "modules (or the model must not define setup_caches)."
             )
         self._rows = self._slots = 0
+
+
+def _rows_in_use(step: ScheduledStep) -> int:
+    """The rows up to the last running sequence's (not those prefilled now): every row in a decoding step."""
+    if not step.prefill_rows:
+        return len(step.rows)
+    return next((row + 1 for row in reversed(range(len(step.rows))) if step.rows[row].num_computed), 0)
 
 
 def _slots_to_come(sequence: Sequence) -> int:
