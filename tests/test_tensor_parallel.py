@@ -491,22 +491,27 @@ def test_torchrun_ranks_come_from_its_environment(run_pluginhost, tiny_opt):
 
 
 TORCHRUN_SCRIPT = """
+import os
+from pathlib import Path
+
 from pluginhost import LLM, SamplingParams
 from pluginhost.distributed import get_rank
 
 if __name__ == "__main__":
+    said = []  # each process its own file: two processes printing to one pipe interleave their lines
     llm = LLM({model!r}, load_installed_plugins=False, tensor_parallel_size=2)  # rank 1: returns when rank 0 closes
     if get_rank() == 0:
-        print(llm.generate([[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids)
+        said.append(str(llm.generate([[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids))
     llm.close()
-    print("rank", get_rank(), "done")
+    said.append(f"rank {{get_rank()}} done")
+    Path({out!r}, "launched-" + os.environ["RANK"]).write_text("\\n".join(said))
 """
 
 
 def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, tmp_path):
     # docs/distributed.md's pattern: rank 1's LLM() returned with get_rank() == 0, so it generated and failed.
     script = tmp_path / "job.py"
-    script.write_text(TORCHRUN_SCRIPT.format(model=str(tiny_opt)))
+    script.write_text(TORCHRUN_SCRIPT.format(model=str(tiny_opt), out=str(tmp_path)))
     expected = LLM(str(tiny_opt), load_installed_plugins=False).generate(
         [[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0)
     )
@@ -519,7 +524,8 @@ def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, 
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(result.stdout.splitlines()) == sorted([str(expected[0].token_ids), "rank 0 done", "rank 1 done"])
+    said = [(tmp_path / f"launched-{rank}").read_text().splitlines() for rank in (0, 1)]
+    assert said == [[str(expected[0].token_ids), "rank 0 done"], ["rank 1 done"]]
 
 
 def test_an_engine_not_split_under_a_launcher_is_rank_0_of_1(tiny_opt, monkeypatch):
