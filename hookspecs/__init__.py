@@ -295,8 +295,9 @@ def record_stats(stats: EngineStats) -> None:
 
     Called once per engine step, in the thread that steps the engine, with
     ``num_running``, ``num_waiting``, ``num_generated_tokens``,
-    ``num_prompt_tokens``, ``num_finished``, ``step_time_s`` and
-    ``cache_shape``.
+    ``num_prompt_tokens``, ``num_finished``, ``step_time_s``,
+    ``cache_shape`` and ``num_preempted`` (sequences preempted for memory
+    since the last call).
 
     May: read ``stats`` and record it (a log line, a metric).
 

@@ -110,8 +110,9 @@ class PromptTooLongError(PluginhostError, ValueError):
 class KVCacheMemoryError(PluginhostError, RuntimeError):
     """The KV cache cannot grow to what a step needs in the memory left (``pluginhost.engine.memory``).
 
-    ``rows`` and ``slots`` are what it can have: the engine ends the requests longer than ``slots``
-    and holds back the newcomers beyond ``rows``; the others go on.
+    ``rows`` and ``slots`` are what it can have: the engine preempts running sequences longer than
+    ``slots`` (ending only those the memory cannot hold even alone) and holds back the newcomers
+    beyond ``rows``; the others go on.
     """
 
     def __init__(self, message: str, *, rows: int, slots: int) -> None:

@@ -964,30 +964,34 @@ def test_under_a_memory_shortage_requests_without_max_tokens_reserve_nothing_ahe
 
 def test_a_memory_refusal_right_after_the_batch_was_compacted_keeps_every_row_its_own(long_opt, monkeypatch):
     """The step that finds no room comes after one request left: the row moved then must still move in the cache."""
+    jobs = [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)]
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    unbounded = LLM(str(long_opt), load_installed_plugins=False)
+    alone = [unbounded.generate([p], greedy.clone(max_tokens=n))[0].token_ids for p, n in jobs]
     llm = LLM(str(long_opt), load_installed_plugins=False)
-    alone = llm.generate([[2, 30, 31, 32]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     # The first ends one step before the second needs slot 256; the third then moves into the first's row. The
     # memory runs short as the first ends (another process took it): too late to keep the second from starting.
     room = {"now": memory_for(llm, 8, 512), "then": memory_for(llm, 3, 256)}
-    jobs = [([2, 7, 8], 57), ([2, *[5] * 199], 300), ([2, 30, 31, 32], 100)]
     first, second, third = [
-        llm._inputs.make_request(f"job-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        for i, (p, n) in enumerate(jobs)
+        llm._inputs.make_request(f"job-{i}", p, greedy.clone(max_tokens=n)) for i, (p, n) in enumerate(jobs)
     ]
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
+    preempted: list[int] = []
+    llm.engine.stats_listeners.append(lambda stats: preempted.append(stats.num_preempted))
     llm.engine.submit([first, second, third])
     for _ in range(100):  # until the first has ended: the rows move at the next step
         if first.finished:
             break
         llm.engine.step()
     assert first.finished and second.sequences[0].num_computed == 256  # it needs slot 256 at the next step
-    room["now"] = room["then"]
-    for _ in range(200):
+    room["now"] = room["then"]  # room for 1 row of 512 slots: the third, the newest, is preempted
+    for _ in range(500):
         if second.finished and third.finished:
             break
         llm.engine.step()
-    assert first.error is None and isinstance(second.error, KVCacheMemoryError)
-    assert third.error is None and third.output().token_ids == alone.token_ids
+    assert sum(preempted) == 1
+    assert [r.error for r in (first, second, third)] == [None] * 3
+    assert [r.output().token_ids for r in (first, second, third)] == alone
 
 
 def test_a_sequence_waiting_while_newcomers_are_prefilled_keeps_the_room_its_next_token_needs(long_opt, monkeypatch):
@@ -1013,6 +1017,67 @@ def test_a_sequence_waiting_while_newcomers_are_prefilled_keeps_the_room_its_nex
         llm.engine.step()
     assert long.error is None and long.output().token_ids == expected
     assert all(r.error is None and len(r.output().token_ids) == 3 for r in newcomers)
+
+
+def test_requests_the_cache_cannot_grow_for_are_preempted_and_recomputed_not_ended(long_opt, monkeypatch, caplog):
+    # Without max_tokens (the server's chat default) nothing is reserved ahead: two such requests grew to 512
+    # slots each, the memory holds 1 x 1024, and the one that needed slot 512 first was ended.
+    open_ended = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    prompts = [[2, 10, 20], [2, 11, 21]]
+    unbounded = LLM(str(long_opt), load_installed_plugins=False)
+    expected = [o.token_ids for o in unbounded.generate(prompts, open_ended)]
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 2, 512))
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        outputs = llm.generate(prompts, open_ended)
+    assert [o.token_ids for o in outputs] == expected and len(expected[0]) == 1021  # to max_model_len, both
+    assert "cannot grow for 2 running sequences in the memory available: 1 preempted" in caplog.text
+    assert sum(s.num_preempted for s in stats) == 1
+    assert sum(s.num_prompt_tokens for s in stats) == 6  # a recomputed sequence's prompt is not counted again
+    assert llm.engine.scheduler.max_num_seqs == llm.engine.loaded.config.max_num_seqs  # both ran at once again
+
+
+def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they_were(long_opt, monkeypatch):
+    """Preempted sequences keep their tokens, sampling state and penalties: each output is the one it has alone."""
+    greedy = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    params = [
+        greedy,
+        greedy.clone(presence_penalty=0.5),
+        greedy.clone(temperature=1.0, seed=7),
+        greedy.clone(temperature=0.8, top_k=20, seed=11, repetition_penalty=1.3),
+    ]
+    prompts = [[2, 10 + i, 20 + i] for i in range(4)]
+    unbounded = LLM(str(long_opt), load_installed_plugins=False)
+    expected = [unbounded.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    room = {"now": memory_for(llm, 8, 512)}
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
+    sent: list = []  # what a tensor-parallel engine sends its other ranks, and the logits of each step
+    run = llm.engine.runner.run
+    monkeypatch.setattr(llm.engine.runner, "run", lambda inputs: sent.append((inputs, run(inputs))) or sent[-1][1])
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    requests = [llm._inputs.make_request(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+    llm.engine.submit(requests)
+    while requests[0].sequences[0].num_computed < 256:  # every one needs slot 256 at its next step
+        llm.engine.step()
+    room["now"] = memory_for(llm, 2, 512)  # another process took memory: two of the four fit
+    after = len(stats)
+    for _ in range(2000):
+        if all(r.finished for r in requests):
+            break
+        llm.engine.step()
+    assert [r.error for r in requests] == [None] * 4
+    assert [r.output().token_ids for r in requests] == expected
+    assert sum(s.num_preempted for s in stats) == 2 and max(s.num_running for s in stats[after:]) == 2
+    assert any(inputs.kind == "prefill" and len(inputs.texts[0]) > 256 for inputs, _ in sent)  # recomputed
+    other_rank = LLM(str(long_opt), load_installed_plugins=False).engine.runner  # runs what it is sent, as a rank does
+    for inputs, logits in sent:
+        replayed = other_rank.run(inputs)
+        assert (replayed is None) == (logits is None) and (logits is None or torch.equal(replayed, logits))
+    assert other_rank.cache_shape == llm.engine.runner.cache_shape
 
 
 def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):

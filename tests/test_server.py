@@ -754,6 +754,18 @@ def test_metrics_count_what_was_served(url, client):
     assert delta('pluginhost_time_per_output_token_seconds_count{model_name="demo"}') == 1
     assert delta('pluginhost_request_success_total{finish_reason="length",model_name="demo"}') == 1
     assert 'pluginhost_num_requests_running{model_name="demo"}' in after
+    assert delta('pluginhost_num_preemptions_total{model_name="demo"}') == 0
+    assert 'pluginhost_num_preemptions_total{model_name="demo"}' in after
+
+
+def test_metrics_count_the_sequences_preempted_for_memory():
+    from pluginhost.engine.core import EngineStats
+    from pluginhost.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("demo")
+    for preempted in (2, 0, 1):
+        metrics.record_step(EngineStats(4, 2, 4, 0, 0, 0.01, (8, 512), num_preempted=preempted))
+    assert 'pluginhost_num_preemptions_total{model_name="demo"} 3.0' in metrics.render().decode()
 
 
 def test_the_api_key_is_checked_on_every_route(engine):

@@ -64,6 +64,8 @@ class EngineStats:
     step_time_s: float
     #: The KV cache's (rows, slots) after the step.
     cache_shape: tuple[int, int]
+    #: Sequences preempted for memory since the last step's figures (they wait, to be prefilled again).
+    num_preempted: int = 0
 
 
 class EngineCore:
@@ -102,6 +104,8 @@ class EngineCore:
         self._host = loaded.host
         self._hooked = {hook: loaded.host.has_implementations(hook) for hook in ("on_output", "record_stats")}
         self.processors = [_LiveProcessor.create(entry, loaded) for entry in loaded.logits_processors]
+        #: Sequences preempted since the last step's figures.
+        self._preempted = 0
 
     @property
     def stopped(self) -> Exception | None:
@@ -231,16 +235,21 @@ class EngineCore:
                 self._fail(plan, blame(self.loaded, exc))
                 return True
             self._lift_row_cap()
+            # Prompt tokens of the sequences prefilled for the first time (not those recomputed after a preemption).
+            first = [plan.rows[r] for r in plan.prefill_rows if not plan.rows[r].token_ids]
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in first)
             deliveries = self._advance(plan, tokens, logprobs)
             stats = EngineStats(
                 num_running=len(plan.rows),
                 num_waiting=self.scheduler.num_waiting,
                 num_generated_tokens=len(tokens),
-                num_prompt_tokens=sum(len(plan.rows[r].prompt_token_ids) for r in plan.prefill_rows),
+                num_prompt_tokens=prompt_tokens,
                 num_finished=sum(1 for r in plan.active_rows if plan.rows[r].finished),
                 step_time_s=time.perf_counter() - start,
                 cache_shape=self.runner.cache_shape,
+                num_preempted=self._preempted,
             )
+            self._preempted = 0
         finally:
             self._step_lock.release()
         for callback, output, error in deliveries:
@@ -351,7 +360,7 @@ class EngineCore:
         for i, row in enumerate(plan.active_rows):
             sequence = plan.rows[row]
             if prefilled:
-                sequence.num_computed = len(sequence.prompt_token_ids)
+                sequence.num_computed = len(sequence.prefill_token_ids)
             else:
                 sequence.num_computed += 1
             wants = logprobs is not None and sequence.params.logprobs is not None
@@ -416,43 +425,58 @@ class EngineCore:
                     request.on_output(request.output(), None)
 
     def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
-        """End the requests longer than the cache can be; hold back newcomers it has no room for, and run fewer.
+        """Make the batch fit the cache ``full`` says can be had: preempt, hold back, or end.
 
-        Every row counts: while newcomers are prefilled, a running sequence asks for the slot of its next
-        token too, so newcomers are not let into the room it is about to need. A newcomer whose prompt
-        fits no row beside the running sequences waits for one of them to leave; alone, it is ended.
+        A running sequence the cache cannot grow for makes room by preemption, as in vLLM: the newest
+        running sequences leave the cache until the others fit, and wait at the head of the queue with
+        their tokens (``Scheduler.preempt``), while fewer run at once. Only one longer than the memory
+        can hold even alone is ended. Every row counts: while newcomers are prefilled, a running
+        sequence asks for the slot of its next token too, so newcomers are not let into the room it
+        is about to need. A newcomer whose prompt fits no row beside the running sequences waits for
+        one of them to leave; alone, it is ended.
         """
-        # Last row first: each one held back goes to the head of the queue, so the queue keeps its order.
-        live = [r for r in reversed(range(len(plan.rows))) if _live(plan.rows[r])]
-        changed = False
-        for row in live:
-            sequence = plan.rows[row]
-            if sequence.num_computed and (sequence.num_computed + 1 > full.slots or row >= full.rows):
-                self._end(sequence.request, full)
-                changed = True
-        running = any(plan.rows[r].num_computed and _live(plan.rows[r]) for r in live)
-        held = waits_for_room = 0
-        for row in live:
-            sequence = plan.rows[row]
+        running = [s for s in plan.rows if s.num_computed and _live(s)]
+        # Running sequences the cache cannot grow for: room is made for them, and newcomers wait.
+        squeezed = any(s.num_computed + 1 > full.slots or s.row >= full.rows for s in running)
+        changed, preempted = self._make_room(running, full) if squeezed else (False, [])
+        staying = [s for s in running if _live(s) and s not in preempted]
+        held: list[Sequence] = []
+        waits_for_room = 0
+        for row, sequence in enumerate(plan.rows):
             if sequence.num_computed or not _live(sequence):
                 continue
-            too_long = len(sequence.prompt_token_ids) > full.slots
-            if row >= full.rows or (too_long and running):
-                self.scheduler.hold_back(sequence)
-                held += 1
+            too_long = len(sequence.prefill_token_ids) > full.slots
+            if squeezed or row >= full.rows or (too_long and staying):
+                held.append(sequence)
                 waits_for_room += row < full.rows
             elif too_long:
                 self._end(sequence.request, full)
-            else:
-                continue
+                changed = True
+        # Newest first, each to the head of the queue: they wait in the order they came.
+        for sequence in sorted([*held, *preempted], key=_arrival, reverse=True):
+            (self.scheduler.preempt if sequence.num_computed else self.scheduler.hold_back)(sequence)
             changed = True
-        if waits_for_room:
+        self._preempted += len(preempted)
+        if waits_for_room and not squeezed:
             self.scheduler.pause_admission()
         if not changed:  # the same step would be refused again: end its requests rather than spin
             for row in plan.active_rows:
                 if not plan.rows[row].request.finished:
                     self._end(plan.rows[row].request, full)
-        if held and full.rows < self.scheduler.max_num_seqs:
+        if squeezed and staying:  # no one joins them until the cache gives slots back (``_give_back``)
+            self.runner.row_cap = min(self.runner.row_cap, len(staying))
+            self.scheduler.max_num_seqs = len(staying)
+            if preempted:
+                logger.warning(
+                    "The KV cache cannot grow for %d running sequences in the memory available: %d preempted (they "
+                    "wait, keeping their tokens, and are recomputed when they run again); at most %d run at once "
+                    "(max_num_seqs is %d) until the long ones have ended.",
+                    len(running),
+                    len(preempted),
+                    len(staying),
+                    self.loaded.config.max_num_seqs,
+                )
+        elif held and full.rows < self.scheduler.max_num_seqs:
             logger.warning(
                 "The KV cache has room for %d sequences of up to %d tokens in the memory available: at most %d run "
                 "at once (max_num_seqs is %d) while these run; the others wait.",
@@ -462,6 +486,23 @@ class EngineCore:
                 self.loaded.config.max_num_seqs,
             )
             self.scheduler.max_num_seqs = full.rows
+
+    def _make_room(self, running: list[Sequence], full: KVCacheMemoryError) -> tuple[bool, list[Sequence]]:
+        """End the running sequences too long for the memory even alone; the newest others to preempt, newest first.
+
+        Whether a request was ended, and the sequences to preempt: as few as leave the others room to
+        grow to their next tokens. The oldest always keeps running, so every sequence is served in turn.
+        """
+        ended = False
+        for sequence in running:
+            if sequence.num_computed + 1 > full.slots and not self.runner.rows_that_fit(sequence.num_computed + 1):
+                self._end(sequence.request, full)  # no room even alone (or the memory cannot be told)
+                ended = True
+        keep = sorted((s for s in running if _live(s)), key=_arrival)
+        preempted: list[Sequence] = []
+        while len(keep) > 1 and len(keep) > (self.runner.rows_that_fit(max(s.num_computed + 1 for s in keep)) or 0):
+            preempted.append(keep.pop())
+        return ended, preempted
 
     def _lift_row_cap(self) -> None:
         """Let as many sequences run again as the cache's rows may grow to, once its cap is lifted."""
@@ -602,6 +643,11 @@ class _ProcessorFailure(Exception):
     def __init__(self, processor: _LiveProcessor, method: str, cause: BaseException) -> None:
         super().__init__(f"{processor.entry.describe()} failed in {method}")
         self.processor, self.method, self.cause = processor, method, cause
+
+
+def _arrival(sequence: Sequence) -> tuple[float, int]:
+    """Sorts sequences in the order their requests came (a request's samples in index order)."""
+    return sequence.request.arrival_time, sequence.index
 
 
 def _live(sequence: Sequence) -> bool:

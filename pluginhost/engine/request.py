@@ -44,7 +44,7 @@ class Sequence:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    #: Tokens whose keys and values are in the KV cache (0 until its prompt is prefilled).
+    #: Tokens whose keys and values are in the KV cache (0 until it is prefilled, and again once preempted).
     num_computed: int = 0
     #: Its row in the running batch and in the KV cache, while it runs.
     row: int | None = None
@@ -60,6 +60,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefill_token_ids(self) -> list[int]:
+        """What a prefill step puts in the cache: the prompt, and the tokens generated before a preemption."""
+        return self.prompt_token_ids + self.token_ids if self.token_ids else self.prompt_token_ids
 
     def append(self, token: int, logprobs: Tensor | None) -> None:
         """Take the next token (and the step's log-probabilities (V,), when asked for); decide whether to stop."""

@@ -65,7 +65,8 @@ class StepInputs:
     #: decode: each row's last token and its position.
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    #: prefill: the rows prefilled and their prompts; recompute: the active rows' whole texts.
+    #: prefill: the rows prefilled and their texts (prompts, and a preempted sequence's tokens too);
+    #: recompute: the active rows' whole texts.
     rows: list[int] = field(default_factory=list)
     texts: list[list[int]] = field(default_factory=list)
     #: The (rows, slots) the cache takes first, when it changes: decided where the memory is checked,
@@ -79,7 +80,7 @@ class StepInputs:
             return cls("recompute", texts=texts)
         moves = cls.moves_of(step)
         if step.prefill_rows:
-            texts = [list(step.rows[r].prompt_token_ids) for r in step.prefill_rows]
+            texts = [list(step.rows[r].prefill_token_ids) for r in step.prefill_rows]
             return cls(
                 "prefill",
                 len(step.rows),
@@ -211,11 +212,11 @@ class ModelRunner:
     def _check_room_to_come(self, step: ScheduledStep, rows_in_use: int) -> None:
         """Raise ``KVCacheMemoryError`` for the newcomers that could not run to their ends beside the others.
 
-        Without preemption, a sequence the cache cannot grow for is ended; so when the memory cannot
-        hold every row of the batch at the length its longest may reach (prompt and ``max_tokens``),
-        newcomers beyond the rows that can wait for a free one. Eight requests of 300 tokens in room
-        for 4 x 512 slots: 4 run at once, not 8 that all end at 256. A request without ``max_tokens``
-        reserves nothing ahead (``_slots_to_come``).
+        When the memory cannot hold every row of the batch at the length its longest may reach (prompt
+        and ``max_tokens``), newcomers beyond the rows that fit wait for a free one, rather than run
+        until some must be preempted and recomputed. Eight requests of 300 tokens in room for 4 x 512
+        slots: 4 run at once, not 8 that all stop at 256. A request without ``max_tokens`` reserves
+        nothing ahead (``_slots_to_come``): preemption makes room for it when it comes to need it.
         """
         rows = len(step.rows)
         slots = self._slots_for(max(_slots_to_come(s) for s in step.rows))
@@ -233,6 +234,13 @@ class ModelRunner:
             rows=room,
             slots=slots,
         )
+
+    def rows_that_fit(self, slots: int) -> int | None:
+        """How many rows of ``slots`` tokens the cache could grow to in the memory available (``None``: unknown)."""
+        available = self._available()
+        if available is None:
+            return None
+        return int(CACHE_SHARE * available // (self._slots_for(slots) * self.slot_bytes()))
 
     def _available(self) -> int | None:
         """The memory the cache may grow into now (``None``: unknown), its caches set up to know a slot's cost."""

@@ -15,6 +15,9 @@ keeps their decoding going however fast requests arrive. New sequences join
 while their prompts fit a token budget (``max_num_batched_tokens`` prompt
 tokens a step, counting padding; the first one always joins), so one long
 prompt does not stall everyone else for long.
+
+A sequence preempted for memory (``preempt``) waits at the head of the queue
+and, admitted again, is prefilled with its prompt and the tokens it had.
 """
 
 from __future__ import annotations
@@ -87,6 +90,15 @@ class Scheduler:
         self.free(sequence)
         self.waiting.appendleft(sequence)
 
+    def preempt(self, sequence: Sequence) -> None:
+        """Take a running sequence out of the cache, to wait at the head of the queue and be prefilled again.
+
+        Its tokens are kept: when it runs again, one prefill step recomputes the keys and values of its
+        prompt and of what it had generated, and samples its next token (vLLM's recompute preemption).
+        """
+        self.hold_back(sequence)
+        sequence.num_computed = 0
+
     def pause_admission(self) -> None:
         """Admit no one until a sequence leaves its row: the head of the queue waits for the room it frees."""
         self._paused = True
@@ -135,7 +147,7 @@ class Scheduler:
         admitted = longest = 0
         while self.waiting and self.num_running < self.max_num_seqs:
             sequence = self.waiting[0]
-            length = len(sequence.prompt_token_ids)
+            length = len(sequence.prefill_token_ids)
             padded = (admitted + 1) * max(longest, length)
             if admitted and padded > self.max_num_batched_tokens:
                 break

@@ -35,6 +35,9 @@ class ServerMetrics:
         )
         self.prompt_tokens = counter("pluginhost_prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("pluginhost_generation_tokens", "Tokens generated")
+        self.preemptions = counter(
+            "pluginhost_num_preemptions", "Sequences preempted for memory (to be recomputed when they run again)"
+        )
         self.running = Gauge("pluginhost_num_requests_running", "Sequences running", labels, registry=self.registry)
         self.waiting = Gauge("pluginhost_num_requests_waiting", "Sequences waiting", labels, registry=self.registry)
         self.step_time = Histogram(
@@ -72,6 +75,7 @@ class ServerMetrics:
         self.waiting.labels(self._model).set(stats.num_waiting)
         self.prompt_tokens.labels(self._model).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(self._model).inc(stats.num_generated_tokens)
+        self.preemptions.labels(self._model).inc(stats.num_preempted)
         self.step_time.labels(self._model).observe(stats.step_time_s)
 
     def record_request(
