@@ -1080,6 +1080,33 @@ def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they
     assert other_rank.cache_shape == llm.engine.runner.cache_shape
 
 
+def test_once_the_memory_comes_back_the_preempted_sequences_run_again_at_once(long_opt, monkeypatch):
+    # A shortage of one step capped the batch at the 2 sequences it kept, for as long as they ran, however
+    # much memory came back: the preempted ones waited, and every newcomer behind them.
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    prompts = [[2, 10 + i, 20 + i] for i in range(4)]
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    room = {"now": memory_for(llm, 8, 512)}
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    requests = [llm._inputs.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    llm.engine.submit(requests)
+    while requests[0].sequences[0].num_computed < 256:  # every one needs slot 256 at its next step
+        llm.engine.step()
+    room["now"] = memory_for(llm, 2, 512)
+    llm.engine.step()  # refused: two are preempted
+    assert llm.engine.scheduler.num_running == 2 and llm.engine.scheduler.num_waiting == 2
+    room["now"] = memory_for(llm, 8, 512)  # the other process has let go
+    for _ in range(4):
+        llm.engine.step()
+    assert llm.engine.scheduler.num_running == 4 and sum(s.num_preempted for s in stats) == 2
+    while not all(r.finished for r in requests):
+        llm.engine.step()
+    assert [r.error for r in requests] == [None] * 4
+    assert llm.engine.scheduler.max_num_seqs == 8  # what the memory holds of rows of 512 slots
+
+
 def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):
     """With tensor parallelism only rank 0 checks the memory: another rank's cache takes the shape its steps say."""
     llm = LLM(str(long_opt), load_installed_plugins=False)

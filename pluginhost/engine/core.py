@@ -464,7 +464,7 @@ class EngineCore:
                 if not plan.rows[row].request.finished:
                     self._end(plan.rows[row].request, full)
         if squeezed and staying:  # no one joins them until the cache gives slots back (``_give_back``)
-            self.runner.row_cap = min(self.runner.row_cap, len(staying))
+            self.runner.cap_rows(len(staying), max(s.num_computed + 1 for s in staying))
             self.scheduler.max_num_seqs = len(staying)
             if preempted:
                 logger.warning(

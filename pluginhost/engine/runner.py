@@ -127,8 +127,11 @@ class ModelRunner:
             )
         self._caches: list[KVCache] = []
         self._rows = self._slots = 0
-        #: The most rows the memory allows (``check_memory`` lowers it when it finds less): never grown past.
+        #: The most rows the memory allows (``cap_rows`` lowers it when it finds less): never grown past.
         self.row_cap = max_num_seqs
+        #: The memory available when ``row_cap`` was last lowered, and the slots a row was priced at then.
+        self._capped_at: tuple[int, int] | None = None
+        self._last_available: int | None = None
 
     @property
     def stopped(self) -> Exception | None:
@@ -194,7 +197,7 @@ class ModelRunner:
             allowed = (min(grown_rows, fit_rows), grown_slots)
         else:
             allowed = (in_use, max(self._slots, self._realizable_slots(int(budget // (in_use * per_slot)))))
-        self.row_cap = min(self.row_cap, allowed[0])
+        self.cap_rows(*allowed)
         if rows <= allowed[0] and slots <= allowed[1]:
             return  # the cap alone makes the step fit: fewer rows than the rounding asked for
         gib = 1 << 30
@@ -228,7 +231,7 @@ class ModelRunner:
         room = max(int(CACHE_SHARE * available // (slots * self.slot_bytes())), rows_in_use, 1)
         if not any(row >= room for row in step.prefill_rows):
             return  # nothing to hold back: the growth check decides, token by token
-        self.row_cap = min(self.row_cap, room)  # until the cache gives slots back (``_give_back``)
+        self.cap_rows(room, slots)  # until the cache gives slots back, or the memory comes back (``_give_back``)
         raise KVCacheMemoryError(
             f"The KV cache has room for {room} sequences of up to {slots} tokens in the memory available",
             rows=room,
@@ -238,15 +241,23 @@ class ModelRunner:
     def rows_that_fit(self, slots: int) -> int | None:
         """How many rows of ``slots`` tokens the cache could grow to in the memory available (``None``: unknown)."""
         available = self._available()
-        if available is None:
-            return None
+        return None if available is None else self._rows_fitting(available, slots)
+
+    def cap_rows(self, rows: int, slots: int) -> None:
+        """Let at most ``rows`` rows run, as the memory available now allows rows of ``slots`` tokens (a shortage)."""
+        if rows < self.row_cap:
+            self.row_cap = rows
+            self._capped_at = None if self._last_available is None else (self._last_available, slots)
+
+    def _rows_fitting(self, available: int, slots: int) -> int:
         return int(CACHE_SHARE * available // (self._slots_for(slots) * self.slot_bytes()))
 
     def _available(self) -> int | None:
         """The memory the cache may grow into now (``None``: unknown), its caches set up to know a slot's cost."""
         if not self._caches:
             self._setup_caches()
-        return available_bytes(self.device)
+        self._last_available = available_bytes(self.device)
+        return self._last_available
 
     def slot_bytes(self) -> int:
         """Bytes one row's slot takes: keys and values of every layer, on every rank sharing this memory."""
@@ -344,9 +355,11 @@ class ModelRunner:
 
         A shortage caps the rows (``row_cap``). Once the sequences that made the cache long have ended
         (what the running ones can come to, their prompt and ``max_tokens``, and what the step needs),
-        the cache shrinks to that and the cap is lifted; so it is when no sequence runs. Growing rows
-        again is then checked against the memory. Without a shortage the cache keeps what it holds, as
-        growing it again would cost a copy (and a compile, for a compiled step).
+        the cache shrinks to that and the cap is lifted; so it is when no sequence runs. Until then,
+        the cap rises as far as more memory allows, when there is more (``_memory_came_back``): memory
+        another process took for a while comes back to the batch. Growing rows is checked anyway.
+        Without a shortage the cache keeps what it holds, as growing it again would cost a copy (and a
+        compile, for a compiled step).
         """
         if self.row_cap >= self.max_num_seqs or not self._caches:
             return  # the common case, every step: nothing to work out
@@ -355,8 +368,24 @@ class ModelRunner:
         if shorter < self._slots:
             self.run(StepInputs("move", cache_shape=(self._rows, shorter)))  # every rank's cache shrinks alike
         elif rows_in_use:
+            self._memory_came_back()
             return
-        self.row_cap = self.max_num_seqs
+        self.row_cap, self._capped_at = self.max_num_seqs, None
+
+    def _memory_came_back(self) -> None:
+        """Raise ``row_cap`` as far as the memory available now allows, when there is more than when it was set.
+
+        Rows are priced as they were then (the same slots), so a cap set for newcomers that cannot run
+        to their ends is not lifted for them only to be refused again.
+        """
+        if self._capped_at is None:
+            return
+        then, slots = self._capped_at
+        available = self._available()
+        if available is None or available <= then:
+            return
+        self._capped_at = (available, slots)
+        self.row_cap = max(self.row_cap, min(self.max_num_seqs, self._rows_fitting(available, slots)))
 
     def _realizable_slots(self, most: int) -> int:
         """The most slots, at most ``most``, that the cache grows to (steps of 256; doubling when compiled)."""
