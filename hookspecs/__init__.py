@@ -195,9 +195,6 @@ def post_load(config: EngineConfig, model: torch.nn.Module) -> None:
     """
 
 
-# -- runtime hooks ----------------------------------------------------------------------------
-
-
 @hookspec
 def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
     """Add batch-level logits processors (vLLM v1's interface).
@@ -230,6 +227,9 @@ def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
 
             registry.add(BannedWords)
     """
+
+
+# -- runtime hooks ----------------------------------------------------------------------------
 
 
 @hookspec

@@ -17,6 +17,7 @@ FIELDS = {
     "num_finished",
     "step_time_s",
     "cache_shape",
+    "num_preempted",
 }
 
 

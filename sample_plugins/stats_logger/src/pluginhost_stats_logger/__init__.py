@@ -7,7 +7,8 @@ The file is opened once and kept open; each line is flushed as it is
 written (``tail -f`` sees every step). One line per step::
 
     {"time": 1767052800.123, "num_running": 2, "num_waiting": 0, "num_generated_tokens": 2,
-     "num_prompt_tokens": 0, "num_finished": 1, "step_time_s": 0.0123, "cache_shape": [8, 256]}
+     "num_prompt_tokens": 0, "num_finished": 1, "step_time_s": 0.0123, "cache_shape": [8, 256],
+     "num_preempted": 0}
 
 ``time`` is when the step ended (seconds since the epoch); the others are
 ``pluginhost.engine.core.EngineStats``. Every engine of the process writes to
@@ -77,5 +78,6 @@ def record_stats(stats):
         "num_finished": stats.num_finished,
         "step_time_s": round(stats.step_time_s, 6),
         "cache_shape": list(stats.cache_shape),
+        "num_preempted": stats.num_preempted,
     }
     _writer.write(path, json.dumps(record, separators=(", ", ": ")) + "\n")
