@@ -82,7 +82,8 @@ class EngineConfig(BaseModel):
     max_waiting_seqs: int = Field(
         default=1024,
         gt=0,
-        description="Most sequences waiting to run; more are refused (a server answers 503) instead of queued.",
+        description="Most sequences waiting to run beyond the rows free in the running batch; more are refused (a "
+        "server answers 503) instead of queued.",
     )
     tensor_parallel_size: int = Field(
         default=1,

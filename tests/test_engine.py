@@ -515,7 +515,7 @@ def test_no_prompts_give_no_outputs(llm):
             [SamplingParams(stop_token_ids=[100000], min_tokens=2), SamplingParams()],
             r"prompt 0 has stop_token_ids \[100000\] outside the vocabulary \[0, 384\)",
         ),
-        ([[2, 5]], SamplingParams(n=10**7), r"n=10000000 samples are more than the engine ever queues at once"),
+        ([[2, 5]], SamplingParams(n=10**7), r"n=10000000 samples are more than the engine ever takes in at once"),
         # Once taken as token ids, a list of keys, or a TypeError.
         (b"hello", None, "prompts must be a string, a list of token ids, or a list of prompts, got bytes"),
         ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),
@@ -619,6 +619,41 @@ def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     outputs = llm.generate([[2, 10 + i] for i in range(10)], params)
     assert [len(o.token_ids) for o in outputs] == [2] * 10
+
+
+def test_the_queue_bound_counts_only_what_cannot_start_at_the_next_step(tiny_opt):
+    """Free rows of the batch take sequences beside the queue: an idle engine takes max_num_seqs + max_waiting_seqs.
+
+    It refused all but max_waiting_seqs of a burst while every row was free (a server answered 503 to an idle
+    burst, and 400 to n=3 with max_waiting_seqs=2).
+    """
+    from pluginhost.errors import EngineOverloadedError
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=4, max_waiting_seqs=2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    made = iter(range(100))
+
+    def request(n: int = 1):
+        return llm._inputs.make_request(f"r{next(made)}", PROMPTS[0], params.clone(n=n))
+
+    engine = llm.engine
+    burst = [request(n=3), request(), request(), request()]  # 6 sequences: 4 rows free, 2 to wait
+    engine.submit(burst)
+    with pytest.raises(EngineOverloadedError, match=r"--max-waiting-seqs\) or max_num_seqs \(--max-num-seqs\)"):
+        engine.submit([request()])
+    engine.step()  # admits 4 of them: the 2 others wait, and no row is free
+    assert (engine.scheduler.num_running, engine.scheduler.num_waiting) == (4, 2)
+    with pytest.raises(EngineOverloadedError, match=r"2 sequences wait to start, 1 more asked for, and at most 2"):
+        engine.submit([request()])
+    engine.run_until(lambda: all(r.finished for r in burst))
+    assert [len(s.token_ids) for r in burst for s in r.sequences] == [4] * 6
+    late = [request(n=2), request(n=4)]  # idle again: 6 sequences at once, none refused
+    engine.submit(late)
+    engine.run_until(lambda: all(r.finished for r in late))
+    with pytest.raises(
+        ValueError, match=r"n=7 samples are more than the engine ever takes in at once \(6: max_num_seqs=4"
+    ):
+        request(n=7)
 
 
 def test_the_model_may_be_a_path(tiny_opt, llm):

@@ -77,7 +77,10 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")
     group.add_argument(
-        "--max-waiting-seqs", type=int, metavar="N", help="most sequences a server queues; beyond, 503 (default 1024)"
+        "--max-waiting-seqs",
+        type=int,
+        metavar="N",
+        help="most sequences a server queues beyond the batch's free rows; beyond, 503 (default 1024)",
     )
     group.add_argument(
         "--tensor-parallel-size",

@@ -117,6 +117,9 @@ class EngineCore:
     def submit(self, requests: Iterable[EngineRequest], *, bounded: bool = True) -> None:
         """Queue requests for the next step, all or none (a full queue refuses them all).
 
+        The bound counts only what cannot start at the next step: the sequences not yet admitted
+        (waiting, or submitted since the last step) may exceed ``max_waiting_seqs`` by the rows the
+        running batch has free, so an idle engine takes a burst as large as its batch plus its queue.
         ``bounded=False`` (offline ``LLM.generate``, whose caller holds the whole list already)
         queues them whatever the queue holds: ``max_waiting_seqs`` protects a server. A
         request id still taken by a running request (or repeated) is a ``ValueError``.
@@ -130,17 +133,32 @@ class EngineCore:
                     f"request id(s) {', '.join(map(repr, taken[:5]))} already running; give each request its own id "
                     "(or abort the running one first)"
                 )
-            queued = self.scheduler.num_waiting + sum(len(r.sequences) for what, r in self._inbox if what == "add")
-            wanted = sum(len(r.sequences) for r in requests)
-            if bounded and queued + wanted > self.scheduler.max_waiting:
-                raise EngineOverloadedError(
-                    f"the engine's queue is full ({queued} sequences waiting, at most {self.scheduler.max_waiting}); "
-                    "try again later, or raise max_waiting_seqs"
-                )
+            if bounded:
+                self._check_room(sum(len(r.sequences) for r in requests))
             for request in requests:
                 self._live[request.request_id] = request
                 self._inbox.append(("add", request))
             self._work.notify_all()
+
+    def _check_room(self, wanted: int) -> None:
+        """Refuse ``wanted`` more sequences (``EngineOverloadedError``) if they could not all start or wait.
+
+        Called under the inbox lock. The batch's figures are read without the step lock: an estimate, off
+        by what the step under way admits or ends, which only moves sequences between the two counts.
+        ``scheduler.max_num_seqs`` is the cap in force (lowered while memory is short), so rows the
+        memory cannot give are not counted as free.
+        """
+        scheduler = self.scheduler
+        not_admitted = scheduler.num_waiting + sum(len(r.sequences) for what, r in self._inbox if what == "add")
+        free_rows = max(0, scheduler.max_num_seqs - scheduler.num_running)
+        most = scheduler.max_waiting + free_rows
+        if not_admitted + wanted > most:
+            raise EngineOverloadedError(
+                f"the engine's queue is full: {not_admitted} sequences wait to start, {wanted} more asked for, and at "
+                f"most {most} may ({free_rows} free rows of the running batch + max_waiting_seqs="
+                f"{scheduler.max_waiting} waiting); try again later, or raise max_waiting_seqs (--max-waiting-seqs) "
+                "or max_num_seqs (--max-num-seqs)"
+            )
 
     def is_running(self, request_id: str) -> bool:
         """Whether a request under this id has been submitted and has not ended (nor been aborted)."""

@@ -101,10 +101,13 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.n > loaded.config.max_waiting_seqs:  # checked before n sequences are built
+        config = loaded.config
+        most = config.max_num_seqs + config.max_waiting_seqs  # what a server ever takes at once: a batch and a queue
+        if params.n > most:  # checked before n sequences are built
             raise InvalidParameterError(
-                f"n={params.n} samples are more than the engine ever queues at once "
-                f"(max_waiting_seqs={loaded.config.max_waiting_seqs}): ask for fewer, or raise max_waiting_seqs",
+                f"n={params.n} samples are more than the engine ever takes in at once ({most}: max_num_seqs="
+                f"{config.max_num_seqs} running + max_waiting_seqs={config.max_waiting_seqs} waiting): ask for "
+                "fewer, or raise max_num_seqs or max_waiting_seqs",
                 param="n",
             )
         if params.logprobs is not None and params.logprobs > loaded.config.max_logprobs:
