@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -1152,6 +1153,24 @@ def test_once_the_memory_comes_back_the_preempted_sequences_run_again_at_once(lo
         llm.engine.step()
     assert [r.error for r in requests] == [None] * 4
     assert llm.engine.scheduler.max_num_seqs == 8  # what the memory holds of rows of 512 slots
+
+
+def test_rows_left_empty_are_given_back_before_a_running_sequence_is_ended_for_memory(long_opt, monkeypatch):
+    # Memory as a machine reports it: what the cache holds is not available. After the first ended, the cache
+    # held 4 rows x 512 for 2 sequences; growing holds the old block while filling the new one, so 1 row of 768
+    # did not fit beside it, and both were ended at 510 tokens, though each runs to max_model_len alone.
+    open_ended = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    prompts = [[2, 10 + i, 10 + i] for i in range(3)]
+    expected = [o.token_ids for o in LLM(str(long_opt), load_installed_plugins=False).generate(prompts, open_ended)]
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    runner = llm.engine.runner
+    runner.check_memory(1, 1)
+    per_slot = runner.slot_bytes()
+    total = 2800 * per_slot  # the memory of 2800 slots, the cache's included
+    monkeypatch.setattr(
+        "pluginhost.engine.runner.available_bytes", lambda device: total - math.prod(runner.cache_shape) * per_slot
+    )
+    assert [o.token_ids for o in llm.generate(prompts, open_ended)] == expected
 
 
 def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):

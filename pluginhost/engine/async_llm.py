@@ -83,7 +83,12 @@ class AsyncLLM(EngineFrontend):
         model for one, would wait for it forever).
         """
         self._stopping = threading.Event()
-        # One thread: requests are prepared one at a time, in order, as on the event loop before.
+        # One thread, on purpose: requests are queued in the order they came, and ``on_request`` hooks are
+        # called one at a time (a plugin may keep state without a lock). More threads would not make one long
+        # prompt wait less, only let others pass it, while competing with the engine thread for the cores;
+        # what one request can cost here is bounded instead: text too long for max_model_len however it
+        # tokenizes is refused unread (``InputProcessor.check_text_length``), and a server reads no body
+        # over its limit. Whole answers are built in the event loop's own executor, not here.
         self._inputs_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pluginhost-inputs")
         importing = _inside_an_import()
         if importing or torchrun_rank() not in (None, 0):

@@ -18,6 +18,7 @@ from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
 from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
 from pluginhost.sampling import SamplingParams
+from pluginhost.tokenizer import most_chars_per_token
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
 
@@ -94,6 +95,25 @@ class InputProcessor:
             sampling = SamplingState(params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device)
             request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
         return request
+
+    def check_text_length(self, index: int, text: str) -> None:
+        """Refuse a text that cannot fit ``max_model_len`` however it tokenizes, before it is tokenized.
+
+        A ``PromptTooLongError`` (a server's 400 ``context_length_exceeded``) when ``text`` has more
+        characters than ``max_model_len`` tokens can stand for (``most_chars_per_token``): megabytes of
+        text took seconds and gigabytes to tokenize, only to be refused then. Conservative: a text that
+        passes may still be too long, and is refused once tokenized, as before. Not checked when an
+        ``on_request`` hook may shorten the prompt, or when the tokenizer gives no bound.
+        """
+        loaded = self._loaded
+        if self._on_request or loaded.tokenizer is None:
+            return
+        most = most_chars_per_token(loaded.tokenizer)
+        if most is not None and len(text) > loaded.max_model_len * most:
+            raise PromptTooLongError(
+                f"prompt {index} has {len(text)} characters, more than {_max_model_len(loaded)} tokens can hold "
+                f"(one token of this tokenizer stands for {most} characters at most). Shorten the prompt."
+            )
 
     def _checked(self, index: int, token_ids: list[int], params: SamplingParams, exact_max_tokens: bool) -> int:
         """Check a request's parameters against its prompt and this engine; the tokens it may generate."""
@@ -190,6 +210,7 @@ class InputProcessor:
                     f"prompt {index} is not valid Unicode: character {exc.start} is {prompt[exc.start]!r}, "
                     f"{exc.reason} (text decoded with errors='surrogateescape'?)"
                 ) from None
+            self.check_text_length(index, prompt)
             token_ids = list(loaded.tokenizer(prompt)["input_ids"])
             outside = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
             if outside:

@@ -154,7 +154,13 @@ class ModelRunner:
             self._give_back(step, rows_in_use, inputs.slots_needed)
             if inputs.kind == "prefill":
                 self._check_room_to_come(step, rows_in_use)
-            self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)
+            try:
+                self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)
+            except KVCacheMemoryError:
+                if not self._give_back_rows(step, rows_in_use):
+                    raise
+                inputs = replace(inputs, moves=())  # applied with the rows given back
+                self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)  # in what they freed
             if not self._fits(inputs.num_rows, inputs.slots_needed):
                 inputs = replace(inputs, cache_shape=self._grown_shape(inputs.num_rows, inputs.slots_needed))
         return self.run(inputs)
@@ -386,6 +392,21 @@ class ModelRunner:
             return
         self._capped_at = (available, slots)
         self.row_cap = max(self.row_cap, min(self.max_num_seqs, self._rows_fitting(available, slots)))
+
+    def _give_back_rows(self, step: ScheduledStep, rows_in_use: int) -> bool:
+        """When the cache cannot grow, free the rows no running sequence holds; whether there were any.
+
+        Growing holds the old block while it fills the new one, so rows left empty by sequences that
+        ended or were preempted can keep a running one from its next slot. The step's moves are
+        applied first (a moved sequence's keys and values are still in its old row), then the cache
+        keeps rows ``0 .. rows_in_use-1``: the others hold nothing, or newcomers not prefilled yet.
+        """
+        keep = max(rows_in_use, 1)
+        if self._rows <= keep:
+            return False
+        self.run(StepInputs("move", moves=StepInputs.moves_of(step), cache_shape=(keep, self._slots)))
+        step.moves.clear()  # applied: neither this step nor a refused one moves them again
+        return True
 
     def _realizable_slots(self, most: int) -> int:
         """The most slots, at most ``most``, that the cache grows to (steps of 256; doubling when compiled)."""
