@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
+import unicodedata
+import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pluginhost.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer", "token_bytes"]
+__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer", "most_chars_per_token", "token_bytes"]
 
 #: The files whose presence means a model directory has a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -70,3 +73,116 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars[b] = 256 + extra
             extra += 1
     return {chr(code): b for b, code in chars.items()}
+
+
+def most_chars_per_token(tokenizer: Any) -> int | None:  # noqa: ANN401 - any tokenizer a model directory holds
+    """The most characters of a text one token of ``tokenizer`` can stand for; ``None`` when it cannot be bounded.
+
+    A text of ``c`` characters then encodes to at least ``c / most`` tokens, so a prompt far too long for the
+    model is refused without tokenizing it (megabytes take seconds and gigabytes of memory). The bound must
+    never be too low: it is worked out from what the tokenizer does to a text, and is ``None`` (no
+    shortcut) wherever a step may drop characters without a token for them (stripping accents or whitespace,
+    whitespace splitting, an unknown token that takes any run of characters, special tokens that take the
+    whitespace beside them, a slow tokenizer whose Python code could do anything). Computed once per tokenizer.
+    """
+    try:
+        return _MOST_CHARS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: an object without weak references, worked out every time
+        pass
+    most = _most_chars_per_token(tokenizer)
+    try:
+        _MOST_CHARS[tokenizer] = most
+    except TypeError:
+        pass
+    return most
+
+
+_MOST_CHARS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def _most_chars_per_token(tokenizer: Any) -> int | None:  # noqa: ANN401 - any tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast (Rust) tokenizer's pipeline
+    if backend is None or not hasattr(backend, "get_vocab"):
+        return None
+    try:
+        shrink = _normalizer_shrink(_state(backend.normalizer))
+        if shrink is None or not _keeps_every_character(_state(backend.pre_tokenizer)):
+            return None
+        added = backend.get_added_tokens_decoder().values()
+        if any(token.lstrip or token.rstrip for token in added):  # the whitespace beside them goes with them
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        unknown = _unknown_token_chars(backend.model, vocab)
+    except Exception:  # noqa: BLE001 - an unexpected tokenizer: no shortcut, the prompt is tokenized as before
+        return None
+    if unknown is None or not vocab:
+        return None
+    # A token's piece has at least one character for each it stands for: byte-level pieces draw each byte as
+    # a character (and a character has at least one byte), other pieces are the text itself, or more ("##",
+    # "</w>", "<0x41>"). The normalizer may have shrunk the text before: ``shrink`` input characters at most
+    # per character it leaves.
+    return shrink * max(unknown, *(len(piece) for piece in vocab))
+
+
+def _state(component: Any) -> dict[str, Any] | None:  # noqa: ANN401 - a tokenizers component, or None
+    """A pipeline component's settings, as the ``tokenizer.json`` it was read from holds them."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _normalizer_shrink(state: dict[str, Any] | None) -> int | None:
+    """The most input characters a normalizer turns into one; ``None`` when it may drop characters outright."""
+    if state is None:
+        return 1
+    kind = state.get("type")
+    if kind == "Sequence":
+        shrinks = [_normalizer_shrink(part) for part in state.get("normalizers", [])]
+        if any(s is None for s in shrinks):
+            return None
+        product = 1
+        for s in shrinks:
+            product *= s  # type: ignore[operator]
+        return product
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"):  # they only ever add or change characters
+        return 1
+    if kind in ("NFC", "NFKC"):  # canonical composition: a character for each base and the marks it takes
+        return _longest_canonical_decomposition()
+    if kind == "Replace":
+        pattern, content = state.get("pattern", {}), state.get("content", "")
+        if "String" in pattern and content:  # a fixed string for another: what it shrinks by, rounded up
+            return max(1, -(-len(pattern["String"]) // len(content)))
+    return None  # Strip, StripAccents, BertNormalizer, Precompiled, a regular expression... may drop characters
+
+
+def _keeps_every_character(state: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer leaves every character of the text in some piece (whitespace splitting drops it)."""
+    if state is None:
+        return True
+    kind = state.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(part) for part in state.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return state.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _unknown_token_chars(model: Any, vocab: dict[str, int]) -> int | None:  # noqa: ANN401 - a tokenizers model
+    """The most characters the model's unknown token stands for (0: it never has one); ``None``: any number."""
+    kind = type(model).__name__
+    if kind == "BPE":
+        if model.unk_token is None:
+            return 0
+        bytes_fallback = model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))
+        return 1 if bytes_fallback or not model.fuse_unk else None  # unfused: one per character unknown
+    if kind == "WordPiece":  # a word it cannot split, or too long, is one unknown token
+        return int(model.max_input_chars_per_word)
+    return None  # Unigram fuses runs of unknown characters; WordLevel makes any word unknown
+
+
+@functools.cache
+def _longest_canonical_decomposition() -> int:
+    """The most code points one character stands for in canonical decomposition (4, as Unicode 15 has it).
+
+    NFC composes no more than that into one character; Unicode's stability policy freezes which characters
+    composition makes, so Python's tables bound the Rust tokenizers' too.
+    """
+    return max(len(unicodedata.normalize("NFD", chr(code))) for code in range(0x110000) if not 0xD800 <= code < 0xE000)

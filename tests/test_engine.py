@@ -657,6 +657,136 @@ def test_the_queue_bound_counts_only_what_cannot_start_at_the_next_step(tiny_opt
         request(n=7)
 
 
+def test_text_far_too_long_for_the_context_is_refused_before_it_is_tokenized(tiny_opt, monkeypatch):
+    """Megabytes of text took seconds (and gigabytes) to tokenize, only to be refused as too long then."""
+    from pluginhost.errors import PromptTooLongError
+    from pluginhost.tokenizer import most_chars_per_token
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_model_len=64)
+    most = most_chars_per_token(llm.tokenizer)
+    assert most is not None
+    tokenized: list[int] = []
+    encode = type(llm.tokenizer).__call__
+    monkeypatch.setattr(
+        type(llm.tokenizer), "__call__", lambda self, *a, **k: tokenized.append(1) or encode(self, *a, **k)
+    )
+    with pytest.raises(
+        PromptTooLongError, match=rf"prompt 1 has {64 * most + 1} characters, more than max_model_len=64"
+    ):
+        llm.generate(["fine", "x" * (64 * most + 1)], SamplingParams(max_tokens=2))
+    assert tokenized == [1]  # the first prompt only
+    # As long as the bound allows, a text is tokenized and judged on its tokens, as before.
+    with pytest.raises(PromptTooLongError, match=r"prompt 0 has \d+ tokens"):
+        llm.generate(["x" * 64 * most], SamplingParams(max_tokens=2))
+    # The longest piece of the vocabulary, as many times as fit: never refused by the bound.
+    piece = max(range(llm.vocab_size), key=lambda t: len(llm.tokenizer.decode([t])))
+    text = llm.tokenizer.decode([piece] * 60)
+    assert llm.generate([text], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def _tokenizers_of_every_kind():
+    """Fast tokenizers the way model directories hold them, with what a text may go through on its way to tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["The quick brown fox jumps over the lazy dog. Plugins extend the engine through hooks."] * 4
+    corpus += ["Ça déborde: ﬁn, Ǆ, 가각, ἂ, e\u0301, 0123456789 — αβγ"] * 4
+    corpus += ["ᾂ" * 64, "각" * 64] * 4  # long tokens of characters NFC composes from several code points
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+
+    def build(model, trainer, *, normalizer=None, pre_tokenizer=None, decoder=None, added=()):
+        tokenizer = Tokenizer(model)
+        tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+        if decoder is not None:
+            tokenizer.decoder = decoder
+        tokenizer.train_from_iterator(corpus, trainer)
+        tokenizer.add_special_tokens(list(added))
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+    def bpe_trainer(specials=("<unk>", "<s>", "</s>")):
+        return trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials), show_progress=False)
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    return {
+        # GPT-2 / OPT: byte-level BPE, bounded.
+        "byte-level": build(
+            models.BPE(unk_token="<unk>"),
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["<unk>"], initial_alphabet=alphabet, show_progress=False
+            ),
+            pre_tokenizer=byte_level,
+            decoder=decoders.ByteLevel(),
+        ),
+        # Qwen2: byte-level after NFC, which composes up to 4 code points into one character.
+        "NFC byte-level": build(
+            models.BPE(unk_token="<unk>"),
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["<unk>"], initial_alphabet=alphabet, show_progress=False
+            ),
+            normalizer=normalizers.NFC(),
+            pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\d"), "isolated"), byte_level]),
+            decoder=decoders.ByteLevel(),
+        ),
+        # Characters as they are, after NFC: a token of "ᾂ" stands for four times its characters.
+        "NFC pieces": build(models.BPE(unk_token="<unk>"), bpe_trainer(), normalizer=normalizers.NFC()),
+        # Llama 2 / Mistral: SentencePiece BPE with byte fallback, spaces made "▁".
+        "byte fallback": build(
+            models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True),
+            bpe_trainer(("<unk>", "<s>", "</s>", *byte_pieces)),
+            normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+        ),
+        # Unbounded: unknown runs fused into one token, whitespace dropped, accents stripped, tokens taking spaces.
+        "fused unknown": build(models.BPE(unk_token="<unk>", fuse_unk=True), bpe_trainer()),
+        "whitespace split": build(
+            models.WordPiece(unk_token="<unk>"),
+            trainers.WordPieceTrainer(vocab_size=400, special_tokens=["<unk>"], show_progress=False),
+            normalizer=normalizers.BertNormalizer(),
+            pre_tokenizer=pre_tokenizers.BertPreTokenizer(),
+        ),
+        "unigram": build(
+            models.Unigram(), trainers.UnigramTrainer(vocab_size=200, special_tokens=["<unk>"], unk_token="<unk>")
+        ),
+        "stripping special token": build(
+            models.BPE(unk_token="<unk>"),
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["<unk>"], initial_alphabet=alphabet, show_progress=False
+            ),
+            pre_tokenizer=byte_level,
+            added=[__import__("tokenizers").AddedToken("<mask>", lstrip=True, special=True)],
+        ),
+    }
+
+
+def test_the_most_characters_a_token_stands_for_is_never_too_few():
+    """The bound that refuses a text unread must hold for every text, or a prompt that fits would be refused."""
+    from pluginhost.tokenizer import most_chars_per_token
+
+    kinds = _tokenizers_of_every_kind()
+    bounds = {name: most_chars_per_token(tokenizer) for name, tokenizer in kinds.items()}
+    unbounded = {"fused unknown", "whitespace split", "unigram", "stripping special token"}
+    assert {name for name, most in bounds.items() if most is None} == unbounded, bounds
+    for name, tokenizer in kinds.items():
+        most = bounds[name]
+        if most is None:
+            continue
+        pieces = [tokenizer.decode([t]) for t in range(len(tokenizer))]
+        texts = [piece * 50 for piece in pieces if piece]
+        texts += [
+            "e\u0301" * 500,  # composed by NFC: two code points, one character
+            "\u1100\u1161\u11a8" * 300,  # Hangul jamo: three code points, one syllable
+            "\u03b1\u0313\u0300\u0345" * 300,  # four code points, one character (U+1F82)
+            " " * 3000,
+            "\n\n\t " * 500,
+            "ﬁ" * 500,
+            "<unk>" * 300 + "<s></s>" * 100,
+            "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+        ]
+        for text in texts:
+            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            assert tokens * most >= len(text), (name, most, tokens, text[:40])
+
+
 def test_the_model_may_be_a_path(tiny_opt, llm):
     by_path = LLM(Path(tiny_opt), load_installed_plugins=False)
     assert by_path.config.model == str(tiny_opt)

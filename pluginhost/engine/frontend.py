@@ -121,6 +121,11 @@ class EngineFrontend:
         return self._loaded.host
 
     @property
+    def input_processor(self) -> InputProcessor:
+        """What checks prompts and parameters and turns them into engine requests."""
+        return self._inputs
+
+    @property
     def tokenizer(self) -> Any:
         return self._loaded.tokenizer
 
