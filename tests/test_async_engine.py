@@ -379,6 +379,24 @@ def test_a_prompt_is_tokenized_and_checked_beside_the_event_loop_not_in_it(tiny_
     assert outs[-1].outputs[0].token_ids == offline.generate([[2, 5, 6]], greedy(3))[0].token_ids
 
 
+def test_a_request_arrives_when_its_caller_says_not_when_it_is_prepared(engine):
+    """A server passes the time its HTTP request came in: latencies count the wait to be tokenized."""
+
+    async def scenario():
+        came_in = time.monotonic() - 5.0  # as if it had waited 5 s for the input thread
+        given = await engine.submit([2, 5], greedy(2), arrival_time=came_in)
+        made = await engine.submit([2, 6], greedy(2))
+        both = await engine.submit_all([([2, 7], greedy(2), None), ([2, 8], greedy(2), None)], arrival_time=came_in)
+        for stream in (given, made, *both):
+            [out async for out in stream]
+        return came_in, given.request, made.request, [s.request for s in both]
+
+    came_in, given, made, both = run(scenario())
+    assert given.arrival_time == came_in and [r.arrival_time for r in both] == [came_in] * 2
+    assert made.arrival_time > came_in  # unsaid: when it was made
+    assert given.first_token_time - given.arrival_time >= 5.0  # what a time-to-first-token metric then reads
+
+
 class HeldInPreparation:
     """A plugin whose on_request waits, in the input thread, until the test lets the request go on."""
 

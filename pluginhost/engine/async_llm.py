@@ -166,15 +166,19 @@ class AsyncLLM(EngineFrontend):
         request_id: str | None = None,
         *,
         exact_max_tokens: bool = False,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """``add_request``, with the prompt tokenized and checked in the engine's input thread.
 
         The event loop goes on meanwhile (``on_request`` hooks run in that thread too); the
         errors are ``add_request``'s. ``exact_max_tokens``: a ``max_tokens`` the context cannot hold
         is a ``PromptTooLongError``, as the OpenAI API has it (else generation ends at
-        ``max_model_len``, as in vLLM's engine).
+        ``max_model_len``, as in vLLM's engine). ``arrival_time`` (``time.monotonic()``): when the
+        request arrived, if before this call (a server's HTTP request), which its latencies count from.
         """
-        [stream] = await self.submit_all([(prompt, sampling_params, request_id)], exact_max_tokens=exact_max_tokens)
+        [stream] = await self.submit_all(
+            [(prompt, sampling_params, request_id)], exact_max_tokens=exact_max_tokens, arrival_time=arrival_time
+        )
         return stream
 
     async def submit_all(
@@ -182,18 +186,19 @@ class AsyncLLM(EngineFrontend):
         requests: Sequence[tuple[Prompt, SamplingParams | None, str | None]],
         *,
         exact_max_tokens: bool = False,
+        arrival_time: float | None = None,
     ) -> list[RequestStream]:
         """``submit`` for several ``(prompt, params, request_id)``: all prepared first, then queued together.
 
         All or none: an error in any of them (``prompt 2 has ...``) queues none, and a caller
-        cancelled while they are prepared leaves nothing behind.
+        cancelled while they are prepared leaves nothing behind. ``arrival_time`` is theirs, as in ``submit``.
         """
         self._check_open()
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self.engine, loop) for _ in requests]
         picked = [request_id is None for _, _, request_id in requests]
         make = [
-            self._maker(stream, prompt, params, request_id, index, exact_max_tokens)
+            self._maker(stream, prompt, params, request_id, index, exact_max_tokens, arrival_time)
             for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
         ]
         try:
@@ -239,6 +244,7 @@ class AsyncLLM(EngineFrontend):
         request_id: str | None,
         index: int,
         exact_max_tokens: bool = False,
+        arrival_time: float | None = None,
     ) -> Callable[[], EngineRequest]:
         """What makes the request ``stream`` delivers, once called (in the input thread, or at once)."""
         return functools.partial(
@@ -250,6 +256,7 @@ class AsyncLLM(EngineFrontend):
             on_output=stream.deliver,
             streaming=True,
             exact_max_tokens=exact_max_tokens,
+            arrival_time=arrival_time,
         )
 
     async def off_loop(self, fn: Callable[..., T], /, *args: Any) -> T:

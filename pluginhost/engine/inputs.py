@@ -44,12 +44,14 @@ class InputProcessor:
         on_output: OutputCallback | None = None,
         streaming: bool = False,
         exact_max_tokens: bool = False,
+        arrival_time: float | None = None,
     ) -> EngineRequest:
         """The request for ``prompt``; ``index`` names the prompt in error messages.
 
         A ``max_tokens`` beyond what ``max_model_len`` leaves after the prompt ends generation
         there, with ``finish_reason`` "length", as in vLLM's engine; with ``exact_max_tokens`` it
-        is a ``PromptTooLongError`` instead (the OpenAI server's rule).
+        is a ``PromptTooLongError`` instead (the OpenAI server's rule). ``arrival_time``
+        (``time.monotonic()``) is when the request arrived, if before now.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(
@@ -59,6 +61,8 @@ class InputProcessor:
         text, token_ids = self._encode(index, prompt)
         # The request's own parameters: plugins may change them, and one SamplingParams may serve many prompts.
         request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         if self._on_request:
             given = (list(token_ids), request.params.clone())
             # Only the caller's own max_tokens can be the caller's error: what a plugin adds is cut to fit.

@@ -130,6 +130,8 @@ class EngineRequest:
     on_output: OutputCallback | None = None
     #: Whether ``on_output`` gets text that may still be cut by a stop string (streaming) or not.
     streaming: bool = False
+    #: When the request arrived (``time.monotonic()``): when it was made, unless the caller says (a server: when
+    #: the HTTP request came in, so latencies count the wait to be tokenized).
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     #: Why it ended early: a model failure, a plugin's error, an abort.
