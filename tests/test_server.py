@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
+import time
+from collections import Counter
 
 import httpx
 import openai
@@ -70,6 +74,8 @@ def chat_ids(offline: LLM, messages: list[dict]) -> list[int]:
 
 def test_health_and_models(url, client):
     assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    probed = httpx.head(f"{url}/health", timeout=TIMEOUT)  # what load balancers often send (it was a 405)
+    assert probed.status_code == 200 and probed.content == b""
     models = client.models.list()
     assert [m.id for m in models.data] == ["demo"]
     assert client.models.retrieve("demo").id == "demo"
@@ -339,7 +345,8 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             "/v1/completions",
             {"model": "demo", "prompt": "x", "n": 10**7},
             400,
-            "1 prompt(s) x n=10000000 samples are more than the server ever queues at once (1024, --max-waiting-seqs)",
+            "1 prompt(s) x n=10000000 samples are more than the server ever takes in at once (1056: 32 running, "
+            "--max-num-seqs, + 1024 waiting, --max-waiting-seqs)",
         ),
         ("/v1/completions", {"model": "demo", "prompt": ["x"] * 600, "n": 2}, 400, "600 prompt(s) x n=2 samples"),
         ("/v1/completions", {"model": "demo", "prompt": []}, 400, "prompt is empty"),
@@ -437,6 +444,39 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
             "messages",
             "context_length_exceeded",
             "Shorten the messages or lower max_completion_tokens.",
+        ),
+        # Megabytes of text: refused unread, as no tokenization could make them fit (they took seconds and GBs).
+        (
+            "/v1/completions",
+            {"prompt": ["fine", "word " * 400_000]},
+            "prompt",
+            "context_length_exceeded",
+            "prompt 1 has 2000000 characters, more than max_model_len=256 tokens can hold",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 400_000}]},
+            "messages",
+            "context_length_exceeded",
+            "characters with the chat template, more than max_model_len=256 tokens can hold",
+        ),
+        # More samples than the server ever takes in (param was null).
+        ("/v1/completions", {"prompt": "x", "n": 100_000}, "n", None, "more than the server ever takes in at once"),
+        ("/v1/completions", {"prompt": "x", "stop": ["x"] * 65}, "stop", None, "stop may hold at most 64 strings"),
+        # A message with no content (OpenAI refuses it; this one was taken as an empty message).
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": None}]},
+            "messages",
+            None,
+            "messages.0.content: a user message needs content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [USER[0], {"role": "system"}]},
+            "messages",
+            None,
+            "messages.1.content: a system message needs content",
         ),
     ],
 )
@@ -758,6 +798,163 @@ def test_metrics_count_what_was_served(url, client):
     assert 'pluginhost_num_preemptions_total{model_name="demo"}' in after
 
 
+def test_metrics_count_each_sample_with_its_own_finish_reason(url):
+    """One count per choice, labelled by its own reason, as vLLM counts (one per request, the first's reason)."""
+    success = 'pluginhost_request_success_total{finish_reason="%s",model_name="demo"}'
+    body = {"model": "demo", "prompt": "The", "max_tokens": 12, "n": 4, "stop": ["plugin"]}
+    mixed = 0
+    for seed in range(30):
+        before = {reason: metric(url, success % reason) for reason in ("stop", "length")}
+        answer = httpx.post(f"{url}/v1/completions", json={**body, "seed": seed}, timeout=TIMEOUT).json()
+        reasons = Counter(choice["finish_reason"] for choice in answer["choices"])
+        assert {r: metric(url, success % r) - before[r] for r in before} == {r: reasons[r] for r in before}
+        mixed += len(reasons) > 1
+        if mixed:
+            break
+    assert mixed, "no seed gave choices ending for different reasons: the test did not test it"
+
+
+def test_latencies_count_from_when_the_http_request_came_in(url, engine, monkeypatch):
+    """Not from when its request was made, after waiting to be tokenized (a 7 s wait counted as 0.06 s)."""
+    handed: list[float] = []
+    made: list = []
+    off_loop, submit = engine.off_loop, engine.engine.submit
+
+    async def timed_off_loop(fn, *args):
+        handed.append(time.monotonic())  # the request goes to the input thread now: it had arrived already
+        return await off_loop(fn, *args)
+
+    def recorded_submit(requests, **kwargs):
+        requests = list(requests)
+        made.extend(requests)
+        return submit(requests, **kwargs)
+
+    monkeypatch.setattr(engine, "off_loop", timed_off_loop)
+    monkeypatch.setattr(engine.engine, "submit", recorded_submit)
+    answer = httpx.post(
+        f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2}, timeout=TIMEOUT
+    )
+    assert answer.status_code == 200 and len(made) == 1
+    assert made[0].arrival_time <= handed[-1] <= made[0].first_token_time
+
+
+def test_a_big_answer_is_built_off_the_event_loop_decoding_each_token_once(url, engine, monkeypatch):
+    """n=32 choices of 250 tokens with 20 logprobs held the loop (and every client) for up to 2 s."""
+    from pluginhost.server import app as server_app
+
+    built_in: list[str] = []
+    decoded: list[int] = []
+    whole, decode = server_app._Completions.whole, engine.tokenizer.decode
+
+    def recorded_whole(self, *args):
+        built_in.append(threading.current_thread().name)
+        return whole(self, *args)
+
+    def counted_decode(ids, *args, **kwargs):
+        if threading.current_thread().name != "pluginhost-engine":  # the engine's own detokenizing aside
+            decoded.extend(ids)
+        return decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(server_app._Completions, "whole", recorded_whole)
+    monkeypatch.setattr(engine.tokenizer, "decode", counted_decode)
+    body = {"model": "demo", "prompt": "A plugin", "max_tokens": 100, "n": 4, "logprobs": 5, "ignore_eos": True}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert len(built_in) == 1 and built_in[0] != "pluginhost-test-server"  # the server's event loop thread
+    named = {t for choice in answer["choices"] for top in choice["logprobs"]["top_logprobs"] for t in top}
+    assert len(decoded) == len(set(decoded)) >= len(named)  # each token decoded once, for all it is named
+    small = httpx.post(f"{url}/v1/completions", json={**body, "n": 1, "logprobs": None}, timeout=TIMEOUT)
+    assert small.status_code == 200 and built_in[1] == "pluginhost-test-server"  # a small one: no thread hop
+
+
+def test_a_body_over_the_limit_is_a_413_error_object_and_is_not_read(engine):
+    app = build_app(engine, served_model_name="small", max_body_bytes=1000)
+    with running_server(app) as base:
+        prompt = "word " * 300  # 1,500 bytes of prompt
+
+        def chunked():  # no Content-Length: the limit is found as the body comes
+            for _ in range(3):
+                yield json.dumps({"prompt": prompt}).encode()[:600]
+
+        declared = httpx.post(f"{base}/v1/completions", json={"prompt": prompt}, timeout=TIMEOUT)
+        streamed = httpx.post(
+            f"{base}/v1/completions", content=chunked(), headers={"content-type": "application/json"}, timeout=TIMEOUT
+        )
+        for refused in (declared, streamed):
+            assert refused.status_code == 413, refused.text
+            assert refused.json() == {
+                "error": {
+                    "message": "Invalid request: the body is larger than 1000 bytes (0.000953674 MiB), the most this "
+                    "server reads: send shorter prompts, or fewer per request",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+        fine = httpx.post(f"{base}/v1/completions", json={"prompt": "A plugin", "max_tokens": 2}, timeout=TIMEOUT)
+        assert fine.status_code == 200
+        assert (
+            metric(base, 'pluginhost_http_requests_total{model_name="small",route="/v1/completions",status="413"}') == 2
+        )
+
+
+def test_a_request_cut_short_by_a_forced_exit_ends_with_an_error_not_an_asgi_traceback(engine, caplog):
+    """A second Ctrl-C that cannot wait: each answer still ends as the API says, and nothing is logged as a crash.
+
+    uvicorn cancels what still runs; it logged "Exception in ASGI application" for each, and answered plain-text 500s.
+    """
+    import uvicorn
+    from fastapi.responses import StreamingResponse
+
+    from pluginhost.server.run import bind
+
+    app = build_app(engine, served_model_name="demo")
+    reached = threading.Event()
+
+    @app.get("/hang")
+    async def hang() -> None:
+        reached.set()
+        await asyncio.Event().wait()
+
+    @app.get("/hang-streaming")
+    async def hang_streaming() -> StreamingResponse:
+        async def events():
+            yield 'data: {"choices": []}\n\n'
+            reached.set()
+            await asyncio.Event().wait()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    answers: dict[str, httpx.Response] = {}
+    try:
+        assert wait_until(lambda: server.started, TIMEOUT)
+        for path in ("/hang", "/hang-streaming"):
+            reached.clear()
+            asking = threading.Thread(target=lambda p=path: answers.update({p: httpx.get(base + p, timeout=TIMEOUT)}))
+            asking.start()
+            assert reached.wait(TIMEOUT)
+        with caplog.at_level(logging.ERROR):
+            server.should_exit = server.force_exit = True  # as a second Ctrl-C leaves it, once its wait is over
+            thread.join(TIMEOUT)
+        assert wait_until(lambda: len(answers) == 2, TIMEOUT)
+    finally:
+        server.should_exit = server.force_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+    assert not thread.is_alive()
+    error = {"message": "the server was stopped before this request was answered", "type": "server_error"}
+    assert answers["/hang"].status_code == 503
+    assert answers["/hang"].json() == {"error": {**error, "param": None, "code": "shutting_down"}}
+    events = answers["/hang-streaming"].text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert "Exception in ASGI application" not in caplog.text
+
+
 def test_metrics_count_the_sequences_preempted_for_memory():
     from pluginhost.engine.core import EngineStats
     from pluginhost.server.metrics import ServerMetrics
@@ -810,6 +1007,30 @@ def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path):
             assert "queue is full" in busy.json()["error"]["message"]
             ok = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 2}, timeout=TIMEOUT)
             assert ok.status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_server_takes_a_burst_as_large_as_its_free_rows_and_its_queue():
+    """The queue bound leaves out what starts at the next step (4 of an idle burst of 6 were refused with 503)."""
+    engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False, max_num_seqs=8, max_waiting_seqs=2)
+    body = {"model": "burst", "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    try:
+        with running_server(build_app(engine, served_model_name="burst")) as base:
+
+            async def burst(bodies: list[dict]) -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                    return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=b) for b in bodies))
+
+            # 8 rows + 2 waiting: 10 sequences are taken at once, whenever they come.
+            answers = asyncio.run(asyncio.wait_for(burst([body] * 6 + [{**body, "n": 4}]), TIMEOUT))
+            assert [a.status_code for a in answers] == [200] * 7, [a.text for a in answers if a.status_code != 200]
+            assert [len(a.json()["choices"]) for a in answers] == [1] * 6 + [4]
+            never = httpx.post(f"{base}/v1/completions", json={**body, "n": 11}, timeout=TIMEOUT)
+            assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+            assert (
+                "(10: 8 running, --max-num-seqs, + 2 waiting, --max-waiting-seqs)" in never.json()["error"]["message"]
+            )
     finally:
         engine.shutdown()
 

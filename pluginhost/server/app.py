@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an ``AsyncLLM``, on FastAPI.
 
-Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
+Routes: ``GET /health`` (``HEAD`` too), ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (messages through the tokenizer's chat
 template), ``GET /metrics`` (Prometheus). ``stream: true`` answers
 Server-Sent Events: ``data: {json}\\n\\n`` chunks, then ``data: [DONE]\\n\\n``.
@@ -10,16 +10,22 @@ Every error is OpenAI's error object ``{"error": {"message", "type", "param",
 FastAPI's 422; ``param`` names the request's field, and a prompt too long for
 the model has ``code`` ``context_length_exceeded``, as OpenAI answers), 401 for
 a missing or wrong key when an API key is set (checked on every route, plugins'
-too), 404 for an unknown model or route, 503 when the engine's queue is full
-or the engine has stopped for good (a tensor-parallel rank lost; ``/health``
-then answers 503 too), 500 when the model fails. A stream that has begun ends with an error chunk
-instead, then ``[DONE]``. A client that goes away aborts its requests, which
-frees their rows at the next engine step.
+too), 404 for an unknown model or route, 413 for a body over ``MAX_BODY_BYTES``
+(not read), 503 when the engine's queue is full (more sequences waiting to
+start than the batch's free rows and ``max_waiting_seqs`` together) or the
+engine has stopped for good (a tensor-parallel rank lost; ``/health`` then
+answers 503 too), 500 when the model fails. A stream that has begun ends with an error chunk
+instead, then ``[DONE]``; a request a forced shutdown cuts short too (503, ``code``
+``shutting_down``). A client that goes away aborts its requests, which
+frees their rows at the next engine step. Latencies in ``/metrics`` count from
+when the HTTP request came in; ``pluginhost_request_success`` counts each
+choice, by its own finish reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -34,8 +40,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
+from pluginhost.engine.request import EngineRequest
 from pluginhost.errors import (
     EngineOverloadedError,
     InvalidParameterError,
@@ -61,9 +69,14 @@ from pluginhost.server.protocol import (
 )
 from pluginhost.tokenizer import token_bytes
 
-__all__ = ["APIError", "BUILTIN_ROUTES", "bad_request", "build_app"]
+__all__ = ["APIError", "BUILTIN_ROUTES", "MAX_BODY_BYTES", "bad_request", "build_app"]
 
 logger = logging.getLogger(__name__)
+
+#: The largest request body the server reads (a 413 beyond): far more than a prompt that fits any model's context
+#: takes (a 128k-token prompt is about 1 MB of text or of token ids), so only what could never be served is refused
+#: before it is read.
+MAX_BODY_BYTES = 32 * 2**20
 
 #: The paths the server itself answers; a plugin's route may not take them.
 BUILTIN_ROUTES = (
@@ -92,8 +105,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
-def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The API for ``engine``, serving it as ``served_model_name``."""
+def build_app(
+    engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The API for ``engine``, serving it as ``served_model_name``; bodies over ``max_body_bytes`` are a 413."""
     from pluginhost import __version__
 
     app = FastAPI(title="pluginhost", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -101,10 +116,14 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     engine.engine.stats_listeners.append(metrics.record_step)
     app.state.engine, app.state.metrics, app.state.served_model_name = engine, metrics, served_model_name
     _install_errors(app)
+    # Innermost of the three: a body over the limit raises where a route reads it, answered by the error handlers
+    # and counted as any answer (a middleware outside the counting one would answer uncounted).
+    app.add_middleware(_LimitBody, limit=max_body_bytes)
     _install_auth_and_counting(app, api_key, metrics)
+    app.add_middleware(_AnswerWhenCancelled)  # outermost: nothing a cancellation passes through is left unanswered
     api = _API(engine, served_model_name, metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what load balancers and uptime probes often send
     async def health() -> Response:
         stopped = engine.engine.stopped  # a tensor-parallel rank lost: no request can be served again
         if stopped is not None:
@@ -126,11 +145,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, api.completions(body))
+        return await _until_disconnect(request, api.completions(body, _arrival(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, api.chat(body))
+        return await _until_disconnect(request, api.chat(body, _arrival(request)))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -167,6 +186,8 @@ def _install_errors(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
             return bad_request(_not_utf8(exc.__cause__)).response()
+        if isinstance(exc, _BodyTooLarge):
+            return APIError(413, str(exc.detail), type="invalid_request_error", code="request_too_large").response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return APIError(exc.status_code, message, type=kind).response()
@@ -192,6 +213,7 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request.state.arrival = time.monotonic()  # before its body is read: latencies count from here (``_arrival``)
         if expected is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
@@ -212,6 +234,109 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """A request body over the limit: raised where a route reads it (FastAPI passes HTTP errors on as they are)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"Invalid request: the body is larger than {limit} bytes ({limit / 2**20:g} MiB), the most this server "
+            "reads: send shorter prompts, or fewer per request",
+        )
+
+
+class _LimitBody:
+    """Refuses a request body over ``limit`` bytes: at once when its Content-Length says so, else once it has sent more.
+
+    Nothing is read beyond the limit, so a client cannot make the server hold a body of any size in memory.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared is not None and declared > self.limit:
+                raise _BodyTooLarge(self.limit)
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses such a request before it gets here
+    return None
+
+
+class _AnswerWhenCancelled:
+    """A request cancelled mid-answer (the server forced to quit) still ends as the API says, and is not logged.
+
+    uvicorn logged each as "Exception in ASGI application" with a traceback and answered a plain-text 500.
+    Here an answer not yet begun is a 503 error object (``code: shutting_down``); a stream that has begun
+    ends with an error event and ``data: [DONE]``. The cancellation ends there: the process is quitting.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "stream": False, "done": False}
+
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+                state["started"], state["stream"] = True, content_type.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not state["done"]:
+                await _answer_cancelled(scope, receive, send, started=state["started"], stream=state["stream"])
+
+
+async def _answer_cancelled(scope: Scope, receive: Receive, send: Send, *, started: bool, stream: bool) -> None:
+    """End the answer of a request cancelled by a forced shutdown as well as what was sent of it allows."""
+    error = ErrorBody(
+        message="the server was stopped before this request was answered", type="server_error", code="shutting_down"
+    )
+    try:
+        if not started:
+            await JSONResponse(ErrorResponse(error=error).model_dump(), status_code=503)(scope, receive, send)
+        else:  # a stream's events are whole (one per body message), so one more follows the last
+            events = f"data: {json.dumps({'error': error.model_dump()})}\n\ndata: [DONE]\n\n" if stream else ""
+            await send({"type": "http.response.body", "body": events.encode(), "more_body": False})
+    except Exception:  # noqa: BLE001 - the client is gone already: nothing is left to tell it
+        logger.debug("could not end the answer of a cancelled request", exc_info=True)
+
+
+def _arrival(request: Request) -> float:
+    """When the HTTP request came in (``time.monotonic()``), as the counting middleware saw it; else now."""
+    return getattr(request.state, "arrival", None) or time.monotonic()
 
 
 def _route_path(app: FastAPI, scope: dict[str, Any]) -> str:
@@ -342,18 +467,22 @@ class _API:
             )
 
     async def _start(
-        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames, arrival: float
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
-        most = self.engine.config.max_waiting_seqs
-        if len(prompts) * params.n > most:  # more than the queue ever holds: retrying cannot help (not a 503)
+        config = self.engine.config
+        most = config.max_num_seqs + config.max_waiting_seqs  # a whole batch and a whole queue
+        if len(prompts) * params.n > most:  # more than the server ever takes in: retrying cannot help (not a 503)
             raise bad_request(
-                f"{len(prompts)} prompt(s) x n={params.n} samples are more than the server ever queues at once "
-                f"({most}, --max-waiting-seqs): send fewer prompts or samples per request"
+                f"{len(prompts)} prompt(s) x n={params.n} samples are more than the server ever takes in at once "
+                f"({most}: {config.max_num_seqs} running, --max-num-seqs, + {config.max_waiting_seqs} waiting, "
+                "--max-waiting-seqs): send fewer prompts or samples per request",
+                # n is what to lower when it alone is too many, or when there are several samples per prompt.
+                param="n" if params.n > 1 else names.prompt_field,
             )
         requests = [(prompt, params.clone(), f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
         try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
-            return await self.engine.submit_all(requests, exact_max_tokens=True)
+            return await self.engine.submit_all(requests, exact_max_tokens=True, arrival_time=arrival)
         except (ValueError, PluginhostError) as exc:
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
@@ -369,7 +498,8 @@ class _API:
 
     # -- completions --------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, arrival: float) -> Response:
+        """``POST /v1/completions``; ``arrival`` (``time.monotonic()``): when the HTTP request came in."""
         self.check_model(body.model)
         try:
             prompts = body.prompts()
@@ -380,36 +510,46 @@ class _API:
         names = _FieldNames("prompt")
         params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
         request_id = random_id("cmpl")
-        streams = await self._start(prompts, params, request_id, names)
+        streams = await self._start(prompts, params, request_id, names, arrival)
         shape = _Completions(self, request_id)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
-        return JSONResponse(await shape.whole(streams))
+        return await shape.answer(streams)
 
     # -- chat -----------------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest) -> Response:
+    async def chat(self, body: ChatCompletionRequest, arrival: float) -> Response:
+        """``POST /v1/chat/completions``; ``arrival`` as for ``completions``."""
         self.check_model(body.model)
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request(
                 "this model has no chat template (its tokenizer_config.json sets none); use /v1/completions"
             )
-        prompt = await self.engine.off_loop(_render_chat, tokenizer, body.conversation())  # long ones take seconds
         top = (body.top_logprobs or 0) if body.logprobs else None
         budget = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"}, prompt_is_messages=True)
+        inputs = self.engine.input_processor
+        try:  # in the input thread: long conversations take seconds to render and tokenize
+            prompt = await self.engine.off_loop(_render_chat, tokenizer, body.conversation(), inputs.check_text_length)
+        except PromptTooLongError as exc:
+            raise names.bad_request(exc) from None
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
-        streams = await self._start([prompt], params, request_id, names)
+        streams = await self._start([prompt], params, request_id, names, arrival)
         shape = _Chat(self, request_id, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
-        return JSONResponse(await shape.whole(streams))
+        return await shape.answer(streams)
 
 
-def _render_chat(tokenizer: Any, conversation: list[dict[str, Any]]) -> dict[str, Any]:
-    """The conversation through the chat template, as a prompt: its text and token ids (a 400 if it cannot be)."""
+def _render_chat(
+    tokenizer: Any, conversation: list[dict[str, Any]], check_length: Callable[[int, str], None]
+) -> dict[str, Any]:
+    """The conversation through the chat template, as a prompt: its text and token ids (a 400 if it cannot be).
+
+    ``check_length`` refuses a text far too long before it is tokenized (``PromptTooLongError``).
+    """
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
@@ -420,6 +560,7 @@ def _render_chat(tokenizer: Any, conversation: list[dict[str, Any]]) -> dict[str
         raise bad_request(
             f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
         ) from None
+    check_length(0, text)
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 
 
@@ -433,6 +574,7 @@ class _FieldNames:
     #: chat's words for the engine's one prompt, replaced in this order.
     _MESSAGES = (
         (r"\bprompt 0 has (\d+) tokens", r"the messages come to \1 tokens with the chat template"),
+        (r"\bprompt 0 has (\d+) characters", r"the messages come to \1 characters with the chat template"),
         (r"\bprompt 0\b", "the request"),
         (r"\bShorten the prompt\b", "Shorten the messages"),
     )
@@ -520,6 +662,43 @@ def _status(error: Exception) -> int:
     return 503 if isinstance(error, TensorParallelError) else 500
 
 
+def _answer_json(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON (as ``JSONResponse`` writes it), its choices written one at a time.
+
+    ``json.dumps`` holds the GIL for all it is given: one call over a 10 MB answer stalled the event loop
+    for a fifth of a second even from another thread; one choice at a time, it gets its turns between them.
+    """
+    parts = [
+        f"{_dumps(key)}:" + ("[" + ",".join(_dumps(c) for c in value) + "]" if key == "choices" else _dumps(value))
+        for key, value in body.items()
+    ]
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+#: An answer with fewer tokens and log-probabilities than this is built on the event loop (a millisecond or so).
+_ON_LOOP_ENTRIES = 2000
+
+
+def _answer_entries(finals: dict[int, RequestOutput]) -> int:
+    """How big an answer is to build: its tokens, and the log-probabilities reported for each."""
+    return sum(
+        len(c.token_ids) * (1 + (len(c.logprobs[0]) if c.logprobs else 0)) for o in finals.values() for c in o.outputs
+    )
+
+
+def _finish_reasons(request: EngineRequest) -> list[str]:
+    """Why each sample of a request ended, as ``/metrics`` counts them (one per choice, as vLLM does).
+
+    An error ends every sample of the request (its answer is the error); a sample not finished was given up
+    (an abort, or a client gone).
+    """
+    if request.error is not None:
+        return ["error"] * len(request.sequences)
+    return [s.finish_reason or "abort" for s in request.sequences]
+
+
 def _usage_info(prompt: int, completion: int) -> dict[str, int]:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
 
@@ -588,6 +767,9 @@ class _Shape:
         self.api, self.request_id = api, request_id
         self.created = now()
         self.tokenizer = api.engine.tokenizer
+        # Each token's text and bytes, decoded once per answer: a logprobs answer names the same tokens many times.
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def header(self, object_type: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_type, "created": self.created, "model": self.api.name}
@@ -610,14 +792,8 @@ class _Shape:
 
     def _record(self, stream: RequestStream) -> None:
         request = stream.request
-        if request.error is not None:
-            reason = "error"
-        elif not request.finished or request.aborted:
-            reason = "abort"
-        else:
-            reason = request.sequences[0].finish_reason or "abort"
         self.api.metrics.record_request(
-            finish_reason=reason,
+            finish_reasons=_finish_reasons(request),
             arrival=request.arrival_time,
             first_token=request.first_token_time,
             end=time.monotonic(),
@@ -629,11 +805,38 @@ class _Shape:
         return _usage_info(prompt, sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
 
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+        return text
 
     def token_bytes(self, token: int) -> list[int]:
         """The token's own bytes (a piece of a character has its bytes, not U+FFFD's)."""
-        return list(token_bytes(self.tokenizer, token) if self.tokenizer is not None else str(token).encode())
+        found = self._bytes.get(token)
+        if found is None:
+            raw = token_bytes(self.tokenizer, token) if self.tokenizer is not None else str(token).encode()
+            found = self._bytes[token] = list(raw)
+        return found
+
+    async def answer(self, streams: Sequence[RequestStream]) -> Response:
+        """The whole answer, once every request has finished; a big one is built off the event loop.
+
+        Building and serialising n=32 choices of 250 tokens with 20 logprobs each held the loop for
+        seconds, every other client waiting. It is built in the loop's default executor, not in the
+        engine's input thread, where it would hold up the tokenization of every request behind it.
+        """
+        finals = await self.finals(streams)
+        build = functools.partial(self._response, streams, finals)
+        if _answer_entries(finals) < _ON_LOOP_ENTRIES:
+            return build()
+        return await asyncio.get_running_loop().run_in_executor(None, build)
+
+    def _response(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> Response:
+        return Response(_answer_json(self.whole(streams, finals)), media_type="application/json")
+
+    def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        """The whole answer's body, from every prompt's final output."""
+        raise NotImplementedError
 
     async def chunks(
         self, streams: Sequence[RequestStream], usage: _Usage, choice: Callable[..., dict[str, Any]]
@@ -686,8 +889,7 @@ class _Completions(_Shape):
     object_whole = "text_completion"
     object_chunk = "text_completion"
 
-    async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
-        finals = await self.finals(streams)
+    def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         offsets = _choice_offsets(streams)
         choices = [
             {
@@ -748,8 +950,7 @@ class _Chat(_Shape):
         super().__init__(api, request_id)
         self.top_logprobs = top_logprobs or 0
 
-    async def whole(self, streams: Sequence[RequestStream]) -> dict[str, Any]:
-        finals = await self.finals(streams)
+    def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         choices = [
             {
                 "index": c.index,

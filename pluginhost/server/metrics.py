@@ -7,6 +7,8 @@ engine step; request counters and latencies when a request ends.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pluginhost.engine.core import EngineStats
@@ -31,7 +33,9 @@ class ServerMetrics:
             "pluginhost_http_requests", "HTTP requests by route and status", ("route", "status")
         )
         self.finished = counter(
-            "pluginhost_request_success", "Generation requests finished, by reason", ("finish_reason",)
+            "pluginhost_request_success",
+            "Samples finished (one per choice of an answer, as vLLM counts them), by reason",
+            ("finish_reason",),
         )
         self.prompt_tokens = counter("pluginhost_prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("pluginhost_generation_tokens", "Tokens generated")
@@ -79,10 +83,11 @@ class ServerMetrics:
         self.step_time.labels(self._model).observe(stats.step_time_s)
 
     def record_request(
-        self, *, finish_reason: str, arrival: float, first_token: float | None, end: float, tokens: int
+        self, *, finish_reasons: Sequence[str], arrival: float, first_token: float | None, end: float, tokens: int
     ) -> None:
-        """A finished request: why it ended, and its latencies (monotonic seconds)."""
-        self.finished.labels(self._model, finish_reason).inc()
+        """A finished request: why each of its samples ended, and its latencies (monotonic seconds)."""
+        for reason in finish_reasons:
+            self.finished.labels(self._model, reason).inc()
         self.e2e.labels(self._model).observe(end - arrival)
         if first_token is not None:
             self.ttft.labels(self._model).observe(first_token - arrival)

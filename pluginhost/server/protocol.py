@@ -21,7 +21,7 @@ import types
 import uuid
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pluginhost.sampling import SamplingParams
 
@@ -216,7 +216,6 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
     name: str | None = None
     # What an assistant message of an answer carries, so a client can send it back as it came.
     refusal: str | None = None
@@ -226,6 +225,27 @@ class ChatMessage(_Strict):
     tool_calls: list[Any] | None = None
     # A tool message's: known, so that such a message is told tools are not supported, not of an unknown field.
     tool_call_id: str | None = None
+    #: Last: fields are validated in order, and whether a message may go without content depends on the others.
+    #: Checked even when left out (``validate_default``).
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        """A message says something, as OpenAI requires: ``content`` missing or null is refused.
+
+        OpenAI lets an assistant message go without content only when it carries ``tool_calls`` or
+        ``function_call``, which this server refuses (it calls no tools); an answer's message sent
+        back as it came may have a ``refusal`` instead, which is then its text. A tool message is
+        refused for its role.
+        """
+        role, given = info.data.get("role"), info.data
+        stands_in = given.get("refusal") is not None or bool(given.get("tool_calls")) or given.get("function_call")
+        if content is not None or role in (None, "tool") or (role == "assistant" and stands_in):
+            return content  # no role (refused already), tools (refused as such by ``_no_tools_or_audio``)
+        if role == "assistant":
+            raise ValueError("an assistant message needs content (or the refusal an answer came with)")
+        raise ValueError(f"a {role} message needs content: a string, or a list of text parts")
 
     @model_validator(mode="after")
     def _no_tools_or_audio(self) -> ChatMessage:
