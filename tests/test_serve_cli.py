@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from pluginhost.testing.server import served_url
+from pluginhost.testing.server import served_url, wait_until
 
 TIMEOUT = 60
 
@@ -86,6 +87,101 @@ def test_sigint_ends_a_request_in_flight_and_exits_0(grace):
     assert last["finish_reason"] == "abort" if grace == "0" else last["finish_reason"] in ("length", "abort")
     stderr = "".join(process.stderr_lines)  # type: ignore[attr-defined]
     assert "Traceback" not in stderr and "Cancel" not in stderr, stderr  # uvicorn's "Cancel N running task(s)"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_plugin, tmp_path, signum):
+    """As documented for SIGINT and SIGTERM: exit 0 (SIGTERM killed it silently with -15, SIGINT exited 130)."""
+    loading = tmp_path / "loading"
+    install_plugin(
+        "slow_load",
+        f"""
+        import pathlib, time
+        from pluginhost import hookimpl
+
+        @hookimpl
+        def pre_load(config, model_class):
+            pathlib.Path({str(loading)!r}).touch()
+            time.sleep({TIMEOUT})  # still loading when the signal comes
+        """,
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--plugins", "slow_load"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        start_new_session=True,
+    )
+    try:
+        assert wait_until(lambda: loading.exists() or process.poll() is not None, TIMEOUT)
+        process.send_signal(signum)
+        assert process.wait(TIMEOUT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        stderr = process.communicate(timeout=TIMEOUT)[1]
+    name = signal.Signals(signum).name
+    assert (
+        stderr.strip().splitlines()[-1] == f"pluginhost: stopped by {name} before serving (the model was still loading)"
+    )
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr
+
+
+def test_a_second_ctrl_c_aborts_every_request_and_each_answer_still_ends_as_the_api_says():
+    """Ctrl-C twice: requests are aborted at once, not cancelled (plain-text 500s and a traceback for each)."""
+    with serving("--max-num-seqs", "1", "--shutdown-timeout", "60") as (process, url):
+        body = {"model": "demo", "prompt": "A plugin is", "max_tokens": 250, "ignore_eos": True}
+        answers: dict[int, httpx.Response] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = httpx.post(f"{url}/v1/completions", json={**body, "stream": i % 2 == 1}, timeout=TIMEOUT)
+
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for asker in askers:
+            asker.start()
+
+        def in_engine() -> float:  # sequences running and waiting, as /metrics says
+            text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+            lines = [
+                x
+                for x in text.splitlines()
+                if x.startswith(("pluginhost_num_requests_running{", "pluginhost_num_requests_waiting{"))
+            ]
+            return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+        assert wait_until(lambda: in_engine() == 4, TIMEOUT)
+        process.send_signal(signal.SIGINT)  # the first: graceful, 60 s for the requests
+        assert wait_until(lambda: _refused(url), TIMEOUT)  # it stopped accepting: the first one was handled
+        process.send_signal(signal.SIGINT)
+        assert process.wait(TIMEOUT) == 0
+        for asker in askers:
+            asker.join(TIMEOUT)
+    assert sorted(answers) == [0, 1, 2, 3]
+    reasons = []
+    for i, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        if i % 2 == 0:
+            reasons += [c["finish_reason"] for c in answer.json()["choices"]]
+        else:
+            events = answer.text.split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""]
+            reasons.append(json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"])
+    # The one running may have reached its 250 tokens on a slow machine; the three waiting cannot have.
+    assert sorted(reasons)[:3] == ["abort"] * 3 and set(reasons) <= {"abort", "length"}, reasons
+    stderr = "".join(process.stderr_lines)  # type: ignore[attr-defined]
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
+
+
+def _refused(url: str) -> bool:
+    """Whether the server no longer accepts connections."""
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
 
 
 def test_a_busy_port_is_one_clear_error():

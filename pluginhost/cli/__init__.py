@@ -288,11 +288,16 @@ def run() -> None:
     wait for it forever after the command is done. Such threads are named on stderr and
     not waited for. Worker threads of thread pools (``concurrent.futures``, such as
     ``torch.compile``'s compile workers) are not waited for either, and not named: pools
-    are mostly libraries', idle once the command is done.
+    are mostly libraries', idle once the command is done. Nor is a model build ``serve`` gave up
+    on when stopped while loading.
     """
     code = main()
     lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if lingering:
+    # AsyncLLM's thread still building a model that Ctrl-C or SIGTERM made ``serve`` give up on: the interpreter's
+    # exit would stop it inside torch's C++ code, which aborts the process ("terminate called without an active
+    # exception", status -6) instead of exiting with ``code``.
+    building = any(t.name == "pluginhost-engine" and t.is_alive() for t in threading.enumerate())
+    if lingering or building:
         from concurrent.futures.thread import _worker as pool_worker
 
         started = [t for t in lingering if getattr(t, "_target", None) is not pool_worker]

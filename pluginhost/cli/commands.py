@@ -282,7 +282,51 @@ def _check_tokenizer(model: str) -> None:
         )
 
 
+class _StoppedBeforeServing(KeyboardInterrupt):
+    """SIGTERM while the server is starting: raised in the main thread, and handled as Ctrl-C is there.
+
+    A ``KeyboardInterrupt``, so that every step of the start (plugins' imports, a build the main thread waits
+    for) lets it through and leaves nothing behind, as it does Ctrl-C.
+    """
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise _StoppedBeforeServing
+
+
 def serve(args: argparse.Namespace, out: ResultStream) -> int:
+    """``pluginhost serve``: load the model, then serve it until SIGINT or SIGTERM, and exit 0 either way.
+
+    A signal while the model still loads ends the command too, as documented, with exit status 0 and one
+    line saying the server stopped before it served (SIGTERM killed it silently, status -15).
+    """
+    import signal
+
+    if torchrun_rank() not in (None, 0):  # it serves rank 0's steps, not HTTP: signals as for any command
+        _start_serving(args)
+        return EXIT_OK
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # until the server takes the signals over
+    try:
+        started = _start_serving(args)
+    except KeyboardInterrupt as stop:
+        name = "SIGTERM" if isinstance(stop, _StoppedBeforeServing) else "SIGINT"
+        print(f"pluginhost: stopped by {name} before serving (the model was still loading)", file=sys.stderr)
+        return EXIT_OK
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert started is not None  # only a torchrun rank other than 0 serves no HTTP
+    from pluginhost.server.run import run_server
+
+    app, engine, sock, keywords = started
+    run_server(app, engine, sock, **keywords)
+    return EXIT_OK
+
+
+def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]] | None:
+    """All ``serve`` does before serving: ``run_server``'s arguments (app, engine, socket, keywords).
+
+    ``None`` on a torchrun rank other than 0, which has served rank 0's steps by then.
+    """
     import os
     from pathlib import Path
 
@@ -295,7 +339,7 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
             f"pluginhost serve needs FastAPI, uvicorn and prometheus_client ({exc.name} is missing): "
             "pip install 'pluginhost[serve]'"
         ) from None
-    from pluginhost.server.run import bind, run_server
+    from pluginhost.server.run import bind
 
     settings, demo = _settings_or_demo(args)
     _engine_config(settings)  # before the port is taken and the served name read from the path
@@ -313,7 +357,7 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
         from pluginhost.engine.async_llm import AsyncLLM
 
         AsyncLLM._from_host(make_host(args), **settings)  # returns when rank 0's engine closes
-        return EXIT_OK
+        return None
     sock = bind(args.host, args.port)  # a busy port fails before the model loads
     try:
         from pluginhost.engine.async_llm import AsyncLLM
@@ -324,12 +368,5 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
     except BaseException:
         sock.close()
         raise
-    run_server(
-        app,
-        engine,
-        sock,
-        served_model_name=served,
-        shutdown_timeout=args.shutdown_timeout,
-        requires_key=api_key is not None,
-    )
-    return EXIT_OK
+    keywords = {"served_model_name": served, "shutdown_timeout": args.shutdown_timeout}
+    return app, engine, sock, {**keywords, "requires_key": api_key is not None}

@@ -7,8 +7,12 @@ then aborts what is left: each answer still ends as the API says (its
 choices' ``finish_reason`` ``"abort"``; a stream then ``data: [DONE]``), not
 cut off mid-body. Then it stops the engine loop and returns, so the command
 exits 0 (uvicorn alone would re-raise the signal at the end). A second
-Ctrl-C quits at once. An engine that stops for good (a tensor-parallel rank
-lost) ends the server the same way, and ``run_server`` then raises its error.
+Ctrl-C quits at once: it aborts every request then, and the server quits as
+soon as their answers have ended so (at most ``_FORCED_EXIT_WAIT`` seconds
+later; a third Ctrl-C does not wait). An answer the forced exit still cuts
+short ends with an error (``code: shutting_down``), never a traceback. An
+engine that stops for good (a tensor-parallel rank lost) ends the server the
+same way as a signal, and ``run_server`` then raises its error.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds uvicorn still waits, after the grace period, for the aborted answers to be sent.
 _ABORTED_ANSWERS_TIMEOUT = 5.0
+
+#: Seconds a second Ctrl-C leaves the aborted answers to be sent before the server quits regardless.
+_FORCED_EXIT_WAIT = 2.0
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,7 +77,7 @@ class _Server(uvicorn.Server):
         describe: str,
         *,
         grace: float,
-        end_requests: Callable[[], None],
+        abort_all: Callable[[], None],
         requires_key: bool,
         stopped: Callable[[], Exception | None],
     ) -> None:
@@ -79,17 +87,41 @@ class _Server(uvicorn.Server):
         self.engine_stopped: Exception | None = None
         self._url, self._describe = url, describe
         self._note = "API key required; Ctrl-C to stop" if requires_key else "Ctrl-C to stop"
-        self._grace, self._end_requests = grace, end_requests
+        self._grace, self._abort_all = grace, abort_all
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._quitting = False
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn stops listening, waits for the answers in flight, then cancels them, cutting streams
         # mid-body. The engine's requests are ended first, at the grace period's end (counted from here,
         # once nothing new is accepted), so the answers finish while uvicorn still waits.
-        ending = asyncio.get_running_loop().call_later(self._grace, self._end_requests)
+        why = f"requests still running after {self._grace:.1f} s"
+        ending = asyncio.get_running_loop().call_later(self._grace, self._end_requests, why)
         try:
             await super().shutdown(sockets)
         finally:
             ending.cancel()
+
+    def _end_requests(self, why: str) -> None:
+        logger.info("%s: aborting them", why)
+        self._abort_all()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's second Ctrl-C stops waiting at once: the tasks still answering were cancelled, each
+        # logged as an ASGI error and answered a plain-text 500. Here it aborts every request first (from
+        # the event loop: a signal handler must not take the engine's locks, which the loop may hold), and
+        # the server quits once their answers have ended as aborted, or after _FORCED_EXIT_WAIT seconds.
+        loop = self._loop
+        if sig == signal.SIGINT and self.should_exit and not self._quitting and loop is not None:
+            self._quitting = True
+            loop.call_soon_threadsafe(self._quit_soon)
+            return
+        super().handle_exit(sig, frame)  # the first signal; or a third Ctrl-C, which quits without waiting
+
+    def _quit_soon(self) -> None:
+        self._end_requests("Ctrl-C again")
+        assert self._loop is not None
+        self._loop.call_later(_FORCED_EXIT_WAIT, setattr, self, "force_exit", True)
 
     async def on_tick(self, counter: int) -> bool:
         # Once a second: an engine stopped for good (a tensor-parallel rank lost) ends the server, so a
@@ -102,6 +134,7 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
             print(f"pluginhost: serving {self._describe} at {self._url} ({self._note})", file=sys.stderr, flush=True)
@@ -143,16 +176,12 @@ def run_server(
         lifespan="off",
     )
 
-    def end_requests() -> None:
-        logger.info("requests still running after %.1f s: aborting them", shutdown_timeout)
-        engine.engine.abort_all()
-
     server = _Server(
         config,
         f"http://{shown}:{port}",
         f"{served_model_name!r}",
         grace=shutdown_timeout,
-        end_requests=end_requests,
+        abort_all=engine.engine.abort_all,
         requires_key=requires_key,
         stopped=lambda: engine.engine.stopped,
     )
