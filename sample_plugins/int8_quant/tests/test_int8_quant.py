@@ -258,8 +258,11 @@ def test_composes_with_other_plugins(make_engine, hook_recorder, monkeypatch):
     assert type(llm.model).__name__ == "MockOPTForCausalLM" and llm.config.max_num_seqs == 2
     assert all(isinstance(m, Int8Linear) for m in linears(llm.model))
     assert hook_recorder.last("post_load").plugins == ("pluginhost_int8_quant", "pluginhost_model_guard")
-    # The guard ran on the quantized model: its float parameters are the embeddings, LayerNorms and biases.
-    assert llm.model.guard_report["parameters"] == sum(p.numel() for p in set(llm.model.parameters()))
+    # The guard ran on the quantized model: its float parameters (embeddings, LayerNorms and biases) and the
+    # int8 weights with their scales, which the quantization keeps in buffers.
+    quantized = sum(m.qweight.numel() + m.scales.numel() for m in linears(llm.model))
+    parameters = sum(p.numel() for p in set(llm.model.parameters()))
+    assert llm.model.guard_report["parameters"] == parameters + quantized
     outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [[7] * 4] * 3
 

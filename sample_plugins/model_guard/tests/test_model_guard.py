@@ -6,6 +6,7 @@ import pluginhost_model_guard
 import pytest
 from safetensors.torch import load_file, save_file
 
+from pluginhost import hookimpl
 from pluginhost.errors import PluginHookError
 
 
@@ -15,6 +16,33 @@ def test_reports_the_loaded_model(make_engine, hook_recorder):
     assert report["parameters"] == sum(p.numel() for p in set(llm.model.parameters()))
     assert report["bytes"] == report["parameters"] * 4 and report["dtype"] == "torch.float32"
     assert hook_recorder.last("post_load").plugins == ("pluginhost_model_guard",)
+
+
+class StoresWeightsInBuffers:
+    """What a quantizing plugin does first (``int8_quant``): fc1's weight becomes an int8 buffer and float scales."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    @hookimpl(tryfirst=True)
+    def post_load(self, config, model):
+        import torch
+
+        layer = model.decoder.layers[0].fc1
+        weight = layer.weight.detach()
+        del layer.weight
+        layer.register_buffer("qweight", weight.to(torch.int8))
+        layer.register_buffer("scales", torch.full((weight.shape[0],), self.scale))
+
+
+def test_counts_and_checks_weights_another_plugin_keeps_in_buffers(make_engine):
+    # The report left them out (int8_quant's model showed a fraction of its size), and so did the NaN check.
+    llm = make_engine(pluginhost_model_guard, StoresWeightsInBuffers(0.5))
+    fc1 = llm.model.decoder.layers[0].fc1
+    parameters = sum(p.numel() for p in set(llm.model.parameters()))
+    assert llm.model.guard_report["parameters"] == parameters + fc1.qweight.numel() + fc1.scales.numel()
+    with pytest.raises(PluginHookError, match=r"NaN or infinite values in decoder.layers.0.fc1.scales"):
+        make_engine(pluginhost_model_guard, StoresWeightsInBuffers(float("nan")))
 
 
 def test_refuses_denied_architectures_before_loading(make_engine, monkeypatch):

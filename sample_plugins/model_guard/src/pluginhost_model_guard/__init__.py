@@ -4,8 +4,9 @@
   ``PLUGINHOST_GUARD_DENY`` (comma-separated), before any memory is allocated:
   the checkpoint's architecture (``config.json``), an override of it, and the
   class that implements it, whichever plugin registered that class.
-* ``post_load``: refuses a model with NaN or infinite parameters (a corrupt or
-  badly converted checkpoint), and logs its parameter count and memory.
+* ``post_load``: refuses a model with NaN or infinite weights (a corrupt or
+  badly converted checkpoint), and logs its parameter count and memory, weights
+  another plugin keeps in buffers included (``int8_quant``'s).
   The report is also kept on the model as ``model.guard_report``.
 """
 
@@ -53,15 +54,18 @@ def post_load(config, model):
     nbytes = 0
     bad = []
     seen = set()
-    for name, param in model.named_parameters():
-        if id(param) in seen:
+    # Weights a plugin keeps in buffers (int8_quant's qweight and scales) count too: every tensor the
+    # model saves, each once (a tied head is the embedding).
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
             continue
-        seen.add(id(param))
-        parameters += param.numel()
-        nbytes += param.numel() * param.element_size()
-        if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+        seen.add(id(tensor))
+        parameters += tensor.numel()
+        nbytes += tensor.numel() * tensor.element_size()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad.append(name)
     if bad:
         raise ValueError(f"the checkpoint has NaN or infinite values in {', '.join(bad[:5])}")
-    model.guard_report = {"parameters": parameters, "bytes": nbytes, "dtype": str(next(model.parameters()).dtype)}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    model.guard_report = {"parameters": parameters, "bytes": nbytes, "dtype": str(dtype)}
     logger.info("%s: %.2fM parameters, %.1f MiB", type(model).__name__, parameters / 1e6, nbytes / 2**20)
