@@ -194,8 +194,6 @@ class PluginHost:
         self._warned_returns: set[str] = set()
         # The register() functions this host loads: the plugin each is loaded as, and its call.
         self._calls: list[tuple[PluginRef, _Call]] = []
-        # Installed plugins loaded (name, distribution): their direct ModelRegistry registrations apply.
-        self._active: set[tuple[str, str | None]] = set()
         self._kit_snapshot = apply_registrations_since
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
@@ -282,7 +280,8 @@ class PluginHost:
             records += self._import_installed(pm)
         twins: set[str] = set()  # installed plugins also passed in-process: loaded once, as installed
         records += self._in_process_records({id(p): record for record, p in records if p is not None}, twins)
-        self._active = _loaded_installed(record for record, _ in records)
+        # The records so far: a guarded register() sees the installed plugins loaded beside it (``_active``).
+        self._records = [record for record, _ in records]
         # register() functions run once per process, as their plugin, in hook call order (replayed after that).
         records = [self._run_if_function_safely(pm, record, plugin) for record, plugin in records]
 
@@ -292,7 +291,6 @@ class PluginHost:
             for record, plugin in reversed(records)
         ]
         self._records = registered[::-1]
-        self._active = _loaded_installed(self._records)
         for record in self._records:
             if (record.kind == "in-process" or record.name in twins) and record.status == "failed":
                 raise PluginError(f"{record.ref.describe()} is broken: {record.reason}. {_remedy(record)}")
@@ -465,6 +463,11 @@ class PluginHost:
                 raise
             return _Call(registrations, f"its register function {function}() failed: {_describe_exception(exc)}", 0.0)
         return _Call(registrations, None, _since(start))
+
+    @property
+    def _active(self) -> set[tuple[str, str | None]]:
+        """(name, distribution) of the installed plugins loaded: their direct ModelRegistry registrations apply."""
+        return {(r.name, r.distribution) for r in self._records if r.kind == "installed" and r.status == "loaded"}
 
     def _applies_directly(self, entry: Registration) -> bool:
         """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
@@ -764,7 +767,6 @@ class PluginHost:
                     for r in self._records
                 ]
                 pm.unregister(name=exc.plugin)
-                self._active = _loaded_installed(self._records)
                 continue
             return self._merged(hooked)
 
@@ -800,11 +802,6 @@ def _uninspectable(record: PluginRecord, exc: Exception) -> PluginRecord:
     where = _raised_at(exc, record.target.partition(":")[0]) if record.target else ""
     reason = f"reading its plugin object for hook implementations failed: {_describe_exception(exc)}{where}"
     return replace(record, status="failed", reason=reason)
-
-
-def _loaded_installed(records: Iterable[PluginRecord]) -> set[tuple[str, str | None]]:
-    """(name, distribution) of the installed plugins among ``records`` that are loaded."""
-    return {(r.name, r.distribution) for r in records if r.kind == "installed" and r.status == "loaded"}
 
 
 def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:
