@@ -142,7 +142,7 @@ def hammer(
 ) -> dict[str, Any]:
     """Send random cases for ``seconds``, one after another; tally what came back."""
     rng = random.Random(seed)
-    tally: dict[str, Any] = {"sent": 0, "answered": 0, "wrong": [], "errors": []}
+    tally: dict[str, Any] = {"sent": 0, "answered": 0, "choices": 0, "wrong": [], "errors": []}
     deadline = time.monotonic() + seconds
     with httpx.Client() as http:
         while time.monotonic() < deadline:
@@ -154,6 +154,7 @@ def hammer(
                 tally["errors"].append(f"case {k}: {type(exc).__name__}: {exc}")
                 continue
             tally["answered"] += 1
+            tally["choices"] += len(got["choices"])
             problem = differences(got, references[k])
             if problem:
                 tally["wrong"].append(
@@ -184,7 +185,7 @@ def server(model: str | None) -> Iterator[str]:
 
 
 def requests_counted(http: httpx.Client, url: str) -> dict[str, int]:
-    """Generation requests the server counted as finished, by reason (``pluginhost_request_success``)."""
+    """Samples (choices) the server counted as finished, by reason (``pluginhost_request_success``)."""
     counts: dict[str, int] = {}
     for line in http.get(url + "/metrics", timeout=REQUEST_TIMEOUT).text.splitlines():
         found = re.match(r'pluginhost_request_success_total\{.*finish_reason="(\w+)".*\} (\S+)', line)
@@ -247,13 +248,20 @@ def main() -> int:
             except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
                 worker.kill()
                 worker.wait()
-                results[f"process {p}"] = {"sent": 0, "answered": 0, "wrong": [], "errors": [f"worker: {exc}"]}
+                results[f"process {p}"] = {
+                    "sent": 0,
+                    "answered": 0,
+                    "choices": 0,
+                    "wrong": [],
+                    "errors": [f"worker: {exc}"],
+                }
         after = requests_counted(http, url)
         elapsed = time.monotonic() - started
 
     counted = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in after}
     sent = sum(r["sent"] for r in results.values())
     answered = sum(r["answered"] for r in results.values())
+    choices = sum(r["choices"] for r in results.values())
     wrong = [w for r in results.values() for w in r["wrong"]]
     errors = [e for r in results.values() for e in r["errors"]]
     for name, r in sorted(results.items()):
@@ -270,8 +278,8 @@ def main() -> int:
     if sent != answered:
         problems.append(f"{sent - answered} request(s) lost")
     unexpected = {reason: n for reason, n in counted.items() if reason not in ("stop", "length") and n}
-    if counted.get("stop", 0) + counted.get("length", 0) != answered or unexpected:
-        problems.append(f"the server's count {counted} does not match the {answered} requests answered")
+    if counted.get("stop", 0) + counted.get("length", 0) != choices or unexpected:
+        problems.append(f"the server's count {counted} does not match the {choices} choices answered")
     for problem in problems:
         print("  PROBLEM:", problem)
     print(f"stress: {'FAILED' if problems else 'OK'} ({elapsed:.0f} s in all)")
