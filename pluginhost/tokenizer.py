@@ -112,7 +112,8 @@ def _most_chars_per_token(tokenizer: Any) -> int | None:  # noqa: ANN401 - any t
         if any(token.lstrip or token.rstrip for token in added):  # the whitespace beside them goes with them
             return None
         vocab = backend.get_vocab(with_added_tokens=True)
-        unknown = _unknown_token_chars(backend.model, vocab)
+        byte_level = "ByteLevel" in backend.pre_tokenizer.__getstate__().decode() if backend.pre_tokenizer else False
+        unknown = _unknown_token_chars(backend.model, vocab, byte_level=byte_level)
     except Exception:  # noqa: BLE001 - an unexpected tokenizer: no shortcut, the prompt is tokenized as before
         return None
     if unknown is None or not vocab:
@@ -165,17 +166,22 @@ def _keeps_every_character(state: dict[str, Any] | None) -> bool:
     return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
 
 
-def _unknown_token_chars(model: Any, vocab: dict[str, int]) -> int | None:  # noqa: ANN401 - a tokenizers model
-    """The most characters the model's unknown token stands for (0: it never has one); ``None``: any number."""
-    kind = type(model).__name__
-    if kind == "BPE":
-        if model.unk_token is None:
-            return 0
-        bytes_fallback = model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))
-        return 1 if bytes_fallback or not model.fuse_unk else None  # unfused: one per character unknown
-    if kind == "WordPiece":  # a word it cannot split, or too long, is one unknown token
-        return int(model.max_input_chars_per_word)
-    return None  # Unigram fuses runs of unknown characters; WordLevel makes any word unknown
+def _unknown_token_chars(model: Any, vocab: dict[str, int], *, byte_level: bool) -> int | None:  # noqa: ANN401
+    """The most characters a token stands for where the vocabulary lacks them (0: it never does); ``None``: any.
+
+    BPE: byte-level with all 256 bytes in the vocabulary never lacks one; byte fallback gives a token per
+    byte, an unfused unknown token one per character. Without any of these, BPE drops what its
+    vocabulary lacks, with no token at all. WordPiece makes a whole word one unknown token, and the
+    pre-tokenizers that keep every character keep whole words of any length. Unigram fuses runs of
+    unknown characters; WordLevel makes any word unknown.
+    """
+    if type(model).__name__ != "BPE":
+        return None
+    if byte_level and all(char in vocab for char in _byte_level_alphabet()):
+        return 0
+    if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return 1
+    return 1 if model.unk_token is not None and not model.fuse_unk else None
 
 
 @functools.cache

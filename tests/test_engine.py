@@ -747,6 +747,15 @@ def _tokenizers_of_every_kind():
         "unigram": build(
             models.Unigram(), trainers.UnigramTrainer(vocab_size=200, special_tokens=["<unk>"], unk_token="<unk>")
         ),
+        # Characters its vocabulary lacks are dropped, no token for them ("€" x 10000 + "fox": 2 tokens).
+        "BPE without an unknown token": build(models.BPE(), bpe_trainer()),
+        "byte-level lacking bytes": build(models.BPE(), bpe_trainer(), pre_tokenizer=byte_level),
+        # Any word it cannot split, however long, is one unknown token ("a" x 100000: 1 token).
+        "whole words": build(
+            models.WordPiece(unk_token="<unk>"),
+            trainers.WordPieceTrainer(vocab_size=400, special_tokens=["<unk>"], show_progress=False),
+            pre_tokenizer=pre_tokenizers.Metaspace(),
+        ),
         "stripping special token": build(
             models.BPE(unk_token="<unk>"),
             trainers.BpeTrainer(
@@ -764,7 +773,15 @@ def test_the_most_characters_a_token_stands_for_is_never_too_few():
 
     kinds = _tokenizers_of_every_kind()
     bounds = {name: most_chars_per_token(tokenizer) for name, tokenizer in kinds.items()}
-    unbounded = {"fused unknown", "whitespace split", "unigram", "stripping special token"}
+    unbounded = {
+        "fused unknown",
+        "whitespace split",
+        "unigram",
+        "stripping special token",
+        "BPE without an unknown token",
+        "byte-level lacking bytes",
+        "whole words",
+    }
     assert {name for name, most in bounds.items() if most is None} == unbounded, bounds
     for name, tokenizer in kinds.items():
         most = bounds[name]
