@@ -881,6 +881,7 @@ def test_a_body_over_the_limit_is_a_413_error_object_and_is_not_read(engine):
         )
         for refused in (declared, streamed):
             assert refused.status_code == 413, refused.text
+            assert refused.headers["connection"] == "close"  # the rest of the body is not read either
             assert refused.json() == {
                 "error": {
                     "message": "Invalid request: the body is larger than 1000 bytes (0.000953674 MiB), the most this "
@@ -955,6 +956,26 @@ def test_a_request_cut_short_by_a_forced_exit_ends_with_an_error_not_an_asgi_tra
     assert "Exception in ASGI application" not in caplog.text
 
 
+def test_a_client_that_stopped_reading_cannot_hold_a_quitting_server():
+    """The last words of a cancelled answer wait for a client that reads nothing only so long.
+
+    A stream whose client stopped reading (its buffers full) kept ``serve`` from exiting after SIGTERM, for
+    ever: its task, cancelled once, waited to send them.
+    """
+    from pluginhost.server import app as server_app
+
+    async def stalled_send(message: dict) -> None:
+        await asyncio.Event().wait()  # the transport never drains
+
+    async def nothing() -> dict:
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    for started, stream in ((True, True), (False, False)):
+        ending = server_app._answer_cancelled(scope, nothing, stalled_send, started=started, stream=stream)
+        asyncio.run(asyncio.wait_for(ending, 10 * server_app._LAST_WORDS_S))  # returns: no TimeoutError
+
+
 def test_metrics_count_the_sequences_preempted_for_memory():
     from pluginhost.engine.core import EngineStats
     from pluginhost.server.metrics import ServerMetrics
@@ -978,6 +999,7 @@ def test_the_api_key_is_checked_on_every_route(engine):
                 response = httpx.request(method, f"{base}{path}", headers=headers, json={}, timeout=TIMEOUT)
                 assert response.status_code == 401, (path, headers)
                 assert response.json()["error"]["code"] == "invalid_api_key"
+                assert response.headers["connection"] == "close"  # its body is not read to the end for nothing
         for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive
             headers = {"Authorization": f"{scheme} s3cret"}
             assert httpx.get(f"{base}/health", headers=headers, timeout=TIMEOUT).status_code == 200

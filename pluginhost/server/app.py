@@ -33,7 +33,7 @@ import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +72,8 @@ from pluginhost.tokenizer import token_bytes
 __all__ = ["APIError", "BUILTIN_ROUTES", "MAX_BODY_BYTES", "bad_request", "build_app"]
 
 logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R", bound=Response)
 
 #: The largest request body the server reads (a 413 beyond): far more than a prompt that fits any model's context
 #: takes (a 128k-token prompt is about 1 MB of text or of token ids), so only what could never be served is refused
@@ -187,7 +189,8 @@ def _install_errors(app: FastAPI) -> None:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
             return bad_request(_not_utf8(exc.__cause__)).response()
         if isinstance(exc, _BodyTooLarge):
-            return APIError(413, str(exc.detail), type="invalid_request_error", code="request_too_large").response()
+            response = APIError(413, str(exc.detail), type="invalid_request_error", code="request_too_large").response()
+            return _closing(response)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return APIError(exc.status_code, message, type=kind).response()
@@ -195,6 +198,12 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         return _internal_error(request, exc)
+
+
+def _closing(response: _R) -> _R:
+    """``response``, closing the connection after it: the body it refuses is not read to its end for nothing."""
+    response.headers["connection"] = "close"
+    return response
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -226,7 +235,7 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
                 ).response()
                 # Counted under the route the path would reach: a path of the caller's choosing is no label.
                 metrics.record_http(_route_path(app, request.scope), 401)
-                return response
+                return _closing(response)
         try:
             response = await call_next(request)
         except Exception as exc:  # noqa: BLE001 - answered here, so it is logged once (Starlette would re-raise it)
@@ -250,7 +259,8 @@ class _BodyTooLarge(StarletteHTTPException):
 class _LimitBody:
     """Refuses a request body over ``limit`` bytes: at once when its Content-Length says so, else once it has sent more.
 
-    Nothing is read beyond the limit, so a client cannot make the server hold a body of any size in memory.
+    Nothing is kept beyond the limit, so a client cannot make the server hold a body of any size in memory, and
+    the connection is closed after the answer (``_closing``), so the rest is not read either.
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -292,7 +302,10 @@ class _AnswerWhenCancelled:
 
     uvicorn logged each as "Exception in ASGI application" with a traceback and answered a plain-text 500.
     Here an answer not yet begun is a 503 error object (``code: shutting_down``); a stream that has begun
-    ends with an error event and ``data: [DONE]``. The cancellation ends there: the process is quitting.
+    ends with an error event and ``data: [DONE]``. The cancellation ends there: uvicorn cancels a request
+    only as it quits (its graceful timeout, or a forced exit). These last words get ``_LAST_WORDS_S`` at
+    most: a client that stopped reading would otherwise hold the process for ever, as the task is not
+    cancelled again.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -326,12 +339,17 @@ async def _answer_cancelled(scope: Scope, receive: Receive, send: Send, *, start
     )
     try:
         if not started:
-            await JSONResponse(ErrorResponse(error=error).model_dump(), status_code=503)(scope, receive, send)
+            answer = JSONResponse(ErrorResponse(error=error).model_dump(), status_code=503)(scope, receive, send)
         else:  # a stream's events are whole (one per body message), so one more follows the last
             events = f"data: {json.dumps({'error': error.model_dump()})}\n\ndata: [DONE]\n\n" if stream else ""
-            await send({"type": "http.response.body", "body": events.encode(), "more_body": False})
-    except Exception:  # noqa: BLE001 - the client is gone already: nothing is left to tell it
+            answer = send({"type": "http.response.body", "body": events.encode(), "more_body": False})
+        await asyncio.wait_for(answer, _LAST_WORDS_S)
+    except Exception:  # noqa: BLE001 - the client is gone already, or reads nothing: nothing is left to tell it
         logger.debug("could not end the answer of a cancelled request", exc_info=True)
+
+
+#: How long a request cut short by a forced shutdown may take to send its last words.
+_LAST_WORDS_S = 1.0
 
 
 def _arrival(request: Request) -> float:
