@@ -128,6 +128,42 @@ def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_p
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_after_the_model_loaded_and_before_the_server_listens_exits_0(tmp_path, signum):
+    """The moment between the two (uvicorn's settings being made): SIGTERM killed it with -15, SIGINT exited 130."""
+    window = tmp_path / "window"
+    script = f"""
+import pathlib, sys, time, uvicorn
+made = uvicorn.Config.__init__
+def slowly(self, *args, **kwargs):
+    pathlib.Path({str(window)!r}).touch()
+    time.sleep({TIMEOUT})  # the signal comes now
+    made(self, *args, **kwargs)
+uvicorn.Config.__init__ = slowly
+from pluginhost.cli import run
+sys.argv = ["pluginhost", *sys.argv[1:]]
+run()
+"""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, "serve", "--port", "0", "--no-plugins"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert wait_until(lambda: window.exists() or process.poll() is not None, TIMEOUT)
+        process.send_signal(signum)
+        assert process.wait(TIMEOUT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        stderr = process.communicate(timeout=TIMEOUT)[1]
+    name = signal.Signals(signum).name
+    assert stderr.strip().splitlines()[-1] == f"pluginhost: stopped by {name} as the server started or ended"
+    assert "Traceback" not in stderr, stderr
+
+
 def test_a_second_ctrl_c_aborts_every_request_and_each_answer_still_ends_as_the_api_says():
     """Ctrl-C twice: requests are aborted at once, not cancelled (plain-text 500s and a traceback for each)."""
     with serving("--max-num-seqs", "1", "--shutdown-timeout", "60") as (process, url):

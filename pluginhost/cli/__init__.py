@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -292,6 +293,10 @@ def run() -> None:
     on when stopped while loading.
     """
     code = main()
+    # The command is done and its status decided: a signal now (a second Ctrl-C while the interpreter
+    # finalises) must not turn it into -2 or -15.
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, signal.SIG_IGN)
     lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     # AsyncLLM's thread still building a model that Ctrl-C or SIGTERM made ``serve`` give up on: the interpreter's
     # exit would stop it inside torch's C++ code, which aborts the process ("terminate called without an active

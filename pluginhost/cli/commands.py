@@ -305,20 +305,22 @@ def serve(args: argparse.Namespace, out: ResultStream) -> int:
     if torchrun_rank() not in (None, 0):  # it serves rank 0's steps, not HTTP: signals as for any command
         _start_serving(args)
         return EXIT_OK
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # until the server takes the signals over
+    # Until the server takes the signals over, once it listens (and after it has given them back).
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    started = None
     try:
         started = _start_serving(args)
+        assert started is not None  # only a torchrun rank other than 0 serves no HTTP
+        from pluginhost.server.run import run_server
+
+        app, engine, sock, keywords = started
+        run_server(app, engine, sock, **keywords)
     except KeyboardInterrupt as stop:
         name = "SIGTERM" if isinstance(stop, _StoppedBeforeServing) else "SIGINT"
-        print(f"pluginhost: stopped by {name} before serving (the model was still loading)", file=sys.stderr)
-        return EXIT_OK
+        when = "before serving (the model was still loading)" if started is None else "as the server started or ended"
+        print(f"pluginhost: stopped by {name} {when}", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert started is not None  # only a torchrun rank other than 0 serves no HTTP
-    from pluginhost.server.run import run_server
-
-    app, engine, sock, keywords = started
-    run_server(app, engine, sock, **keywords)
     return EXIT_OK
 
 
