@@ -622,6 +622,40 @@ def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt)
     assert [len(o.token_ids) for o in outputs] == [2] * 10
 
 
+def test_the_queue_bound_holds_while_the_engine_takes_in_what_was_submitted(tiny_opt, monkeypatch):
+    """Sequences the engine loop has taken from the inbox and not yet queued still count.
+
+    In that moment they were counted nowhere: with 4 rows and room for 2 to wait, all taken, 6 more were accepted.
+    """
+    import threading
+    import time
+
+    from pluginhost.engine.scheduler import Scheduler
+    from pluginhost.errors import EngineOverloadedError
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=4, max_waiting_seqs=2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    made = iter(range(100))
+    engine = llm.engine
+    engine.submit([llm._inputs.make_request(f"r{next(made)}", PROMPTS[0], params.clone()) for _ in range(6)])
+    taking, add = threading.Event(), Scheduler.add
+
+    def slowly(scheduler, sequences):  # the engine loop, between taking the inbox and queueing what it held
+        taking.set()
+        time.sleep(0.3)
+        add(scheduler, sequences)
+
+    monkeypatch.setattr(Scheduler, "add", slowly)
+    stepping = threading.Thread(target=engine.step)
+    stepping.start()
+    try:
+        assert taking.wait(60)
+        with pytest.raises(EngineOverloadedError):
+            engine.submit([llm._inputs.make_request(f"r{next(made)}", PROMPTS[0], params.clone())])
+    finally:
+        stepping.join(60)
+
+
 def test_the_queue_bound_counts_only_what_cannot_start_at_the_next_step(tiny_opt):
     """Free rows of the batch take sequences beside the queue: an idle engine takes max_num_seqs + max_waiting_seqs.
 

@@ -106,6 +106,8 @@ class EngineCore:
         self.processors = [_LiveProcessor.create(entry, loaded) for entry in loaded.logits_processors]
         #: Sequences preempted since the last step's figures.
         self._preempted = 0
+        #: Sequences taken from the inbox and not yet queued (under the inbox lock): ``_check_room`` counts them.
+        self._in_transit = 0
 
     @property
     def stopped(self) -> Exception | None:
@@ -144,12 +146,14 @@ class EngineCore:
         """Refuse ``wanted`` more sequences (``EngineOverloadedError``) if they could not all start or wait.
 
         Called under the inbox lock. The batch's figures are read without the step lock: an estimate, off
-        by what the step under way admits or ends, which only moves sequences between the two counts.
+        by what the step under way admits or ends, which only moves sequences between the two counts
+        (those taken from the inbox and not yet queued count as waiting: ``_in_transit``).
         ``scheduler.max_num_seqs`` is the cap in force (lowered while memory is short), so rows the
         memory cannot give are not counted as free.
         """
         scheduler = self.scheduler
-        not_admitted = scheduler.num_waiting + sum(len(r.sequences) for what, r in self._inbox if what == "add")
+        inbox = sum(len(r.sequences) for what, r in self._inbox if what == "add")
+        not_admitted = scheduler.num_waiting + self._in_transit + inbox
         free_rows = max(0, scheduler.max_num_seqs - scheduler.num_running)
         most = scheduler.max_waiting + free_rows
         if not_admitted + wanted > most:
@@ -427,10 +431,21 @@ class EngineCore:
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             events, self._inbox = self._inbox, []
+            self._in_transit = sum(len(r.sequences) for what, r in events if what == "add")
+        try:
+            self._take(events)
+        finally:
+            with self._inbox_lock:
+                self._in_transit = 0
+
+    def _take(self, events: list[tuple[str, EngineRequest]]) -> None:
+        """Queue the requests added, end those aborted, in the order it happened."""
         for what, request in events:
             if what == "add":
                 self._requests[request.request_id] = request
-                self.scheduler.add(request.sequences)
+                with self._inbox_lock:  # from in transit to waiting at once, as ``_check_room`` counts them
+                    self.scheduler.add(request.sequences)
+                    self._in_transit -= len(request.sequences)
                 continue
             if self._requests.get(request.request_id) is request and not request.finished:
                 del self._requests[request.request_id]
