@@ -478,6 +478,13 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
             None,
             "messages.1.content: a system message needs content",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": []}]},
+            "messages",
+            None,
+            "messages.0.content: content is an empty list of parts",
+        ),
     ],
 )
 def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, body, param, code, fragment):

@@ -232,7 +232,7 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
-        """A message says something, as OpenAI requires: ``content`` missing or null is refused.
+        """A message says something, as OpenAI requires: ``content`` missing, null or ``[]`` is refused.
 
         OpenAI lets an assistant message go without content only when it carries ``tool_calls`` or
         ``function_call``, which this server refuses (it calls no tools); an answer's message sent
@@ -240,6 +240,8 @@ class ChatMessage(_Strict):
         refused for its role.
         """
         role, given = info.data.get("role"), info.data
+        if isinstance(content, list) and not content:  # OpenAI: an array of at least one part
+            raise ValueError("content is an empty list of parts: give at least one text part, or a string")
         stands_in = given.get("refusal") is not None or bool(given.get("tool_calls")) or given.get("function_call")
         if content is not None or role in (None, "tool") or (role == "assistant" and stands_in):
             return content  # no role (refused already), tools (refused as such by ``_no_tools_or_audio``)
