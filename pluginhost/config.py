@@ -207,6 +207,15 @@ class EngineConfig(BaseModel):
         return copied
 
     @property
+    def max_sequences_taken(self) -> int:
+        """The most sequences the engine ever takes in at once: a whole batch and a whole queue.
+
+        A request of more samples (over the server, prompts x ``n``) could never be served: it is a bad
+        request, not one to retry.
+        """
+        return self.max_num_seqs + self.max_waiting_seqs
+
+    @property
     def provenance(self) -> dict[str, str]:
         """Who set each field last: ``default``, ``user`` or ``plugin:NAME``."""
         return dict(self._provenance)

@@ -126,7 +126,7 @@ class InputProcessor:
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         config = loaded.config
-        most = config.max_num_seqs + config.max_waiting_seqs  # what a server ever takes at once: a batch and a queue
+        most = config.max_sequences_taken
         if params.n > most:  # checked before n sequences are built
             raise InvalidParameterError(
                 f"n={params.n} samples are more than the engine ever takes in at once ({most}: max_num_seqs="

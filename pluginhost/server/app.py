@@ -489,7 +489,7 @@ class _API:
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
         config = self.engine.config
-        most = config.max_num_seqs + config.max_waiting_seqs  # a whole batch and a whole queue
+        most = config.max_sequences_taken
         if len(prompts) * params.n > most:  # more than the server ever takes in: retrying cannot help (not a 503)
             raise bad_request(
                 f"{len(prompts)} prompt(s) x n={params.n} samples are more than the server ever takes in at once "
