@@ -1333,7 +1333,7 @@ def test_once_the_memory_comes_back_the_preempted_sequences_run_again_at_once(lo
     while not all(r.finished for r in requests):
         llm.engine.step()
     assert [r.error for r in requests] == [None] * 4
-    assert llm.engine.scheduler.max_num_seqs == 8  # what the memory holds of rows of 512 slots
+    assert llm.engine.scheduler.max_num_seqs == llm.engine.loaded.config.max_num_seqs  # nothing runs: no cap
 
 
 def test_rows_left_empty_are_given_back_before_a_running_sequence_is_ended_for_memory(long_opt, monkeypatch):
@@ -1352,6 +1352,46 @@ def test_rows_left_empty_are_given_back_before_a_running_sequence_is_ended_for_m
         "pluginhost.engine.runner.available_bytes", lambda device: total - math.prod(runner.cache_shape) * per_slot
     )
     assert [o.token_ids for o in llm.generate(prompts, open_ended)] == expected
+
+
+def test_newcomers_that_came_together_wait_in_their_order_when_held_back(long_opt, monkeypatch):
+    # A server's list of prompts shares one arrival time: held back for memory, they went back to the queue
+    # reversed, and finished p0-3, p8-11, p4-7.
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 4, 256))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    requests = [llm._inputs.make_request(f"p{i}", [2, 10 + i, 20 + i], params) for i in range(12)]
+    for request in requests:
+        request.arrival_time = requests[0].arrival_time  # as submit_all(arrival_time=...) gives them
+    llm.engine.submit(requests)
+    llm.engine.step()  # 8 admitted, room for 4: the last 4 of them go back to the queue
+    assert [s.request.request_id for s in llm.engine.scheduler.waiting] == [f"p{i}" for i in range(4, 12)]
+
+
+def test_an_idle_engine_takes_a_whole_batch_again_after_a_memory_shortage(long_opt, monkeypatch):
+    # The cap set for memory stayed until a later step ran: an idle engine refused a burst its free rows could
+    # take ("1 free rows of the running batch"), and admitted one sequence at its next step.
+    llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=8, max_waiting_seqs=4)
+    runner = llm.engine.runner
+    runner.check_memory(1, 1)
+    per_slot = runner.slot_bytes()
+    total = 2508 * per_slot  # the memory of 2508 slots, the cache's included
+    monkeypatch.setattr(
+        "pluginhost.engine.runner.available_bytes", lambda device: total - math.prod(runner.cache_shape) * per_slot
+    )
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    jobs = [(92, None), (46, None), (117, None), (100, 593), (17, None), (5, None)]
+    prompts = [[2, *[7 + i] * (n - 1)] for i, (n, _) in enumerate(jobs)]
+    # Every one is served: three were ended for memory (at 769 tokens, say), each of which runs to its end alone,
+    # judged with the rows the others held still held.
+    llm.generate(prompts, [greedy.clone(max_tokens=m) for _, m in jobs])
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: 1 << 40)  # memory back
+    assert llm.engine.scheduler.max_num_seqs == 8
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    burst = [llm._inputs.make_request(f"b{i}", [2, 30 + i], short) for i in range(12)]
+    llm.engine.submit(burst)  # 8 rows free and 4 to wait
+    llm.engine.step()
+    assert llm.engine.scheduler.num_running == 8
 
 
 def test_a_rank_running_the_steps_sent_grows_its_cache_as_the_memory_check_allowed(long_opt, monkeypatch):

@@ -56,7 +56,8 @@ class EngineStats:
     #: Sequences in the running batch during the step, and still waiting after it.
     num_running: int
     num_waiting: int
-    #: Tokens sampled this step (one per active row), and prompt tokens prefilled.
+    #: Tokens sampled this step (one per active row), and prompt tokens prefilled for the first time (a
+    #: preempted sequence's recomputation is not counted again).
     num_generated_tokens: int
     num_prompt_tokens: int
     #: Sequences (and requests) that finished this step.
@@ -273,6 +274,9 @@ class EngineCore:
             )
             self._preempted = 0
         finally:
+            if self.scheduler.num_running == 0 and self.scheduler.max_num_seqs < self.loaded.config.max_num_seqs:
+                self.runner.lift_row_cap()  # a cap set for memory holds no more once nothing runs: an idle
+                self._lift_row_cap()  # engine takes a whole batch again, at once
             self._step_lock.release()
         for callback, output, error in deliveries:
             callback(output, error)
@@ -485,8 +489,9 @@ class EngineCore:
             elif too_long:
                 self._end(sequence.request, full)
                 changed = True
-        # Newest first, each to the head of the queue: they wait in the order they came.
-        for sequence in sorted([*held, *preempted], key=_arrival, reverse=True):
+        # Newest first, each to the head of the queue: they wait in the order they came (in row order when
+        # they came together, as a request's prompts do).
+        for sequence in reversed(sorted([*held, *preempted], key=_arrival)):
             (self.scheduler.preempt if sequence.num_computed else self.scheduler.hold_back)(sequence)
             changed = True
         self._preempted += len(preempted)
@@ -521,21 +526,25 @@ class EngineCore:
             self.scheduler.max_num_seqs = full.rows
 
     def _make_room(self, running: list[Sequence], full: KVCacheMemoryError) -> tuple[bool, list[Sequence]]:
-        """End the running sequences too long for the memory even alone; the newest others to preempt, newest first.
+        """Choose the running sequences to preempt, newest first; end the last one if it cannot grow even alone.
 
         Whether a request was ended, and the sequences to preempt: as few as leave the others room to
-        grow to their next tokens. The oldest always keeps running, so every sequence is served in turn.
+        grow to their next tokens. The oldest (first to arrive; in row order when they came together)
+        always keeps running, so every sequence is served in turn. A sequence is ended only once it runs
+        alone: until then, the rows the others hold are not given back (``ModelRunner._give_back_rows``
+        frees them at the next refused growth), so the memory it could have alone is not known.
         """
-        ended = False
-        for sequence in running:
-            if sequence.num_computed + 1 > full.slots and not self.runner.rows_that_fit(sequence.num_computed + 1):
-                self._end(sequence.request, full)  # no room even alone (or the memory cannot be told)
-                ended = True
-        keep = sorted((s for s in running if _live(s)), key=_arrival)
+        keep = sorted(running, key=_arrival)
+        if len(keep) == 1:
+            alone = keep[0]
+            if alone.num_computed + 1 > full.slots and not self.runner.rows_that_fit(alone.num_computed + 1):
+                self._end(alone.request, full)
+                return True, []
+            return False, []
         preempted: list[Sequence] = []
         while len(keep) > 1 and len(keep) > (self.runner.rows_that_fit(max(s.num_computed + 1 for s in keep)) or 0):
             preempted.append(keep.pop())
-        return ended, preempted
+        return False, preempted
 
     def _lift_row_cap(self) -> None:
         """Let as many sequences run again as the cache's rows may grow to, once its cap is lifted."""

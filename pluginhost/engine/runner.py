@@ -129,8 +129,8 @@ class ModelRunner:
         self._rows = self._slots = 0
         #: The most rows the memory allows (``cap_rows`` lowers it when it finds less): never grown past.
         self.row_cap = max_num_seqs
-        #: The memory available when ``row_cap`` was last lowered, and the slots a row was priced at then.
-        self._capped_at: tuple[int, int] | None = None
+        #: The memory available and the row length ``row_cap`` was last priced at (``None``: no cap).
+        self._cap_priced_at: tuple[int, int] | None = None
         self._last_available: int | None = None
 
     @property
@@ -250,10 +250,10 @@ class ModelRunner:
         return None if available is None else self._rows_fitting(available, slots)
 
     def cap_rows(self, rows: int, slots: int) -> None:
-        """Let at most ``rows`` rows run, as the memory available now allows rows of ``slots`` tokens (a shortage)."""
+        """Lower ``row_cap`` to ``rows`` (never raise it): what the memory last read allows, in rows of ``slots``."""
         if rows < self.row_cap:
             self.row_cap = rows
-            self._capped_at = None if self._last_available is None else (self._last_available, slots)
+            self._cap_priced_at = None if self._last_available is None else (self._last_available, slots)
 
     def _rows_fitting(self, available: int, slots: int) -> int:
         return int(CACHE_SHARE * available // (self._slots_for(slots) * self.slot_bytes()))
@@ -376,7 +376,11 @@ class ModelRunner:
         elif rows_in_use:
             self._memory_came_back()
             return
-        self.row_cap, self._capped_at = self.max_num_seqs, None
+        self.lift_row_cap()
+
+    def lift_row_cap(self) -> None:
+        """Let the rows grow to ``max_num_seqs`` again (checked against the memory as they grow): nothing runs."""
+        self.row_cap, self._cap_priced_at = self.max_num_seqs, None
 
     def _memory_came_back(self) -> None:
         """Raise ``row_cap`` as far as the memory available now allows, when there is more than when it was set.
@@ -384,13 +388,13 @@ class ModelRunner:
         Rows are priced as they were then (the same slots), so a cap set for newcomers that cannot run
         to their ends is not lifted for them only to be refused again.
         """
-        if self._capped_at is None:
+        if self._cap_priced_at is None:
             return
-        then, slots = self._capped_at
+        then, slots = self._cap_priced_at
         available = self._available()
         if available is None or available <= then:
             return
-        self._capped_at = (available, slots)
+        self._cap_priced_at = (available, slots)
         self.row_cap = max(self.row_cap, min(self.max_num_seqs, self._rows_fitting(available, slots)))
 
     def _give_back_rows(self, step: ScheduledStep, rows_in_use: int) -> bool:

@@ -39,11 +39,13 @@ class ScheduledStep:
 
     #: The running batch, row by row.
     rows: list[Sequence]
-    #: Rows whose prompts are prefilled this step (not in the cache yet); when there are any, the others wait.
+    #: Rows prefilled this step (not in the cache yet: their prompts, and a preempted sequence's tokens too);
+    #: when there are any, the others wait.
     prefill_rows: list[int]
     #: How the batch changed since the last step (``None``: it did not).
     batch_update: BatchUpdate | None
-    #: (from, to) cache rows to move before the step runs.
+    #: (from, to) cache rows to move before the step runs (emptied by ``ModelRunner._give_back_rows``, which
+    #: applies them itself).
     moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -86,7 +88,8 @@ class Scheduler:
         self.waiting.extend(sequences)
 
     def hold_back(self, sequence: Sequence) -> None:
-        """Put a sequence admitted but not yet prefilled back at the head of the queue (its row is freed)."""
+        """Put a sequence admitted but not yet prefilled (or, through ``preempt``, a running one) back at the head of
+        the queue; its row is freed."""
         self.free(sequence)
         self.waiting.appendleft(sequence)
 
