@@ -1036,6 +1036,14 @@ def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what availabl
     return lambda device: int(rows * slots * per_slot / CACHE_SHARE) + 1
 
 
+def memory_beside_cache(llm: LLM, slots: int):  # noqa: ANN201 - what available_bytes returns
+    """An ``available_bytes`` as a machine reports it: the memory of ``slots`` slots, less what the cache holds."""
+    runner = llm.engine.runner
+    runner.check_memory(1, 1)  # the caches set up: what a slot costs
+    per_slot = runner.slot_bytes()
+    return lambda device: (slots - math.prod(runner.cache_shape)) * per_slot
+
+
 def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(long_opt, monkeypatch):
     llm = LLM(str(long_opt), load_installed_plugins=False)
     expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
@@ -1344,13 +1352,7 @@ def test_rows_left_empty_are_given_back_before_a_running_sequence_is_ended_for_m
     prompts = [[2, 10 + i, 10 + i] for i in range(3)]
     expected = [o.token_ids for o in LLM(str(long_opt), load_installed_plugins=False).generate(prompts, open_ended)]
     llm = LLM(str(long_opt), load_installed_plugins=False)
-    runner = llm.engine.runner
-    runner.check_memory(1, 1)
-    per_slot = runner.slot_bytes()
-    total = 2800 * per_slot  # the memory of 2800 slots, the cache's included
-    monkeypatch.setattr(
-        "pluginhost.engine.runner.available_bytes", lambda device: total - math.prod(runner.cache_shape) * per_slot
-    )
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_beside_cache(llm, 2800))
     assert [o.token_ids for o in llm.generate(prompts, open_ended)] == expected
 
 
@@ -1372,13 +1374,7 @@ def test_an_idle_engine_takes_a_whole_batch_again_after_a_memory_shortage(long_o
     # The cap set for memory stayed until a later step ran: an idle engine refused a burst its free rows could
     # take ("1 free rows of the running batch"), and admitted one sequence at its next step.
     llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=8, max_waiting_seqs=4)
-    runner = llm.engine.runner
-    runner.check_memory(1, 1)
-    per_slot = runner.slot_bytes()
-    total = 2508 * per_slot  # the memory of 2508 slots, the cache's included
-    monkeypatch.setattr(
-        "pluginhost.engine.runner.available_bytes", lambda device: total - math.prod(runner.cache_shape) * per_slot
-    )
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_beside_cache(llm, 2508))
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     jobs = [(92, None), (46, None), (117, None), (100, 593), (17, None), (5, None)]
     prompts = [[2, *[7 + i] * (n - 1)] for i, (n, _) in enumerate(jobs)]

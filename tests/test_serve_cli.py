@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,6 +90,19 @@ def test_sigint_ends_a_request_in_flight_and_exits_0(grace):
     assert "Traceback" not in stderr and "Cancel" not in stderr, stderr  # uvicorn's "Cancel N running task(s)"
 
 
+def exit_on_signal(process: subprocess.Popen, signum: int, *, once: Path) -> str:
+    """Send ``signum`` once the file ``once`` exists; assert the process exits 0, and return its stderr."""
+    try:
+        assert wait_until(lambda: once.exists() or process.poll() is not None, TIMEOUT)
+        process.send_signal(signum)
+        assert process.wait(TIMEOUT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        stderr = process.communicate(timeout=TIMEOUT)[1]
+    return stderr
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_plugin, tmp_path, signum):
     """As documented for SIGINT and SIGTERM: exit 0 (SIGTERM killed it silently with -15, SIGINT exited 130)."""
@@ -113,14 +127,7 @@ def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_p
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         start_new_session=True,
     )
-    try:
-        assert wait_until(lambda: loading.exists() or process.poll() is not None, TIMEOUT)
-        process.send_signal(signum)
-        assert process.wait(TIMEOUT) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        stderr = process.communicate(timeout=TIMEOUT)[1]
+    stderr = exit_on_signal(process, signum, once=loading)
     name = signal.Signals(signum).name
     assert (
         stderr.strip().splitlines()[-1] == f"pluginhost: stopped by {name} before serving (the model was still loading)"
@@ -151,14 +158,7 @@ run()
         text=True,
         start_new_session=True,
     )
-    try:
-        assert wait_until(lambda: window.exists() or process.poll() is not None, TIMEOUT)
-        process.send_signal(signum)
-        assert process.wait(TIMEOUT) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        stderr = process.communicate(timeout=TIMEOUT)[1]
+    stderr = exit_on_signal(process, signum, once=window)
     name = signal.Signals(signum).name
     assert stderr.strip().splitlines()[-1] == f"pluginhost: stopped by {name} as the server started or ended"
     assert "Traceback" not in stderr, stderr
