@@ -197,7 +197,7 @@ class ModelRunner:
         # What can be had, as a shape the cache really grows to (rows capped until it gives slots back, see
         # ``_grown_shape``): the slots the step needs, with as many rows as then fit if that keeps the
         # rows in use; else those rows (one at least), with as many slots as fit beside them.
-        fit_rows = int(budget // (grown_slots * per_slot))
+        fit_rows = self._rows_fitting(available, grown_slots)
         in_use = max(min(self._rows, rows) if in_use is None else in_use, 1)
         if fit_rows >= in_use:
             allowed = (min(grown_rows, fit_rows), grown_slots)
@@ -234,7 +234,7 @@ class ModelRunner:
         available = self._available()
         if available is None:
             return
-        room = max(int(CACHE_SHARE * available // (slots * self.slot_bytes())), rows_in_use, 1)
+        room = max(self._rows_fitting(available, slots), rows_in_use, 1)
         if not any(row >= room for row in step.prefill_rows):
             return  # nothing to hold back: the growth check decides, token by token
         self.cap_rows(room, slots)  # until the cache gives slots back, or the memory comes back (``_give_back``)
@@ -256,6 +256,7 @@ class ModelRunner:
             self._cap_priced_at = None if self._last_available is None else (self._last_available, slots)
 
     def _rows_fitting(self, available: int, slots: int) -> int:
+        """Rows of ``slots`` tokens (as the cache would take them) a new block may have in ``available`` bytes."""
         return int(CACHE_SHARE * available // (self._slots_for(slots) * self.slot_bytes()))
 
     def _available(self) -> int | None:
