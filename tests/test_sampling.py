@@ -139,6 +139,71 @@ def test_min_p_only_keeps_tokens_near_the_most_likely(llm):
     assert len(chosen) > 1  # still sampling, not greedy
 
 
+def filtered_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row (V,) is drawn from, through transformers' own warpers in vLLM's order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    warpers += [MinPLogitsWarper(params.min_p)] if params.min_p > 0 else []
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    scores = logits[None].double()
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores[0].softmax(dim=-1)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """``n`` tokens drawn for the row ``logits`` (V,), each from its own seeded stream, in one batch."""
+    from pluginhost.engine.sampler import SamplingState, sample
+
+    V = logits.shape[-1]
+    cpu = torch.device("cpu")
+    states = [SamplingState(params, torch.Generator().manual_seed(i), [0], frozenset(), V, cpu) for i in range(n)]
+    return torch.tensor(sample(logits.expand(n, V), states))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "min_p", "top_k", "top_p"),
+    [(1.0, 0.0, 0, 1.0), (0.6, 0.0, 0, 0.8), (1.5, 0.0, 3, 1.0), (1.0, 0.15, 0, 0.97), (0.8, 0.0, 5, 0.5)],
+)
+def test_draws_follow_the_filtered_distribution(temperature, min_p, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.0, -0.5, -1.0, -3.0])
+    params = SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p)
+    expected = filtered_by_transformers(logits, params)
+    n = 20_000
+    drawn = draw(logits, params, n)
+    assert (expected[drawn] > 0).all()  # nothing a filter dropped is ever drawn
+    seen = torch.bincount(drawn, minlength=len(logits)).double() / n
+    # Five standard deviations of a frequency over n independent draws.
+    assert ((seen - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt() + 1e-12).all(), (seen, expected)
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
+    # Peaked: the nucleus holds ~1,000 of 50,000 tokens, scattered, more than the first most likely ones looked
+    # at. Flat (a random model's logits): it holds most of the vocabulary.
+    from pluginhost.engine.sampler import _filter
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(50_000, generator=generator)
+    if shape == "peaked":
+        place = torch.randperm(50_000, generator=generator)[:1200]
+        logits[place] = 9.0 - torch.arange(1200) / 400
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    kept = filtered_by_transformers(logits, params) > 0
+    assert (500 < int(kept.sum()) < 1200) if shape == "peaked" else (10_000 < int(kept.sum()) < 45_000)
+    row = logits / params.temperature
+    _filter(row, params)
+    assert torch.equal(row.isfinite(), kept)
+    assert kept[draw(logits, params, 256)].all()
+
+
 class AlwaysEos(OPTForCausalLM):
     def compute_logits(self, hidden_states):
         logits = torch.full_like(super().compute_logits(hidden_states), -1e9)

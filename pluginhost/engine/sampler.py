@@ -88,7 +88,8 @@ def sample(
         for i, token in zip(rows, chosen, strict=True):
             tokens[i] = token
         return tokens
-    scaled = logits
+    drawn = [(i, s) for i, s in live if not s.params.greedy]
+    index = torch.tensor([i for i, _ in drawn], device=logits.device)
     if keeping:  # after temperature, on the whole batch, as vLLM applies them
         temperatures = torch.tensor(
             [s.params.temperature if s is not None and not s.params.greedy else 1.0 for s in states],
@@ -98,12 +99,17 @@ def sample(
         scaled = logits / temperatures[:, None]
         for processor in keeping:
             scaled = processor.apply(scaled)
+        scaled = scaled[index]  # (S, V): the rows that draw
+    else:
+        temperatures = torch.tensor([s.params.temperature for _, s in drawn], dtype=logits.dtype, device=logits.device)
+        scaled = logits[index] / temperatures[:, None]  # (S, V)
+    for row, (_, state) in zip(scaled, drawn, strict=True):
+        _filter(row, state.params)
+    for (i, _), token in zip(drawn, _draw(scaled, [s.generator for _, s in drawn]), strict=True):
+        tokens[i] = token
     for i, state in live:
         if state.params.greedy:
             tokens[i] = int(logits[i].argmax())
-        else:
-            row = scaled[i] if keeping else logits[i] / state.params.temperature
-            tokens[i] = int(_draw(row, state.params, state.generator))
     return tokens
 
 
@@ -147,30 +153,91 @@ def _without_overflow(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
     return (wide - wide.max()).float()
 
 
-def _draw(logits: Tensor, p: SamplingParams, generator: torch.Generator) -> Tensor:
-    """Min-p, top-k and top-p on temperature-scaled logits (V,), then a draw from the sequence's own stream."""
+def _filter(logits: Tensor, p: SamplingParams) -> None:
+    """Min-p, top-k and top-p on one row of temperature-scaled logits (V,): what they drop becomes -inf, in place."""
+    if not (p.min_p > 0.0 or 0 < p.top_k < logits.shape[-1] or p.top_p < 1.0) or logits.isposinf().any():
+        return  # with +inf logits, all the mass is on those tokens: the most likely, which every filter keeps
     if p.min_p > 0.0:
         probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits.masked_fill_(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)  # (V,), (V,)
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
-        drop_sorted = probs.cumsum(dim=-1) - probs >= p.top_p
-        drop_sorted[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    try:
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[0]
-    except RuntimeError:  # the probabilities are NaN: checked only then, so a normal draw pays nothing
-        at_infinity = logits.isposinf()
-        if not at_infinity.any():
-            raise
-        # +inf from a logits processor ("this token, surely"), or a temperature that overflowed float32: the
-        # distribution's limit puts all its mass on the tokens at +inf, equally.
-        return torch.multinomial(at_infinity.float(), 1, generator=generator)[0]
+        _top_p(logits, p.top_p)
+
+
+def _top_p(logits: Tensor, top_p: float) -> None:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (always the most likely one).
+
+    A token is kept when the tokens more likely than it hold less than ``top_p``. Sorting all V
+    logits would say which those are, but costs milliseconds a row on a CPU. A model's mass mostly
+    lies on a few tokens: the 64 most likely decide, when they hold ``top_p``. Otherwise the boundary
+    is narrowed by bisection on the probability, and only the tokens left near it are sorted.
+    """
+    probs = logits.softmax(dim=-1)  # (V,)
+    top, order = torch.topk(probs, min(64, probs.shape[-1]))  # (k,), (k,): descending
+    before = top.cumsum(dim=-1) - top  # (k,): the mass of the more likely tokens
+    if float(before[-1] + top[-1]) >= top_p:
+        keep = order[before < top_p]
+        kept = torch.zeros_like(logits, dtype=torch.bool).index_fill_(0, keep if keep.numel() else order[:1], True)
+    else:
+        kept = _nucleus(probs.double(), top_p, float(top[-1]))
+    logits.masked_fill_(~kept, float("-inf"))
+
+
+def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
+    """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is."""
+    low = 0.0  # every token at or below ``low`` has ``top_p`` or more before it
+    band = (probs > low) & (probs <= high)  # (V,): the undecided tokens
+    for _ in range(64):  # each halving leaves about half the band; ties end it early
+        if int(band.sum()) <= 2048:
+            break
+        middle = (low + high) / 2
+        if float(probs[probs > middle].sum()) < top_p:
+            high = middle
+        else:
+            low = middle
+        band = (probs > low) & (probs <= high)
+    kept = probs > high
+    undecided = band.nonzero()[:, 0]  # (n,)
+    ranked, order = torch.sort(probs[undecided], descending=True)  # (n,), (n,)
+    before = float(probs[kept].sum()) + ranked.cumsum(dim=-1) - ranked
+    kept[undecided[order[before < top_p]]] = True
+    return kept
+
+
+def _draw(logits: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of filtered, temperature-scaled logits (S, V), each from its row's random stream.
+
+    By inversion: one uniform number per row, found in the row's cumulative distribution (float64, so
+    no token's share is lost to rounding). ``torch.multinomial`` draws an exponential number for each
+    of the V tokens instead: ~0.7 ms a row at V = 50k on a CPU core, against ~0.05 ms.
+    """
+    S, V = logits.shape
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (S, V)
+    total = cdf[:, -1]  # (S,): 1 up to rounding; NaN where a row has +inf, or nothing but -inf
+    uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators])
+    tokens = torch.searchsorted(cdf, (uniform * total)[:, None], right=True)[:, 0].tolist()  # (S,)
+    for s, (token, mass) in enumerate(zip(tokens, total.tolist(), strict=True)):
+        if not mass > 0:  # NaN: not a distribution
+            tokens[s] = _draw_at_infinity(logits[s], float(uniform[s]))
+        elif token >= V:  # u x total rounded up to total: the last token that has any mass
+            tokens[s] = int((cdf[s] < total[s]).sum())
+    return tokens
+
+
+def _draw_at_infinity(logits: Tensor, uniform: float) -> int:
+    """The limit of the distribution of a row with +inf logits: all its mass on those tokens, equally.
+
+    +inf comes from a logits processor ("this token, surely"), or a temperature that overflowed float32.
+    """
+    at_infinity = logits.isposinf().nonzero()[:, 0]  # (n,)
+    if not at_infinity.numel():
+        raise RuntimeError(
+            "no token can be drawn: every logit of a row is -inf or NaN after the logits processors and filters"
+        )
+    return int(at_infinity[int(uniform * at_infinity.numel())])
 
 
 def top_logprobs(logprobs: Tensor, chosen: int, k: int) -> dict[int, float]:
