@@ -21,6 +21,7 @@ their ``load_weights``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ import torch
 from torch import nn
 
 from pluginhost.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "TiedHead", "assign_weights", "check_all_loaded"]
 
@@ -255,7 +258,9 @@ class TiedHead:
     only the head, and transformers then ties the other way round. ``filter``
     holds the head's tensor back while the rest loads; ``tie`` then shares the
     embeddings with the head, loading them from the held head if the
-    checkpoint had no embeddings.
+    checkpoint had no embeddings. A checkpoint holding both, different (a
+    fine-tune that untied its head, its config unchanged), keeps both, as
+    transformers does: tying them would throw the trained head away.
     """
 
     def __init__(self, head: str, embeddings: str) -> None:
@@ -272,12 +277,27 @@ class TiedHead:
 
     def tie(self, model: nn.Module, loaded: set[str]) -> set[str]:
         """Load the embeddings from the held head if they were missing; share them with the head. ``loaded``, grown."""
-        if self.embeddings not in loaded and self._held is not None:
-            loaded |= assign_weights(model, [(self.embeddings, self._held)], lambda name: name)
-        self._held = None
+        held, self._held = self._held, None
+        if self.embeddings not in loaded and held is not None:
+            loaded |= assign_weights(model, [(self.embeddings, held)], lambda name: name)
+        elif held is not None and not _same(held, model.get_parameter(self.embeddings)):
+            logger.warning(
+                "The checkpoint holds %s and %s, and they differ: they are not tied, though the config says "
+                "tie_word_embeddings (as transformers does).",
+                self.head,
+                self.embeddings,
+            )
+            return loaded | assign_weights(model, [(self.head, held)], lambda name: name)
         if self.embeddings in loaded:
             *path, leaf = self.head.split(".")
             owner = model.get_submodule(".".join(path))
             setattr(owner, leaf, model.get_parameter(self.embeddings))
             loaded.add(self.head)
         return loaded
+
+
+def _same(held: torch.Tensor, embeddings: torch.Tensor) -> bool:
+    """Whether the checkpoint's head is the embedding table (as loaded, in the model's dtype)."""
+    return tuple(held.shape) == tuple(embeddings.shape) and torch.equal(
+        held.to(device=embeddings.device, dtype=embeddings.dtype), embeddings
+    )

@@ -108,6 +108,40 @@ def test_a_tied_checkpoint_holding_the_head_instead_of_the_embeddings_loads_as_t
     assert weights["lm_head.weight"] is weights[parameter]  # one tensor, as tied
 
 
+@pytest.mark.parametrize(
+    ("model_type", "embeddings"),
+    [
+        ("opt", "model.decoder.embed_tokens.weight"),
+        ("gpt2", "transformer.wte.weight"),
+        ("qwen2", "model.embed_tokens.weight"),
+    ],
+)
+def test_a_tied_config_with_a_different_head_in_the_checkpoint_keeps_that_head_as_transformers_does(
+    tmp_path, model_type, embeddings
+):
+    # A fine-tune that untied its head and kept its config: the builtins tied the head to the embeddings all the
+    # same, silently throwing the trained head away (log-probabilities off by up to 24, other tokens).
+    from transformers import AutoModelForCausalLM
+
+    from pluginhost import LLM, SamplingParams
+    from pluginhost.testing import make_tiny_model
+
+    path = make_tiny_model(tmp_path, model_type, tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn(tensors[embeddings].shape, generator=torch.Generator().manual_seed(5))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    prompt = [2, 5, 6, 9]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    out = LLM(str(path), load_installed_plugins=False).generate(
+        [prompt], SamplingParams(max_tokens=1, logprobs=5, temperature=0)
+    )[0]
+    assert out.token_ids[0] == int(expected.argmax())
+    for token, logprob in out.logprobs[0].items():
+        assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
+
+
 @pytest.mark.parametrize("legacy", [True, False], ids=["legacy pickle", "zip"])
 def test_a_bin_cut_short_or_garbled_anywhere_is_one_checkpoint_error(tmp_path, legacy):
     # A legacy file cut inside its pickle raised IndexError or struct.error from torch.load, not a CheckpointError;
