@@ -51,22 +51,41 @@ def _module_of(plugin: InstalledPlugin) -> str:
     return plugin.value.partition(":")[0].strip()
 
 
-def owner_of_module(module: str, installed: list[InstalledPlugin] | None = None) -> InstalledPlugin | None:
-    """The installed plugin whose package holds ``module`` (by its entry point's target), if any.
+def owner_of_module(
+    module: str,
+    installed: list[InstalledPlugin] | None = None,
+    *,
+    prefer: tuple[str, str | None] | None = None,
+) -> InstalledPlugin | None:
+    """The installed plugin whose code ``module`` is (by its entry point's target), if any.
 
-    Metadata only: nothing is imported. When several plugins share a package
-    prefix (namespace packages), the one whose target shares the longest
-    dotted prefix with ``module`` wins.
+    Metadata only: nothing is imported. A target owns the module it names and the modules
+    below it: ``pkg`` owns ``pkg`` and ``pkg.models``, ``pkg.extra`` owns neither ``pkg`` nor
+    ``pkg.models``. Of several owners the deepest target wins, so one distribution with entry
+    points ``pkg`` and ``pkg.extra`` credits ``pkg``'s own code to the first, whichever of them
+    imported it. A module that no target owns but that sits in a plugin's top-level package
+    (``pkg.models`` beside a single entry point ``pkg.plugin``) is that plugin's; of several such,
+    ``prefer`` (a ``(name, distribution)``: the plugin the host is running) when it is one of them,
+    else the one sharing the longest dotted prefix with ``module``, then by name.
     """
     parts = module.split(".")
-    best, best_len = None, 0
+    owner: InstalledPlugin | None = None
+    neighbour: InstalledPlugin | None = None
+    owner_depth = neighbour_depth = 0
     for plugin in discover_installed() if installed is None else installed:
         target = _module_of(plugin).split(".")
-        common = 0
-        for a, b in zip(parts, target, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common > best_len:
-            best, best_len = plugin, common
-    return best
+        if parts[: len(target)] == target:
+            if len(target) > owner_depth:
+                owner, owner_depth = plugin, len(target)
+            continue
+        if target[0] != parts[0]:
+            continue
+        if prefer is not None and (plugin.name, plugin.distribution) == prefer:
+            neighbour, neighbour_depth = plugin, len(parts) + 1  # nothing beats the plugin being run
+            continue
+        common = next(
+            (i for i, (a, b) in enumerate(zip(parts, target, strict=False)) if a != b), min(len(parts), len(target))
+        )
+        if common > neighbour_depth:
+            neighbour, neighbour_depth = plugin, common
+    return owner or neighbour

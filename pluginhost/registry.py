@@ -124,30 +124,34 @@ class RegistrySnapshot:
 
 
 def _registering() -> PluginRef:
-    """Who makes a registration now: the distribution whose code makes it.
+    """Who makes a registration now: the plugin whose code makes it.
 
-    In a hook call, the hook's plugin (code it calls acts for it). While a plugin is imported, the
-    installed plugin whose module is on the stack innermost (a plugin importing another's module
-    does not make that module's registrations its own), else the plugin imported. Otherwise, the
-    code on the stack (``_caller_ref``).
+    In a hook call, the hook's plugin (code it calls acts for it). While the host imports a plugin or
+    calls its ``register()``, the installed plugin owning the innermost plugin module on the stack
+    (``owner_of_module``): a plugin importing another's module does not make that module's
+    registrations its own, and a package's own code belongs to the entry point naming that package
+    even when a sibling entry point (``pkg.extra``) imported it. Code of the running plugin's package
+    that no entry point names (``pkg.models`` beside ``pkg.plugin``) is the running plugin's, and so is
+    anything else. Otherwise, the code on the stack (``_caller_ref``).
     """
     importing = importing_plugin()
     if importing is not None:
-        return _caller_ref(installed_only=True) or importing
+        return _caller_ref(running=importing) or importing
     return current_plugin() or _caller_ref()
 
 
-def _caller_ref(*, installed_only: bool = False) -> PluginRef | None:
-    """Who made a registration outside plugin loading and hook calls: the code on the stack.
+def _caller_ref(*, running: PluginRef | None = None) -> PluginRef | None:
+    """Who made a registration outside hook calls: the code on the stack.
 
-    The innermost frame whose module belongs to an installed plugin (by its
-    entry point's package) attributes the registration to that plugin, however
-    the module came to be imported; otherwise it is the calling module's
-    (``installed_only``: ``None``).
+    The innermost frame whose module belongs to an installed plugin (``owner_of_module``; ``running``,
+    the plugin the host runs, is preferred among plugins sharing a package) attributes the
+    registration to that plugin, however the module came to be imported; otherwise it is the calling
+    module's (with ``running``: ``None``).
     """
     from pluginhost.discovery import discover_installed, owner_of_module
 
     installed = discover_installed()
+    prefer = (running.name, running.distribution) if running is not None else None
     frame = sys._getframe(1)
     caller = None
     while frame is not None:
@@ -156,11 +160,11 @@ def _caller_ref(*, installed_only: bool = False) -> PluginRef | None:
             return builtin_ref()
         if not module.startswith("pluginhost.") and module != "pluginhost":
             caller = caller or module
-            owner = owner_of_module(module, installed) if installed else None
+            owner = owner_of_module(module, installed, prefer=prefer) if installed else None
             if owner is not None:
                 return PluginRef(owner.name, owner.distribution, owner.version)
         frame = frame.f_back
-    return None if installed_only else PluginRef(name=caller or "<unknown>")
+    return None if running is not None else PluginRef(name=caller or "<unknown>")
 
 
 def _target_of(model: type | str) -> str:

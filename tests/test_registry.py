@@ -14,6 +14,7 @@ from pluginhost import ModelRegistry, hookimpl
 from pluginhost.errors import ModelClassError, PluginHookError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.registry import ArchitectureRegistry
+from pluginhost.selection import PluginSelection
 from pluginhost.testing import RegistersModel
 
 
@@ -270,6 +271,71 @@ def test_a_registration_made_at_import_belongs_to_the_plugin_whose_module_makes_
     assert (entry.registered_by.name, entry.registered_by.distribution) == ("b_plug", "b-dist")  # it said a_plug
     monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "b_plug")
     assert "BArch" not in PluginHost().collect_models().get_supported_archs()  # a_plug still imports b_plug
+
+
+@pytest.fixture
+def install_package_plugins(install_plugin, tmp_path):
+    """``install(package, {entry point: (module file, code, target)})``: one distribution, one package, several entry
+    points (``install_plugin`` writes the files); the package's modules are forgotten after the test."""
+    packages: list[str] = []
+
+    def install(package: str, plugins: dict[str, tuple[str, str, str]]) -> None:
+        (tmp_path / "site-packages" / package).mkdir()
+        packages.append(package)
+        for name, (module_file, code, target) in plugins.items():
+            install_plugin(name, code, dist=package, module=f"{package}/{module_file}", target=target)
+
+    yield install
+    for module in [m for m in sys.modules if m.split(".")[0] in packages]:
+        del sys.modules[module]
+
+
+NO_OP_HOOK = "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n"
+
+
+def test_two_entry_points_in_one_package_credit_import_time_registrations_to_the_package_s_own(
+    install_package_plugins,
+):
+    """twoeps_extra ("twoeps.extra") imports the package "twoeps" first: what twoeps/__init__ registers is
+    twoeps_models', which names that package, so disabling twoeps_models (not twoeps_extra) removes it."""
+    registers = "from pluginhost import ModelRegistry\nModelRegistry.register_model('TwoEpsOPT', 'twoeps.model:M')\n"
+    install_package_plugins(
+        "twoeps",
+        {
+            "twoeps_models": ("__init__", registers + NO_OP_HOOK, "twoeps"),
+            "twoeps_extra": ("extra", NO_OP_HOOK, "twoeps.extra"),
+        },
+    )
+    # twoeps_extra alone imports the package: the registration is there, but not twoeps_extra's.
+    without_models = PluginHost(selection=PluginSelection().with_cli(disable=["twoeps_models"]))
+    assert "TwoEpsOPT" not in without_models.collect_models()
+    assert PluginHost().collect_models().get("TwoEpsOPT").registered_by.name == "twoeps_models"
+    assert "TwoEpsOPT" in PluginHost(selection=PluginSelection().with_cli(disable=["twoeps_extra"])).collect_models()
+
+
+def test_a_register_function_beside_a_second_entry_point_in_its_package_registers_as_its_own_plugin(
+    install_package_plugins,
+):
+    """vLLM's shape: register_port_model = "portpkg:register" beside port_logitsprocs = "portpkg.lp_plugin"."""
+    register = (
+        "from pluginhost import ModelRegistry\n"
+        "def register():\n"
+        "    ModelRegistry.register_model('PortOPT', 'portpkg.model:M')\n"
+    )
+    install_package_plugins(
+        "portpkg",
+        {
+            "register_port_model": ("__init__", register, "portpkg:register"),
+            "port_logitsprocs": ("lp_plugin", NO_OP_HOOK, "portpkg.lp_plugin"),
+        },
+    )
+    entry = PluginHost().collect_models().get("PortOPT")
+    assert (entry.registered_by.name, entry.registered_by.distribution) == ("register_port_model", "portpkg")
+    assert "PortOPT" in PluginHost(selection=PluginSelection().with_cli(disable=["port_logitsprocs"])).collect_models()
+    assert (
+        "PortOPT"
+        not in PluginHost(selection=PluginSelection().with_cli(disable=["register_port_model"])).collect_models()
+    )
 
 
 def traced(function):
