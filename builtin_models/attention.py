@@ -20,11 +20,17 @@ Shapes: B batch, Hq query heads, Hkv key/value heads, T new tokens, S slots, D h
 
 from __future__ import annotations
 
+import inspect
+import logging
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cached_attention", "row_ends"]
+__all__ = ["cached_attention", "declared_sliding_window", "row_ends"]
+
+logger = logging.getLogger(__name__)
 
 #: Row by row when padding to the longest row would read at least this many more bytes of keys and
 #: values per row than the rows' own slots: on a 2-core EPYC (AVX-512), where one more attention
@@ -90,3 +96,28 @@ def cached_attention(
             )
         )
     return torch.cat(rows).to(v.dtype)  # (B, Hq, 1, D)
+
+
+def declared_sliding_window(config: Any) -> int | None:
+    """The config's ``sliding_window``, where its class declares one (Mistral, Qwen2, Gemma 2...); else ``None``.
+
+    A Hugging Face config keeps any key of config.json as an attribute, and a stale ``sliding_window``
+    (a Mistral-derived checkpoint relabelled as Llama, say) is ignored by transformers' model of a
+    class that has no window: so here too, with a warning, rather than silently windowing attention.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    cls = type(config)
+    if "sliding_window" in inspect.signature(cls.__init__).parameters or "sliding_window" in _annotations(cls):
+        return window
+    logger.warning(
+        "config.json sets sliding_window=%r, which %s does not have: ignored, as transformers ignores it.",
+        window,
+        cls.__name__,
+    )
+    return None
+
+
+def _annotations(cls: type) -> set[str]:
+    return {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}

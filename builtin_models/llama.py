@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
-from builtin_models.attention import cached_attention
+from builtin_models.attention import cached_attention, declared_sliding_window
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.rope import RotaryEmbedding, apply_rotary
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool, window: int | None) -> None:
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), bias=qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, config.hidden_size, bias=out_bias)
         self.scaling = self.head_dim**-0.5
-        self.sliding_window = _sliding_window(config, layer_idx)
+        self.sliding_window = _sliding_window(config, layer_idx, window)
         self.kv_cache: KVCache | None = None
 
     def forward(
@@ -106,11 +106,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool, window: int | None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias=qkv_bias, out_bias=out_bias)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias=qkv_bias, out_bias=out_bias, window=window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
 
@@ -126,8 +126,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, *, qkv_bias: bool, out_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        window = declared_sliding_window(config)  # the model's window, for the layers that have one
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, out_bias=out_bias) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, out_bias=out_bias, window=window)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -252,9 +254,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     out_bias = False
 
 
-def _sliding_window(config: Any, layer_idx: int) -> int | None:
+def _sliding_window(config: Any, layer_idx: int, window: int | None) -> int | None:
     """The layer's attention window: Qwen2's ``layer_types``, else Mistral's ``sliding_window``; ``None``: full."""
-    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
         return None

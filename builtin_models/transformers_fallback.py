@@ -87,6 +87,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from builtin_models.attention import declared_sliding_window
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.weights import assign_weights, check_all_loaded
 from pluginhost.errors import CheckpointError, ModelClassError
@@ -242,7 +243,7 @@ class TransformersForCausalLM(nn.Module):
         masks itself, which is right only without a cache and for causal masks.
         """
         config = self.text_config
-        window = getattr(config, "sliding_window", None)
+        window = declared_sliding_window(config)
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             kinds = set(layer_types)

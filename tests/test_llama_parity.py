@@ -132,6 +132,25 @@ def test_rope_following_the_length_gives_each_request_what_transformers_gives_it
         assert_decoding_matches([out], [prompt], hf(path), TOLERANCE)  # a fresh transformers model: no history
 
 
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+@torch.no_grad()
+def test_a_stray_sliding_window_on_a_llama_config_is_ignored_as_transformers_ignores_it(tmp_path, caplog, model_impl):
+    # LlamaConfig has no sliding_window, but keeps the key of a config.json (a Mistral-derived checkpoint
+    # relabelled as Llama, say); transformers' Llama then attends over everything, and pluginhost windowed its
+    # attention: other tokens, silently.
+    path = make_tiny_model(tmp_path, "llama", seed=1, sliding_window=3)
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", model_impl=model_impl)
+    assert "sliding_window=3, which LlamaConfig does not have: ignored" in caplog.text
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
+    reference = hf(path)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        # Without a cache: transformers' cache for generate keeps the last sliding_window keys of any config.
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, use_cache=False, eos_token_id=None
+        )
+        assert out.token_ids == expected[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama, multi-head", "llama, linear rope scaling", "llama 3.1 rope"])
 @torch.no_grad()
