@@ -66,6 +66,13 @@ logger = logging.getLogger(__name__)
 #: What every model class must provide, besides being a ``torch.nn.Module``.
 REQUIRED_METHODS = ("forward", "compute_logits", "load_weights")
 
+#: What the engine passes ``model.forward``, by position (``pluginhost.engine.runner``: ``self.model(...)``).
+FORWARD_ARGUMENTS = ("input_ids", "positions", "cache_rows", "mask")
+#: The ``forward`` a model class writes (``builtin_models.opt.OPTForCausalLM``'s).
+FORWARD_SIGNATURE = "(self, input_ids, positions, cache_rows=None, mask=None)"
+#: vLLM's parameters after ``positions``: a forward naming them there would silently drop the cache rows and mask.
+VLLM_FORWARD_PARAMETERS = frozenset({"intermediate_tensors", "inputs_embeds"})
+
 #: The name of the always-loaded plugin that registers the builtin architectures.
 BUILTIN_PLUGIN = "builtin_models"
 
@@ -398,6 +405,52 @@ def _check_model_class(entry: Registration, cls: type) -> None:
             "port): drop the other parameters or give them defaults. "
             f"{entry.registered_by.remedy()}"
         )
+    problem = _forward_problem(cls.forward)
+    if problem is not None:
+        signature, why = problem
+        raise ModelClassError(
+            f"{where} defines forward{signature}, but the engine calls the model as "
+            f"model({', '.join(FORWARD_ARGUMENTS)}), four arguments by position: {why}. "
+            f"Write forward{FORWARD_SIGNATURE} and pass all four on "
+            "(super().forward(input_ids, positions, cache_rows, mask)); see 'What does not port' in "
+            f"docs/porting-from-vllm.md. {entry.registered_by.remedy()}"
+        )
+
+
+def _forward_problem(forward: Callable[..., object]) -> tuple[str, str] | None:
+    """``(signature, why)`` when the engine's call would not reach ``forward`` as meant, else ``None``.
+
+    That is when it cannot bind ``FORWARD_ARGUMENTS`` by position (``*args`` forwarding can), or when
+    the cache rows or the mask would land in a parameter named as vLLM's (``VLLM_FORWARD_PARAMETERS``):
+    such a forward runs, drops them, and generates wrong tokens without an error.
+    """
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return None
+    try:
+        bound = signature.bind(None, *FORWARD_ARGUMENTS)  # None stands for self
+    except TypeError as exc:
+        return _signature_text(signature), f"it cannot take them ({exc})"
+    vllm = [name for name in bound.arguments if name in VLLM_FORWARD_PARAMETERS]
+    if vllm:
+        why = (
+            f"the cache rows and the mask would arrive as {' and '.join(vllm)} (vLLM's forward(input_ids, positions, "
+            "intermediate_tensors=None, inputs_embeds=None) does not port) and be lost, giving wrong tokens"
+        )
+        return _signature_text(signature), why
+    return None
+
+
+def _signature_text(signature: inspect.Signature) -> str:
+    """The parameter names as written, without annotations or defaults: ``(self, *, vllm_config, prefix)``."""
+    names, starred = [], False
+    for p in signature.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not starred:
+            names.append("*")
+        starred = starred or p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY)
+        names.append({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name)
+    return "(" + ", ".join(names) + ")"
 
 
 def _one_argument_problem(method: Callable[..., object]) -> str | None:
@@ -414,14 +467,7 @@ def _one_argument_problem(method: Callable[..., object]) -> str | None:
     ]
     if takes_one and len(required) <= 1 and all(p.kind in positional for p in required):
         return None
-    # The names as written, without annotations or defaults: (self, *, vllm_config, prefix).
-    names, starred = [], False
-    for p in signature.parameters.values():
-        if p.kind is p.KEYWORD_ONLY and not starred:
-            names.append("*")
-        starred = starred or p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY)
-        names.append({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name)
-    return "(" + ", ".join(names) + ")"
+    return _signature_text(signature)
 
 
 @dataclass(frozen=True)

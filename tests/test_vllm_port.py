@@ -332,6 +332,44 @@ def test_vllms_v1_model_constructor_is_refused_when_resolved(tiny_opt):
     assert "TypeError" not in message
 
 
+class VllmForwardOPT(OPTForCausalLM):
+    """vLLM's forward: the engine's cache rows and mask would land in the last two parameters and be dropped."""
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        return super().forward(input_ids, positions)
+
+
+class ShortForwardOPT(OPTForCausalLM):
+    """A forward that cannot take the engine's arguments at all."""
+
+    def forward(self, input_ids, positions):
+        return super().forward(input_ids, positions)
+
+
+@pytest.mark.parametrize(
+    ("model_class", "signature", "why"),
+    [
+        (
+            VllmForwardOPT,
+            "forward(self, input_ids, positions, intermediate_tensors, inputs_embeds)",
+            "would arrive as intermediate_tensors and inputs_embeds",
+        ),
+        (ShortForwardOPT, "forward(self, input_ids, positions)", "it cannot take them"),
+    ],
+)
+def test_a_forward_that_cannot_take_the_engines_arguments_is_refused_when_resolved(
+    tiny_opt, model_class, signature, why
+):
+    """Not wrong tokens (vLLM's signature) or an internal error at the first step (too few parameters)."""
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_opt), plugins=[RegistersModel("OPTForCausalLM", model_class)], load_installed_plugins=False)
+    message = str(info.value)
+    assert model_class.__name__ in message and "registered by plugin 'RegistersModel'" in message
+    assert f"defines {signature}" in message and why in message
+    assert "Write forward(self, input_ids, positions, cache_rows=None, mask=None)" in message
+    assert "'What does not port' in docs/porting-from-vllm.md" in message
+
+
 VLLM_PROCESSOR_IMPORTS = """
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor, BatchUpdate, BatchUpdateBuilder, LogitsProcessor
 from vllm.v1.sample.logits_processor import MoveDirectionality
