@@ -805,7 +805,11 @@ def _uninspectable(record: PluginRecord, exc: Exception) -> PluginRecord:
 
 
 def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | None:
-    """What pluggy would take but never call rightly: an async hook, keyword-only parameters."""
+    """What pluggy would take but never call rightly: an async hook, keyword-only parameters, a star for arguments.
+
+    pluggy passes a hook's arguments only to parameters named as the spec's: ``*args`` and
+    ``**kwargs`` stay empty, so ``modify_config(**kwargs)`` would run and change nothing.
+    """
     for impl in impls:
         function = inspect.unwrap(impl.function)
         if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
@@ -814,12 +818,29 @@ def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | No
             params = inspect.signature(impl.function).parameters.values()
         except (TypeError, ValueError):
             continue
+        caller = getattr(pm.hook, impl.hook, None)
+        if caller is None or not caller.has_spec():  # an unknown hook: pluggy's check_pending names it
+            continue
         keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-        if keyword_only and getattr(pm.hook, impl.hook, None) is not None and getattr(pm.hook, impl.hook).has_spec():
+        if keyword_only:
             return (
                 f"its {impl.hook} implementation takes {', '.join(keyword_only)} as keyword-only parameters (after "
                 f"*), which pluggy never passes; the spec is {_spec_signature(pm, impl.hook)}: make them plain "
                 "parameters"
+            )
+        starred = [
+            {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}[p.kind] + p.name
+            for p in params
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        # Taking none of the arguments is legal pluggy (a hook that only needs to run), and so is a star beside
+        # the named ones: only arguments the author meant to reach through the star are lost.
+        lost = [name for name in caller.spec.argnames if name not in {p.name for p in params}]
+        if starred and lost:
+            return (
+                f"its {impl.hook} implementation takes {' and '.join(starred)}, which pluggy leaves empty (it passes "
+                f"a hook's arguments only to parameters of their names), so it never gets {', '.join(lost)}: write "
+                f"{_spec_signature(pm, impl.hook)}, naming the arguments you use"
             )
     return None
 

@@ -642,6 +642,19 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
             None,
             "its modify_config implementation is async: hooks are called, not awaited; use def",
         ),
+        (
+            "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(**kwargs):\n"
+            "    kwargs['config'].max_num_seqs = 3\n",
+            None,
+            "its modify_config implementation takes **kwargs, which pluggy leaves empty (it passes a hook's "
+            "arguments only to parameters of their names), so it never gets config: write modify_config(config)",
+        ),
+        (
+            "from pluginhost import hookimpl\n@hookimpl\ndef pre_load(config, *args):\n    pass\n",
+            None,
+            "its pre_load implementation takes *args, which pluggy leaves empty (it passes a hook's arguments only "
+            "to parameters of their names), so it never gets model_class: write pre_load(config, model_class)",
+        ),
     ],
     ids=[
         "module-without-hooks",
@@ -656,6 +669,8 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
         "object-whose-dir-raises",
         "keyword-only-hook-argument",
         "async-hook",
+        "hook-taking-its-argument-through-kwargs",
+        "hook-taking-an-argument-through-args",
     ],
 )
 def test_an_entry_point_with_no_hook_implementation_is_a_broken_plugin(install_plugin, code, target, reason):
