@@ -76,6 +76,7 @@ A plugin overrides the fallback by registering its own class under
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -163,6 +164,8 @@ class TransformersForCausalLM(nn.Module):
         self._decoder_name: str | None = None
         self.kv_caches: nn.ModuleList | None = None
         self._mask_mode, self._window = self._mask_plan()
+        #: Whether padding a prompt would change its tokens (the engine then prefills rows unpadded).
+        self.prefill_unpadded = _rotary_row_by_row(hf_model)
 
     # -- the decoder and its head ----------------------------------------------------
 
@@ -432,7 +435,8 @@ class TransformersForCausalLM(nn.Module):
         hf = self.hf_model
         device = self._weight.device
         vocab = int(getattr(self.text_config, "vocab_size", None) or 2)
-        ids = (torch.arange(8, device=device).view(2, 4) * 7 + 3) % vocab  # (2, 4)
+        n = self._probe_length()
+        ids = (torch.arange(2 * n, device=device).view(2, n) * 7 + 3) % vocab  # (2, n)
         name, hidden, logits = _reference_forward(hf, ids)
         if name is None:
             raise ModelClassError(
@@ -452,12 +456,29 @@ class TransformersForCausalLM(nn.Module):
             # The engine's runner takes a model without a callable setup_caches as one to recompute every step.
             self.setup_caches = None
 
+    def _probe_length(self) -> int:
+        """How many positions the cache probe runs: 4, or more than any attention window the config names.
+
+        The engine's masks carry ``sliding_window``. A window a model keeps in masks of its own (GPT-Neo's
+        ``window_size``: a buffer it slices as if every row's last token sat at the last slot) is right
+        only while the rows of a step are at most that far apart; the probe's rows must be further apart
+        for a wrong answer to show.
+        """
+        config = self.text_config
+        windows = [
+            value
+            for key, value in vars(config).items()
+            if key.endswith(("window", "window_size")) and key != "sliding_window" and type(value) is int and value > 0
+        ]
+        return max(4, max(windows, default=0) + 2)
+
     def _find_cache_layout(self, ids: Tensor, full: Tensor) -> bool:
         """Run two rows through the cache as the engine does: record each layer's cache shape; ``False`` if it fails.
 
-        Row 0: a prompt of 3 tokens, then its 4th decoded; row 1: a prompt of 2, right-padded to 3 in the
-        same prefill, then its 3rd decoded at position 2, over the padding's slot. ``full``: the uncached
-        hidden states of ``ids`` (2, 4), the reference.
+        Row 0: a prompt of n - 1 tokens, then its n-th decoded; row 1: a prompt of 2, right-padded to n - 1
+        in the same prefill, then its 3rd decoded at position 2, over the padding's slots, n - 3 positions
+        behind row 0 (more than any window the model keeps in its own masks: ``_probe_length``). ``full``:
+        the uncached hidden states of ``ids`` (2, n), the reference.
         """
         name = type(self.hf_model).__name__
         if self._mask_mode == "own":
@@ -468,19 +489,20 @@ class TransformersForCausalLM(nn.Module):
             )
             return False
         device = ids.device
-        positions = torch.arange(4, device=device).expand(2, 4)
-        probe = EngineCache(None, self._num_layers(), probe_shape=(2, 4))
+        n = ids.shape[1]
+        positions = torch.arange(n, device=device).expand(2, n)
+        probe = EngineCache(None, self._num_layers(), probe_shape=(2, n))
         try:
-            prompts = ids[:, :3].clone()
-            prompts[1, 2] = (prompts[1, 2] + 1) % int(getattr(self.text_config, "vocab_size", None) or 2)  # padding
-            causal = torch.ones(3, 3, dtype=torch.bool, device=device).tril()[None, None].expand(2, 1, 3, 3)
-            probe.bind(torch.arange(2, device=device), positions[:, :3], 3, 3)
-            prefill = self._run(prompts, positions[:, :3], probe, causal)  # (2, 3, W)
+            prompts = ids[:, : n - 1].clone()
+            prompts[1, 2:] = (prompts[1, 2:] + 1) % int(getattr(self.text_config, "vocab_size", None) or 2)  # padding
+            causal = torch.ones(n - 1, n - 1, dtype=torch.bool, device=device).tril()[None, None].expand(2, 1, -1, -1)
+            probe.bind(torch.arange(2, device=device), positions[:, : n - 1], n - 1, n - 1)
+            prefill = self._run(prompts, positions[:, : n - 1], probe, causal)  # (2, n - 1, W)
             probe.unbind()
-            step = torch.tensor([[3], [2]], device=device)  # (2, 1): each row's next position
+            step = torch.tensor([[n - 1], [2]], device=device)  # (2, 1): each row's next position
             step_ids = ids.gather(1, step)
-            mask = (torch.arange(4, device=device)[None, :] <= step)[:, None, None, :]  # (2, 1, 1, 4)
-            probe.bind(slice(0, 2), step, 4, 1)
+            mask = (torch.arange(n, device=device)[None, :] <= step)[:, None, None, :]  # (2, 1, 1, n)
+            probe.bind(slice(0, 2), step, n, 1)
             decode = self._run(step_ids, step, probe, mask)[:, 0]  # (2, W)
             probe.unbind()
         except Exception as exc:  # noqa: BLE001 - any failure means: no cache
@@ -491,9 +513,9 @@ class TransformersForCausalLM(nn.Module):
                 exc,
             )
             return False
-        expected_decode = torch.stack([full[0, 3], full[1, 2]])
+        expected_decode = torch.stack([full[0, n - 1], full[1, 2]])
         drift = max(
-            _relative_error(prefill[0], full[0, :3]),  # row 1's third token was padding
+            _relative_error(prefill[0], full[0, : n - 1]),  # row 1's tokens from the third were padding
             _relative_error(prefill[1, :2], full[1, :2]),
             _relative_error(decode, expected_decode),
         )
@@ -508,6 +530,38 @@ class TransformersForCausalLM(nn.Module):
             return False
         self._cache_layers = probe.layouts
         return True
+
+
+def _rotary_row_by_row(hf: nn.Module) -> bool:
+    """Make RoPE whose frequencies follow the length (``dynamic``, ``longrope``) follow each row's; whether any does.
+
+    transformers takes one length for a whole batch, its longest position, and ``dynamic`` keeps the
+    longest it has seen: a batch-mate, or a request that ended, changed a request's tokens. Each row
+    now gets the frequencies a fresh transformers model gives it alone, as the builtin Llama does.
+    """
+    found = False
+    for module in hf.modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds if isinstance(kinds, dict) else {None: kinds}  # per layer type, or one for all
+        following = {t: k for t, k in kinds.items() if isinstance(k, str) and ("dynamic" in k or k == "longrope")}
+        if following and callable(getattr(module, "forward", None)):
+            module.forward = functools.partial(_rotary_of_each_row, module, module.forward, following)
+            found = True
+    return found
+
+
+def _rotary_of_each_row(module: nn.Module, forward: Any, kinds: dict, x: Tensor, position_ids: Tensor, **kwargs: Any):
+    """``forward`` (transformers' rotary embedding) for one row at a time, from its original frequencies each time."""
+    rows = []
+    for b in range(position_ids.shape[0]):
+        for layer_type, kind in kinds.items():
+            if "dynamic" in kind:  # forget the longest length seen: grown again, from the original, for this row
+                prefix = f"{layer_type}_" if layer_type is not None else ""
+                original = getattr(module, f"{prefix}original_inv_freq")
+                module.register_buffer(f"{prefix}inv_freq", original.to(x.device), persistent=False)
+                setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+        rows.append(forward(x, position_ids[b : b + 1], **kwargs))  # (cos, sin), each (1, T, D)
+    return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # (B, T, D) each
 
 
 def _checkpoint_renamer(hf: PreTrainedModel, state: dict[str, Tensor]):  # noqa: ANN202 - a function

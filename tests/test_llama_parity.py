@@ -115,15 +115,17 @@ def test_cached_decoding_through_every_kernel_matches_transformers(
     assert_decoding_matches(outs, PROMPTS, hf(path), TOLERANCE)
 
 
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
 @pytest.mark.parametrize("name", list(LENGTH_DEPENDENT))
 def test_rope_following_the_length_gives_each_request_what_transformers_gives_it_alone(
-    tmp_path, name, assert_decoding_matches
+    tmp_path, name, model_impl, assert_decoding_matches
 ):
     # transformers keeps the longest length it has seen, and in a batch the longest row decides: a finished
-    # long request, or a batch-mate, changed a request's tokens. Each row follows its own length here.
+    # long request, or a batch-mate, changed a request's tokens. Each row follows its own length here, through
+    # the transformers fallback too (which runs transformers' own rotary embedding, row by row).
     model_type, config = LENGTH_DEPENDENT[name]
     path = make_tiny_model(tmp_path, model_type, seed=2, **config)
-    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", model_impl=model_impl)
     params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True)
     llm.generate([[2, *range(10, 31)]], params)  # 22 + 10 positions: longer than any below
     prompts = [[2, *range(10, 28)], [2, 5], [2, *range(30, 41)]]  # past 16 at once, never, while decoding

@@ -371,6 +371,20 @@ def test_an_architecture_without_a_usable_cache_recomputes_and_stays_exact(tmp_p
     assert [o.token_ids for o in outs] == [hf_generate(reference, p, 6) for p in PROMPTS]
 
 
+def test_a_window_the_model_keeps_in_its_own_masks_gives_each_batched_request_its_tokens_alone(tmp_path):
+    """GPT-Neo's local layers slice a window mask as if every row's last token sat at the last slot.
+
+    In a batch of rows at different positions, a shorter row's window was cut at the longest row's
+    position: other tokens, silently (the cache probe's rows were too close together to see it).
+    """
+    attention = {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4}
+    path = make_tiny(tmp_path / "neo", "GPTNeoConfig", "GPTNeoForCausalLM", num_heads=4, **attention)
+    llm = fallback(path)
+    reference = hf_model(path)
+    outs = llm.generate(PROMPTS, greedy(10))
+    assert [o.token_ids for o in outs] == [hf_generate(reference, p, 10) for p in PROMPTS]
+
+
 def test_a_cache_that_disagrees_with_the_uncached_forward_is_switched_off(neox_dir, monkeypatch, caplog):
     """The load-time check: a cache that writes every token to slot 0 (wrong) is caught; generation stays exact."""
     update = KVCache.update
