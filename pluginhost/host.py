@@ -402,6 +402,9 @@ class PluginHost:
                 )
                 return replace(record, status="failed", reason=reason), None
         if _hookimpls_of(pm, plugin):
+            warning = self._uncalled_register(record, plugin)
+            if warning is not None:
+                logger.warning("%s", warning)
             return record, plugin
         if not inspect.isroutine(plugin):
             target = record.target or record.name
@@ -450,6 +453,33 @@ class PluginHost:
             ModelRegistry.record(call.registrations)
         seconds = (record.import_seconds or 0.0) + call.seconds
         return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
+
+    def _uncalled_register(self, record: PluginRecord, module: object) -> str | None:
+        """The warning for a module plugin with hook implementations and a ``register()`` that nothing calls.
+
+        The host calls a ``register()`` function only when it is the plugin (an entry point
+        ``name = "pkg:register"``, or the function passed in-process); a module plugin's hooks run,
+        its ``register()`` would be skipped without a word, and its architectures missing later.
+        """
+        if not inspect.ismodule(module):
+            return None
+        register = getattr(module, "register", None)
+        if not inspect.isfunction(register) or _required_parameters(register):
+            return None
+        target = f"{module.__name__}:register"
+        if any(p is register for p in self._in_process) or any(
+            p.value.replace(" ", "") == target for p in discover_installed()
+        ):
+            return None  # loaded as a plugin of its own (if selected)
+        if record.kind == "installed":
+            fix = f'add an entry point for it beside this one, such as {record.name}_register = "{target}"'
+        else:
+            fix = f"pass it too: plugins=[{module.__name__}, {module.__name__}.register]"
+        return (
+            f"{record.ref.describe()}: module {module.__name__} has a register() function besides its hook "
+            "implementations, and pluginhost does not call register() for a module plugin (only for a plugin "
+            f"that is the function itself): {fix}"
+        )
 
     def _call(self, record: PluginRecord, plugin: Any, function: str) -> _Call:
         """Call ``plugin()`` as ``record``'s plugin, its registrations kept apart; the process's one call of it."""

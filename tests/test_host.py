@@ -742,3 +742,41 @@ def test_names_a_script_binds_only_under_its_main_guard(tmp_path, script, only_w
     path = tmp_path / "script.py"
     path.write_text(script)
     assert _bound_only_when_run(str(path)) == only_when_run
+
+
+MIXED_MODULE = (
+    "from pluginhost import ModelRegistry, hookimpl\n"
+    "def register():\n"
+    "    ModelRegistry.register_model('MixedOPT', 'builtin_models.opt:OPTForCausalLM')\n"
+    "@hookimpl\n"
+    "def register_logits_processors(registry):\n"
+    "    pass\n"
+)
+
+
+def test_a_module_plugin_s_register_function_that_nothing_calls_is_warned_about(install_plugin, caplog):
+    """The entry point names the module: its hooks run, its register() does not, and the architecture goes missing."""
+    install_plugin("mixed", MIXED_MODULE, dist="mixed-dist")
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        assert "MixedOPT" not in PluginHost().collect_models()
+    assert "plugin 'mixed' (distribution mixed-dist 1.0): module mixed has a register() function" in caplog.text
+    assert 'add an entry point for it beside this one, such as mixed_register = "mixed:register"' in caplog.text
+
+    caplog.clear()
+    install_plugin("mixed_register", dist="mixed-dist", target="mixed:register")  # the advice, followed
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        assert "MixedOPT" in PluginHost().collect_models()
+    assert "register()" not in caplog.text
+
+
+def test_an_in_process_module_plugin_s_register_function_that_nothing_calls_is_warned_about(install_plugin, caplog):
+    install_plugin("mixed", MIXED_MODULE, dist="mixed-dist")
+    import mixed
+
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        PluginHost(plugins=[mixed], load_installed=False).load()
+    assert "pass it too: plugins=[mixed, mixed.register]" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        assert "MixedOPT" in PluginHost(plugins=[mixed, mixed.register], load_installed=False).collect_models()
+    assert "register()" not in caplog.text
