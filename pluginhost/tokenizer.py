@@ -35,10 +35,25 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+        if _names_own_code(model_dir):  # transformers' advice (trust_remote_code=True) is not pluginhost's
+            raise ConfigError(
+                f"The tokenizer in {model_dir} needs code of its own (auto_map in tokenizer_config.json), which "
+                "pluginhost never runs from a model directory. Provide a standard tokenizer (tokenizer.json), or "
+                "remove the tokenizer files: token-id prompts work without one."
+            ) from None
         raise ConfigError(
             f"The tokenizer files in {model_dir} could not be loaded: {type(exc).__name__}: {exc}. "
             "Fix or remove them; token-id prompts work without a tokenizer."
         ) from None
+
+
+def _names_own_code(model_dir: Path) -> bool:
+    """Whether the tokenizer's configuration names a class defined by code in the model directory (``auto_map``)."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("auto_map"))
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:

@@ -358,6 +358,26 @@ def test_a_models_own_code_is_never_run_and_the_refusal_says_so(tiny_opt_no_toke
     assert not marker.exists()
 
 
+def test_a_tokenizers_own_code_is_never_run_and_the_refusal_says_what_to_do(tmp_path):
+    # transformers' own message advised "pass the argument trust_remote_code=True", which pluginhost has not.
+    import json
+
+    from pluginhost.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "custom-tokenizer", "llama", tokenizer=True)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings |= {"auto_map": {"AutoTokenizer": ["tokenization_my.MyTokenizer", None]}, "tokenizer_class": "MyTokenizer"}
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    marker = tmp_path / "code-ran"
+    (model / "tokenization_my.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass MyTokenizer: pass\n")
+    with pytest.raises(
+        PluginhostError, match=r"needs code of its own \(auto_map.*never runs.*standard tokenizer"
+    ) as info:
+        LLM(str(model), load_installed_plugins=False)
+    assert "trust_remote_code" not in str(info.value)
+    assert not marker.exists()
+
+
 # -- what the table above cannot express: warnings, opt-ins, limits -------------------------
 
 
