@@ -152,6 +152,28 @@ def _hookimpls_of(pm: pluggy.PluginManager, plugin: object) -> list[_Impl]:
     return found
 
 
+def _unmarked_hooks(pm: pluggy.PluginManager, record: PluginRecord, plugin: object, impls: list[_Impl]) -> list[str]:
+    """Warnings for functions of ``plugin`` named as a hook it does not implement, but not marked ``@hookimpl``.
+
+    pluggy registers marked functions only: a forgotten marker beside other hooks loads fine and the
+    function never runs. Only a plugin with other hook implementations is looked at (one with none is
+    already refused), and only hooks it does not implement otherwise (``specname``).
+    """
+    implemented = {impl.hook for impl in impls}
+    warnings = []
+    for name in sorted(dir(pm.hook)):
+        caller = getattr(pm.hook, name, None)
+        if name.startswith("_") or name in implemented or not getattr(caller, "has_spec", lambda: False)():
+            continue
+        function = getattr(plugin, name, None)
+        if callable(function) and pm.parse_hookimpl_opts(plugin, name) is None:
+            warnings.append(
+                f"{record.ref.describe()}: {name}() is named as the hook {_spec_signature(pm, name)} but is not "
+                "marked with @hookimpl, so it is never called: add @hookimpl above it (or rename it)"
+            )
+    return warnings
+
+
 def _methods_needing_an_instance(pm: pluggy.PluginManager, cls: type) -> list[str]:
     """The hook implementations of a class that are plain methods (pluggy would call them without ``self``)."""
     return sorted(
@@ -401,10 +423,11 @@ class PluginHost:
                     f"`plugin = {name}()`)"
                 )
                 return replace(record, status="failed", reason=reason), None
-        if _hookimpls_of(pm, plugin):
-            warning = self._uncalled_register(record, plugin)
-            if warning is not None:
-                logger.warning("%s", warning)
+        impls = _hookimpls_of(pm, plugin)
+        if impls:
+            for warning in [self._uncalled_register(record, plugin), *_unmarked_hooks(pm, record, plugin, impls)]:
+                if warning is not None:
+                    logger.warning("%s", warning)
             return record, plugin
         if not inspect.isroutine(plugin):
             target = record.target or record.name

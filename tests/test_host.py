@@ -780,3 +780,36 @@ def test_an_in_process_module_plugin_s_register_function_that_nothing_calls_is_w
     with caplog.at_level(logging.WARNING, logger="pluginhost"):
         assert "MixedOPT" in PluginHost(plugins=[mixed, mixed.register], load_installed=False).collect_models()
     assert "register()" not in caplog.text
+
+
+def test_a_function_named_as_a_hook_but_not_marked_is_warned_about(install_plugin, caplog):
+    """It loads beside the plugin's marked hooks and would never run: the change it makes silently never happens."""
+
+    class HalfMarked:
+        @hookimpl
+        def register_models(self, registry):
+            pass
+
+        def modify_config(self, config):  # @hookimpl forgotten
+            config.max_num_seqs = 3
+
+    install_plugin(
+        "half",
+        "from pluginhost import hookimpl\n"
+        "@hookimpl\n"
+        "def modify_config(config):\n"
+        "    pass\n"
+        "def post_load(config, model):\n"
+        "    pass\n",
+        dist="half-dist",
+    )
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        PluginHost(plugins=[HalfMarked()]).load()
+    assert (
+        "plugin 'HalfMarked': modify_config() is named as the hook modify_config(config) but is not marked with "
+        "@hookimpl, so it is never called: add @hookimpl above it" in caplog.text
+    )
+    assert "plugin 'half' (distribution half-dist 1.0): post_load() is named as the hook post_load(config, model)" in (
+        caplog.text
+    )
+    assert caplog.text.count("is not marked with @hookimpl") == 2  # the builtins and the marked hooks: nothing
