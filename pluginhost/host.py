@@ -217,6 +217,7 @@ class PluginHost:
         # The register() functions this host loads: the plugin each is loaded as, and its call.
         self._calls: list[tuple[PluginRef, _Call]] = []
         self._kit_snapshot = apply_registrations_since
+        self._selection_used: PluginSelection | None = None  # the selection the installed plugins were loaded with
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
@@ -283,6 +284,32 @@ class PluginHost:
                 logger.warning("skipping broken %s: %s", record.ref.describe(), record.reason)
         return self.records
 
+    def left_out_message(self) -> str | None:
+        """For an unknown architecture's error: the installed plugins the selection left out, one of which may
+        register it; ``None`` when it left none out.
+
+        Plugins an empty allow-list left out all at once (``--no-plugins``, ``PLUGINHOST_PLUGINS=""``) are
+        counted, not listed (that is every installed plugin, each with the same reason; ``pluginhost plugins``
+        lists them). Those an allow-list or a deny-list left out are listed by name, with the decision.
+        """
+        blocked = [r for r in self._records if r.status == "blocked"]
+        if not blocked:
+            return None
+        selection = self._selection_used
+        switch, source = None, ""
+        if selection is not None and selection.allow == ():
+            switch, source = selection.none_allowed_reason, selection.allow_source
+        counted = [r for r in blocked if r.reason == switch]
+        named = [f"{r.name} ({r.distribution}: {r.reason})" for r in blocked if r.reason != switch]
+        if len(counted) > 1:
+            summary = f"{len(counted)} installed plugins were left out by {source}"
+            if not named:
+                return f"{summary}, one of which may register it (see `pluginhost plugins`)."
+            named.insert(0, f"{summary} (see `pluginhost plugins`)")
+        else:
+            named = [f"{r.name} ({r.distribution}: {r.reason})" for r in blocked]
+        return f"Installed plugins left out by the selection, one of which may register it: {', '.join(named)}."
+
     def _failure_message(self, record: PluginRecord) -> str:
         # Two plugins of one name: only the distribution name tells them apart on the command line.
         shared = any(r.name == record.name and r is not record for r in self._records)
@@ -322,6 +349,7 @@ class PluginHost:
         installed = discover_installed()
         self._installed_names = {p.name for p in installed}
         selection = self._selection or PluginSelection.from_env()
+        self._selection_used = selection
         builtin_name = normalize_name(BUILTIN_PLUGIN)
         if builtin_name in selection.deny:
             raise PluginSelectionError(

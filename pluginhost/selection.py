@@ -122,10 +122,15 @@ class PluginSelection:
         if self.allow is None:
             return None
         if not self.allow:
-            return f"installed plugins disabled by {self.allow_source}"
+            return self.none_allowed_reason
         if names.isdisjoint(normalize_name(n) for n in self.allow):
             return f"not in the allow-list ({self.allow_source}={','.join(self.allow)})"
         return None
+
+    @property
+    def none_allowed_reason(self) -> str:
+        """Why ``decide`` blocks each plugin an empty allow-list (``--no-plugins``) leaves out, all at once."""
+        return f"installed plugins disabled by {self.allow_source}"
 
     def unmatched_allowed(self, installed: Iterable[tuple[str, str | None]]) -> list[str]:
         """Allow-list names that match no installed (entry point, distribution)."""

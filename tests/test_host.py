@@ -813,3 +813,27 @@ def test_a_function_named_as_a_hook_but_not_marked_is_warned_about(install_plugi
         caplog.text
     )
     assert caplog.text.count("is not marked with @hookimpl") == 2  # the builtins and the marked hooks: nothing
+
+
+def test_plugins_one_switch_left_out_are_counted_not_listed_each_with_the_same_reason(install_plugin):
+    """--no-plugins leaves out every installed plugin: the unknown architecture's error counts them, once."""
+    for name in ("alpha", "beta", "gamma"):
+        install_plugin(name, RECORDING_PLUGIN.format(digit=1), dist=f"{name}-dist")
+    host = PluginHost(selection=PluginSelection().with_cli(no_plugins=True))
+    host.load()
+    assert host.left_out_message() == (
+        "3 installed plugins were left out by --no-plugins, one of which may register it (see `pluginhost plugins`)."
+    )
+    # A plugin left out by name is still named, with the decision.
+    host = PluginHost(selection=PluginSelection(deny={"beta": "--disable-plugin"}).with_cli(no_plugins=True))
+    host.load()
+    assert host.left_out_message() == (
+        "Installed plugins left out by the selection, one of which may register it: 2 installed plugins were left "
+        "out by --no-plugins (see `pluginhost plugins`), beta (beta-dist: disabled by --disable-plugin)."
+    )
+    host = PluginHost(selection=PluginSelection().with_cli(plugins="alpha"))
+    host.load()
+    assert host.left_out_message() == (
+        "Installed plugins left out by the selection, one of which may register it: beta (beta-dist: not in the "
+        "allow-list (--plugins=alpha)), gamma (gamma-dist: not in the allow-list (--plugins=alpha))."
+    )
