@@ -274,6 +274,41 @@ def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_
     assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
+class ForgetsReturn(OPTForCausalLM):
+    def compute_logits(self, hidden_states):
+        super().compute_logits(hidden_states)
+
+
+class ShortVocabulary(OPTForCausalLM):
+    def compute_logits(self, hidden_states):
+        return super().compute_logits(hidden_states)[..., :100]
+
+
+class ReturnsATuple(OPTForCausalLM):
+    def forward(self, input_ids, positions, cache_rows=None, mask=None):
+        return (super().forward(input_ids, positions, cache_rows, mask),)  # transformers' habit
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (ForgetsReturn, "its compute_logits returned NoneType, not a tensor of logits"),
+        (
+            ShortVocabulary,
+            r"its compute_logits returned logits of shape \(1, 100\) for 1 token\(s\): it must return one row",
+        ),
+        (ReturnsATuple, "its forward returned tuple, not a tensor of hidden states"),
+    ],
+)
+def test_a_model_breaking_the_interface_is_named_and_told_what_to_return(tiny_opt, model, message):
+    # A compute_logits that forgot its return, or a forward returning a tuple, was pluginhost's own "internal error"
+    # with a traceback; logits over 100 of the vocabulary's tokens were sampled from, silently.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", model)])
+    named = rf"The model .*{model.__name__} \(architecture 'OPTForCausalLM', registered by plugin 'RegistersModel'\) "
+    with pytest.raises(ModelRunError, match=named + "does not follow the model interface: " + message):
+        llm.generate([[2, 5]], SamplingParams(max_tokens=3))
+
+
 class BigramLM(torch.nn.Module):
     """A whole new architecture in a few lines: next token from the current one."""
 

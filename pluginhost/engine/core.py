@@ -35,7 +35,7 @@ import torch
 
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, Sequence
-from pluginhost.engine.runner import ModelRunner
+from pluginhost.engine.runner import ModelOutputError, ModelRunner
 from pluginhost.engine.sampler import sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
@@ -290,6 +290,12 @@ class EngineCore:
         """Logits, log-probabilities (of the model's own distribution) and tokens of the active rows."""
         logits = self.runner.execute(plan)  # (A, V): the active rows
         active = plan.active_rows
+        if logits.shape != (len(active), self.loaded.vocab_size):
+            raise ModelOutputError(
+                f"its compute_logits returned logits of shape {tuple(logits.shape)} for {len(active)} token(s): it "
+                f"must return one row per token, one column per token of the vocabulary ({self.loaded.vocab_size}, "
+                "the config's vocab_size)"
+            )
         # NaN or +inf anywhere in a row (a float16 overflow, say), or nothing but -inf: greedy decoding would
         # pick token 0 for ever, sampling would fail. One pass over the logits; NaN propagates through amax.
         broken = ~logits.amax(dim=-1).isfinite()  # (A,)
@@ -587,6 +593,10 @@ def blame(loaded: LoadedModel, exc: Exception) -> BaseException:
     """
     if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
         return exc
+    if isinstance(exc, ModelOutputError):
+        error = ModelRunError(f"The model {loaded.describe()} does not follow the model interface: {exc}.")
+        error.__cause__ = exc
+        return error
     what = f"{type(exc).__name__}: {exc}"
     for filename in reversed(_traceback_files(exc.__traceback__)):
         if filename in loaded.code_files:

@@ -35,9 +35,21 @@ from pluginhost.engine.request import Sequence
 from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import KVCacheMemoryError, ModelClassError
 
-__all__ = ["ModelRunner", "StepInputs"]
+__all__ = ["ModelOutputError", "ModelRunner", "StepInputs"]
 
 logger = logging.getLogger("pluginhost")
+
+
+class ModelOutputError(Exception):
+    """A model returned what its interface does not allow; the message says what, the engine adds which model."""
+
+
+def _tensor(value: object, method: str, expected: str) -> Tensor:
+    """``value``, a model's ``method`` returned, if it is a tensor (its shape is checked where it is used)."""
+    if not isinstance(value, Tensor):
+        raise ModelOutputError(f"its {method} returned {type(value).__name__}, not a tensor of {expected}")
+    return value
+
 
 #: Cache slots are added in steps of this many, rows in steps of ``_ROW_STEP``.
 _SLOT_STEP = 256
@@ -299,11 +311,11 @@ class ModelRunner:
             if hidden is None:
                 hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
             hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
-        return self.model.compute_logits(hidden).float()  # (P, V)
+        return self._logits(hidden)  # (P, V)
 
     def _decode_logits(self, tokens: list[int], positions: list[int]) -> Tensor:
         """One token for every row: logits (B, V) float32."""
-        return self.model.compute_logits(self._decode(tokens, positions)).float()
+        return self._logits(self._decode(tokens, positions))
 
     def _decode(self, tokens: list[int], positions_list: list[int]) -> Tensor:
         """One token for every row: (B, W)."""
@@ -311,21 +323,35 @@ class ModelRunner:
         positions = torch.tensor(positions_list, device=self.device)[:, None]  # (B, 1)
         slots = max(positions_list) + 1
         mask = torch.arange(slots, device=self.device)[None, :] <= positions  # (B, S)
-        hidden = self.model(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
+        hidden = self._forward(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
     def _prefill(self, prompts: list[list[int]], cache_rows: list[int]) -> Tensor:
         """The prompts of these cache rows, right-padded; the hidden state of each one's last token."""
         ids, positions, mask, last = self._padded(prompts)
         rows = torch.tensor(cache_rows, device=self.device)
-        hidden = self.model(ids, positions, rows, mask)  # (k, T, W)
+        hidden = self._forward(ids, positions, rows, mask)  # (k, T, W)
         return hidden[torch.arange(len(prompts), device=self.device), last]  # (k, W)
 
     def _recompute(self, texts: list[list[int]]) -> Tensor:
         """The active sequences' whole texts, right-padded, for a model without a cache."""
         ids, positions, mask, last = self._padded(texts)
-        hidden = self.model(ids, positions, None, mask)  # (B, T, W)
-        return self.model.compute_logits(hidden[torch.arange(len(texts), device=self.device), last]).float()  # (B, V)
+        hidden = self._forward(ids, positions, None, mask)  # (B, T, W)
+        return self._logits(hidden[torch.arange(len(texts), device=self.device), last])  # (B, V)
+
+    def _forward(self, ids: Tensor, positions: Tensor, rows: Tensor | slice | None, mask: Tensor) -> Tensor:
+        """The model's hidden states (B, T, W) of ``ids`` (B, T)."""
+        hidden = _tensor(self.model(ids, positions, rows, mask), "forward", "hidden states (batch, tokens, width)")
+        if hidden.dim() != 3 or hidden.shape[:2] != ids.shape:
+            raise ModelOutputError(
+                f"its forward returned hidden states of shape {tuple(hidden.shape)} for input_ids of shape "
+                f"{tuple(ids.shape)}: it must return (batch, tokens, width)"
+            )
+        return hidden
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits (N, V) of hidden states (N, W); the vocabulary's size is checked by the engine."""
+        return _tensor(self.model.compute_logits(hidden), "compute_logits", "logits (tokens, vocabulary)").float()
 
     def _padded(self, texts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Token ids (B, T) right-padded with 0, positions (B, T), the causal mask (B, 1, T, T), last indices (B,)."""
