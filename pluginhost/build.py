@@ -97,13 +97,10 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
                 f"{exc} config.json names code of its own (auto_map), which pluginhost never runs from a model "
                 "directory: install a plugin that registers the architecture."
             ) from None
-        blocked = [r for r in host.records if r.status == "blocked"]
-        if not blocked:
+        left_out = host.left_out_message()
+        if left_out is None:
             raise
-        left_out = ", ".join(f"{r.name} ({r.distribution}: {r.reason})" for r in blocked)
-        raise UnknownArchitectureError(
-            f"{exc} Installed plugins left out by the selection, one of which may register it: {left_out}."
-        ) from None
+        raise UnknownArchitectureError(f"{exc} {left_out}") from None
     config.settle(max_model_len=_max_model_len(config, hf_config))
     check_combination(config)
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors, generation_eos)

@@ -815,7 +815,9 @@ def test_a_function_named_as_a_hook_but_not_marked_is_warned_about(install_plugi
     assert caplog.text.count("is not marked with @hookimpl") == 2  # the builtins and the marked hooks: nothing
 
 
-def test_plugins_one_switch_left_out_are_counted_not_listed_each_with_the_same_reason(install_plugin):
+def test_plugins_one_switch_left_out_are_counted_not_listed_each_with_the_same_reason(
+    install_plugin, tiny_opt, monkeypatch
+):
     """--no-plugins leaves out every installed plugin: the unknown architecture's error counts them, once."""
     for name in ("alpha", "beta", "gamma"):
         install_plugin(name, RECORDING_PLUGIN.format(digit=1), dist=f"{name}-dist")
@@ -836,4 +838,12 @@ def test_plugins_one_switch_left_out_are_counted_not_listed_each_with_the_same_r
     assert host.left_out_message() == (
         "Installed plugins left out by the selection, one of which may register it: beta (beta-dist: not in the "
         "allow-list (--plugins=alpha)), gamma (gamma-dist: not in the allow-list (--plugins=alpha))."
+    )
+    # Where a user meets it: building an engine for an architecture nothing loaded registers.
+    monkeypatch.setenv("PLUGINHOST_PLUGINS", "")
+    with pytest.raises(UnknownArchitectureError) as info:
+        LLM(str(tiny_opt), model_architecture_override="SomeonesLM")
+    assert str(info.value).endswith(
+        "3 installed plugins were left out by PLUGINHOST_PLUGINS, one of which may "
+        "register it (see `pluginhost plugins`)."
     )
