@@ -18,6 +18,7 @@ without them is one ``argmax``. A row whose state is ``None`` gets no token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -189,16 +190,16 @@ def _top_p(logits: Tensor, top_p: float) -> None:
 def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
     """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is."""
     low = 0.0  # every token at or below ``low`` has ``top_p`` or more before it
-    band = (probs > low) & (probs <= high)  # (V,): the undecided tokens
-    for _ in range(64):  # each halving leaves about half the band; ties end it early
+    for _ in range(64):  # ties (a band that never narrows) end it after 64
+        band = (probs > low) & (probs <= high)  # (V,): the undecided tokens
         if int(band.sum()) <= 2048:
             break
-        middle = (low + high) / 2
-        if float(probs[probs > middle].sum()) < top_p:
+        # Probabilities span orders of magnitude, most of the vocabulary's near the bottom: split geometrically.
+        middle = math.sqrt(low * high) if low > 0 else high / 64
+        if float(torch.where(probs > middle, probs, 0).sum()) < top_p:
             high = middle
         else:
             low = middle
-        band = (probs > low) & (probs <= high)
     kept = probs > high
     undecided = band.nonzero()[:, 0]  # (n,)
     ranked, order = torch.sort(probs[undecided], descending=True)  # (n,), (n,)
