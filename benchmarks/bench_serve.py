@@ -28,6 +28,7 @@ Systems:
   when it does not run here.
 
     python benchmarks/bench_serve.py [--clients 1 8 32] [--duration 60] [--systems pluginhost,static,transformers]
+                                     [--temperature 0.8 --top-p 0.95]   # a sampled load instead of greedy
 """
 
 from __future__ import annotations
@@ -214,8 +215,10 @@ def workload(seed: int, n: int) -> list[tuple[str, int]]:
     ]
 
 
-async def one_request(http: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> Result:
-    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+async def one_request(
+    http: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int, sampling: dict[str, object]
+) -> Result:
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling}
     start = time.perf_counter()
     first = last = None
     async with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
@@ -238,7 +241,9 @@ async def one_request(http: httpx.AsyncClient, server: Server, prompt: str, max_
     return Result(max_tokens, first - start, itl)
 
 
-async def load(server: Server, clients: int, duration: float, seed: int) -> tuple[list[Result], float]:
+async def load(
+    server: Server, clients: int, duration: float, seed: int, sampling: dict[str, object]
+) -> tuple[list[Result], float]:
     work = workload(seed, 10_000)
     cursor = iter(range(len(work)))
     results: list[Result] = []
@@ -248,7 +253,7 @@ async def load(server: Server, clients: int, duration: float, seed: int) -> tupl
     async def client(http: httpx.AsyncClient) -> None:
         while time.perf_counter() < deadline:
             prompt, max_tokens = work[next(cursor)]
-            results.append(await one_request(http, server, prompt, max_tokens))
+            results.append(await one_request(http, server, prompt, max_tokens, sampling))
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as http:
@@ -280,6 +285,8 @@ def main() -> None:
     parser.add_argument("--systems", default="pluginhost,static,static-freed,transformers,transformers-cb")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default load)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--serve-static", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--free-finished", action="store_true", help=argparse.SUPPRESS)
@@ -289,7 +296,11 @@ def main() -> None:
         return
 
     path = bench_model()
+    sampling: dict[str, object] = {"temperature": args.temperature}
+    if args.temperature > 0:  # the model is random: a sampled end-of-sequence would cut a request short
+        sampling |= {"top_p": args.top_p, "ignore_eos": True}
     print(f"machine: {machine()}")
+    print(f"sampling: {sampling}")
     print(f"model: OPT-125m shape, random weights, fp32, max_model_len {MAX_MODEL_LEN}; {args.duration:.0f} s per run")
     table: dict[tuple[str, int], dict[str, float]] = {}
     for name in args.systems.split(","):
@@ -306,7 +317,7 @@ def main() -> None:
                 continue
             for clients in args.clients:
                 try:
-                    results, seconds = asyncio.run(load(server, clients, args.duration, args.seed))
+                    results, seconds = asyncio.run(load(server, clients, args.duration, args.seed, sampling))
                 except Exception as exc:  # noqa: BLE001 - reported as the system's failure
                     print(f"{name} {clients:>2} clients: failed: {type(exc).__name__}: {exc}")
                     continue
