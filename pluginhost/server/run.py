@@ -18,6 +18,7 @@ same way as a signal, and ``run_server`` then raises its error.
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -185,6 +186,11 @@ def run_server(
         requires_key=requires_key,
         stopped=lambda: engine.engine.stopped,
     )
+    # What is built by now (torch, transformers, the model and its modules) lives as long as the server. Frozen
+    # out of the collector's reach, it is no longer walked by every full collection: one set off by a large
+    # answer (chat, n=32, 20 top log-probabilities a token) stalled the event loop 0.2 s, and 0.03 s frozen.
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=[sock])
     finally:
