@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -408,6 +409,39 @@ def test_a_rank_dying_inside_a_step_is_named_within_the_timeout(install_plugin, 
         llm.close()
 
 
+def test_a_rank_that_stops_answering_between_steps_is_named_within_the_timeout(tiny_opt, monkeypatch):
+    """A rank stopped (SIGSTOP) while the engine is idle: rank 0 waited forever to hand it the next step."""
+    monkeypatch.setenv("PLUGINHOST_DIST_TIMEOUT", "8")
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    rank_1 = llm._ranks.processes[1]
+    raised: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS[:1], GREEDY)
+        except Exception as exc:  # noqa: BLE001 - examined below
+            raised.append(exc)
+
+    try:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        os.kill(rank_1.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        waiting = threading.Thread(target=generate, daemon=True)
+        waiting.start()
+        waiting.join(40)
+        assert not waiting.is_alive(), "generate still waits for the stopped rank"
+        assert time.monotonic() - start < 30
+        assert isinstance(raised[0], TensorParallelError)
+        assert "a rank did not answer within 8 s while sending a step (PLUGINHOST_DIST_TIMEOUT" in str(raised[0])
+        rank_1.join(10)
+        assert rank_1.exitcode is not None  # ended with the engine, stopped or not
+        with pytest.raises(TensorParallelError, match="did not answer within 8 s"):  # and the engine stays stopped
+            llm.generate(PROMPTS[:1], GREEDY)
+    finally:
+        rank_1.kill()  # a stopped process still takes SIGKILL; before the fix, it also let generate return
+        llm.close()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_plugin_failing_inside_a_step_is_named_and_the_engine_stops(install_plugin, tiny_opt, rank):
     fault = 'raise RuntimeError(f"activation check failed on rank {get_rank()}")'
@@ -446,6 +480,54 @@ def test_a_rank_that_never_joins_is_a_timeout_naming_the_limit(run_pluginhost, t
     assert result.returncode == 2, result.stderr
     assert "the 2 ranks did not meet (not every rank joined within 3 s" in result.stderr
     assert time.monotonic() - start < 45
+
+
+GIVES_OUT_AFTER_MEETING = """
+import multiprocessing
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+from pluginhost import LLM
+
+if __name__ == "__mp_main__":  # rank 1 (spawn imports the script under this name): it fails once the ranks have met
+
+    def new_group(*args, **kwargs):
+        if os.environ["FAULT"] == "dies":
+            os._exit(7)
+        time.sleep(3600)
+
+    dist.new_group = new_group
+
+if __name__ == "__main__":
+    try:
+        LLM(sys.argv[1], load_installed_plugins=False, tensor_parallel_size=2)
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+    print("left:", multiprocessing.active_children())
+"""
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_rank_that_gives_out_just_after_the_ranks_meet_is_named(tmp_path, tiny_opt, fault):
+    """Rank 0 waited with no limit while the ranks set up their groups, where the rendezvous was over."""
+    script = tmp_path / "gives_out.py"
+    script.write_text(GIVES_OUT_AFTER_MEETING)
+    env = {**os.environ, "FAULT": fault, "PLUGINHOST_DIST_TIMEOUT": "5", "PYTHONPATH": os.pathsep.join(sys.path)}
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script), str(tiny_opt)], capture_output=True, text=True, timeout=60, env=env
+    )
+    if fault == "dies":  # at once
+        assert re.search(r"rank 1 \(pid \d+\) exited with status 7 just after the ranks met", result.stdout), result
+        assert time.monotonic() - start < 40
+    else:
+        assert "the 2 ranks did not set up their groups after they met (not every rank joined within 5 s" in (
+            result.stdout
+        ), result
+    assert result.stdout.endswith("left: []\n")
 
 
 # -- the command line --------------------------------------------------------------------------

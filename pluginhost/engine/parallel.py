@@ -12,7 +12,8 @@ the ranks and the rendezvous come from its environment, so the same command
 runs over several machines. Communication is ``torch.distributed``: gloo on
 CPU, NCCL on CUDA, in two groups: the model's collectives, bounded by
 ``PLUGINHOST_DIST_TIMEOUT`` seconds (60), and the control group that carries
-the steps (gloo, unbounded: an idle engine waits for work).
+the steps (gloo): unbounded where the other ranks wait on it (an idle engine
+waits for work), bounded by the same timeout where rank 0 hands a step over.
 
 Building: every rank builds its own engine through the whole hook pipeline,
 loading its plugins itself. The ranks compare notes twice (``Agreement``):
@@ -31,6 +32,7 @@ import logging
 import math
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -153,8 +155,50 @@ class Ranks:
         return "; ".join(gone)
 
     def send_step(self, inputs: StepInputs | None) -> None:
-        """Every other rank gets ``inputs`` (``None``: stop) and runs it."""
-        dist.broadcast_object_list([inputs], src=0, group=self.control)
+        """Every other rank gets ``inputs`` (``None``: stop) and runs it (``receive_step`` there).
+
+        Bounded by ``PLUGINHOST_DIST_TIMEOUT``: gloo's broadcast waits until every receiver has taken
+        the message, so a rank that stopped answering between steps (stopped, swapped out, stuck)
+        would hold rank 0, and every request, forever. A rank found dead meanwhile is named at once.
+        """
+        payload = torch.frombuffer(bytearray(pickle.dumps(inputs)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        for tensor in (size, payload):
+            self._wait(dist.broadcast(tensor, src=0, group=self.control, async_op=True), "sending a step")
+
+    def receive_step(self) -> StepInputs | None:
+        """Rank 0's next ``send_step`` (on the other ranks): waits as long as rank 0 is idle."""
+        size = torch.empty(1, dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.control)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.control)
+        return pickle.loads(payload.numpy().tobytes())  # noqa: S301 - from rank 0, which runs the same code
+
+    def _wait(self, work: Any, doing: str) -> None:
+        """Wait for a collective started with ``async_op=True``, watching the other ranks meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4  # a rank waiting for the step answers in well under a millisecond: poll fast at first
+        while not work.is_completed():
+            dead = self.dead_ranks()  # not check_alive: close() sends its stop message through here
+            if dead:
+                raise self.fail(TensorParallelError(f"{dead}; the engine is stopped."))
+            if time.monotonic() > deadline:
+                raise self.fail(self._no_answer(doing))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        try:
+            work.wait()
+        except Exception as exc:
+            error = self.explain(exc, doing)
+            if not self.dead_ranks() and _timed_out(exc):  # gloo's own timeout, as long as ours, came first
+                error = self._no_answer(doing)
+            raise self.fail(error) from exc
+
+    def _no_answer(self, doing: str) -> TensorParallelError:
+        return TensorParallelError(
+            f"Tensor parallelism failed: a rank did not answer within {self.timeout_s:g} s while {doing} "
+            f"({TIMEOUT_ENV} sets the limit; a rank stopped or stuck between steps?). The engine is stopped."
+        )
 
     def explain(self, exc: BaseException, doing: str) -> TensorParallelError:
         """A failed collective, said in terms of ranks: which died, or that one did not answer in time."""
@@ -167,7 +211,7 @@ class Ranks:
             failed = any(process.exitcode == 1 for process in self.processes.values())  # it logged its error
             logged = " (its own error is in its log: lines starting 'pluginhost rank')" if failed else ""
             message = f"{dead} while {doing}{logged}" + "".join(f"; rank {r}: {why}" for r, why in reasons)
-        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        elif _timed_out(exc):
             message = (
                 f"a rank did not answer within {self.timeout_s:g} s while {doing} ({TIMEOUT_ENV} sets the limit): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -225,6 +269,10 @@ class Ranks:
         distributed._clear()
 
 
+def _timed_out(exc: BaseException) -> bool:
+    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous, or a test's server)."""
     with socket.socket() as sock:
@@ -252,8 +300,8 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 f"tensor_parallel_size={world_size}, but the launcher started {launched} processes (WORLD_SIZE); "
                 "make them equal (torchrun --nproc-per-node N ... --tensor-parallel-size N)"
             )
-        if not dist.is_initialized():
-            _init(backend, "env://", rank, world_size, timeout, timeout_s, processes)
+        initialized = dist.is_initialized()  # by the script itself: only the control group is left to make
+        control = _init(backend, "env://", rank, world_size, timeout, timeout_s, processes, initialized=initialized)
     else:
         if dist.is_initialized():
             raise ConfigError(
@@ -302,7 +350,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                     signal.signal(signal.SIGINT, previous)
                 else:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
+            control = _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
         except BaseException:
             for process in processes.values():
                 if process.pid is not None:  # started
@@ -311,7 +359,6 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             if threads_before is not None:
                 torch.set_num_threads(threads_before)
             raise
-    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     distributed._set(rank, world_size)
     return Ranks(
         rank,
@@ -332,39 +379,85 @@ def _init(
     timeout: datetime.timedelta,
     timeout_s: float,
     processes: dict[int, multiprocessing.Process],
-) -> None:
-    # In a thread, so that this one can see a spawned rank die (or Ctrl-C) instead of waiting out the timeout.
-    outcome: list[BaseException | None] = []
+    *,
+    initialized: bool = False,
+) -> Any:
+    """Meet the other ranks (unless ``initialized``: a launcher's script did) and make the control group.
+
+    Returns the control group (``Ranks.control``). Both happen in a thread, so that this one can see a
+    spawned rank die (or Ctrl-C) instead of waiting out the timeout: creating a group is a rendezvous
+    too, which a rank dying or stuck just after the first one would hold forever.
+    """
+    outcome: list[Any] = []
+    met = threading.Event()
+    lock = threading.Lock()
+    abandoned = False
 
     def meet() -> None:
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-            outcome.append(None)
+            if not initialized:
+                dist.init_process_group(
+                    backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+                )
+            met.set()
+            # Rank 0 only sends on it, so its side is bounded (a rank stuck here, or between steps, is
+            # named within the timeout); the others wait on it for rank 0's next step, however idle.
+            control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else _CONTROL_TIMEOUT)
+            result: Any = control
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            outcome.append(exc)
+            result = exc
+        with lock:
+            outcome.append(result)
+            # Failed here, or given up on by the waiting thread: leave no half-made group behind, so that this
+            # process can start another engine (one already in a torch.distributed group is refused).
+            if (abandoned or isinstance(result, BaseException)) and not initialized:
+                _destroy_group()
 
     thread = threading.Thread(target=meet, name="pluginhost-rendezvous", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
-        dead = {r: p for r, p in processes.items() if p.exitcode is not None}
-        if dead and thread.is_alive():
-            gone = "; ".join(f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in dead.items())
-            raise TensorParallelError(
-                f"Tensor parallelism could not start: {gone} before the ranks met. Its own error is above, on "
-                "stderr. Each rank imports the main script again (multiprocessing's spawn): a script must build "
-                'its engine under `if __name__ == "__main__":`, and be a file (not read from stdin).'
-            )
     try:
-        if outcome[0] is not None:
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = {r: p for r, p in processes.items() if p.exitcode is not None}
+            if dead and thread.is_alive():
+                gone = "; ".join(f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in dead.items())
+                if met.is_set():
+                    raise TensorParallelError(
+                        f"Tensor parallelism could not start: {gone} just after the ranks met, before the model "
+                        "was built. Its own error, if it printed one, is above, on stderr."
+                    )
+                raise TensorParallelError(
+                    f"Tensor parallelism could not start: {gone} before the ranks met. Its own error is above, on "
+                    "stderr. Each rank imports the main script again (multiprocessing's spawn): a script must build "
+                    'its engine under `if __name__ == "__main__":`, and be a file (not read from stdin).'
+                )
+    except BaseException:
+        with lock:
+            if not outcome:  # given up on (a rank died, Ctrl-C): the thread cleans up once torch lets it go
+                abandoned = True
+            elif not isinstance(outcome[0], BaseException) and not initialized:  # it finished meanwhile
+                _destroy_group()
+        raise
+    try:
+        if isinstance(outcome[0], BaseException):
             raise outcome[0]
     except Exception as exc:
         dead = [f"rank {r} (pid {p.pid}) exited with status {p.exitcode}" for r, p in processes.items() if p.exitcode]
+        where = "did not set up their groups after they met" if met.is_set() else "did not meet"
         why = "; ".join(dead) if dead else f"not every rank joined within {timeout_s:g} s ({TIMEOUT_ENV} sets it)"
         raise TensorParallelError(
-            f"Tensor parallelism could not start: the {world_size} ranks did not meet ({why}). "
+            f"Tensor parallelism could not start: the {world_size} ranks {where} ({why}). "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
+    return outcome[0]
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort: the peers are gone
+            logger.debug("destroy_process_group failed", exc_info=True)
 
 
 # -- building on every rank ---------------------------------------------------------------------
@@ -543,9 +636,7 @@ def build_parallel(host: Any, settings: dict[str, Any], world_size: int, device:
 def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
     """Run the steps rank 0 sends until it says stop."""
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0, group=ranks.control)
-        inputs = message[0]
+        inputs = ranks.receive_step()
         if inputs is None:
             return
         runner.run(inputs)
