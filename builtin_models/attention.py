@@ -99,17 +99,17 @@ def cached_attention(
 
 
 def declared_sliding_window(config: Any) -> int | None:
-    """The config's ``sliding_window``, where its class declares one (Mistral, Qwen2, Gemma 2...); else ``None``.
+    """The config's ``sliding_window``, unless transformers' model of its class has none; then ``None``.
 
     A Hugging Face config keeps any key of config.json as an attribute, and a stale ``sliding_window``
     (a Mistral-derived checkpoint relabelled as Llama, say) is ignored by transformers' model of a
     class that has no window: so here too, with a warning, rather than silently windowing attention.
+    A class has a window when it declares the field, maps a key of its own to it, or sets it itself
+    (ModernBERT's decoder derives it); a class that is not transformers' own (a plugin's) is trusted.
     """
     window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
     cls = type(config)
-    if "sliding_window" in inspect.signature(cls.__init__).parameters or "sliding_window" in _annotations(cls):
+    if window is None or not cls.__module__.startswith("transformers.") or _has_window(cls):
         return window
     logger.warning(
         "config.json sets sliding_window=%r, which %s does not have: ignored, as transformers ignores it.",
@@ -119,5 +119,14 @@ def declared_sliding_window(config: Any) -> int | None:
     return None
 
 
-def _annotations(cls: type) -> set[str]:
-    return {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+def _has_window(cls: type) -> bool:
+    if "sliding_window" in inspect.signature(cls.__init__).parameters or "sliding_window" in getattr(
+        cls, "attribute_map", {}
+    ):
+        return True
+    if any("sliding_window" in getattr(klass, "__annotations__", {}) for klass in cls.__mro__):
+        return True
+    try:
+        return hasattr(cls(), "sliding_window")  # set by the class itself, from another field
+    except Exception:  # noqa: BLE001 - a class that needs arguments: trust the key, as before
+        return True

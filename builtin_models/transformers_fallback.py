@@ -103,6 +103,8 @@ _STALE_BUFFER_PATTERNS = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 #: Layer types whose mask the fallback builds from the engine's (``config.layer_types``).
 _MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: Config keys of attention windows a model keeps in masks of its own (GPT-Neo's local layers).
+_OWN_MASK_WINDOWS = ("window_size",)
 
 #: How far the cached path may drift from the uncached one at load, relative to the hidden
 #: states' scale, before the cache is switched off (a wrong cache is off by the scale itself).
@@ -457,7 +459,7 @@ class TransformersForCausalLM(nn.Module):
             self.setup_caches = None
 
     def _probe_length(self) -> int:
-        """How many positions the cache probe runs: 4, or more than any attention window the config names.
+        """How many positions the cache probe runs: 4, or more than a window of ``_OWN_MASK_WINDOWS``.
 
         The engine's masks carry ``sliding_window``. A window a model keeps in masks of its own (GPT-Neo's
         ``window_size``: a buffer it slices as if every row's last token sat at the last slot) is right
@@ -465,12 +467,13 @@ class TransformersForCausalLM(nn.Module):
         for a wrong answer to show.
         """
         config = self.text_config
-        windows = [
-            value
-            for key, value in vars(config).items()
-            if key.endswith(("window", "window_size")) and key != "sliding_window" and type(value) is int and value > 0
-        ]
-        return max(4, max(windows, default=0) + 2)
+        if self._mask_mode == "own":
+            return 4  # no cache for it anyway
+        windows = [getattr(config, key, None) for key in _OWN_MASK_WINDOWS]
+        window = max((w for w in windows if type(w) is int and w > 0), default=0)
+        # A window as long as the positions cuts nothing: probing past it is neither needed nor possible.
+        longest = getattr(config, "max_position_embeddings", None)
+        return max(4, min(window + 2, longest) if type(longest) is int and longest > 0 else window + 2)
 
     def _find_cache_layout(self, ids: Tensor, full: Tensor) -> bool:
         """Run two rows through the cache as the engine does: record each layer's cache shape; ``False`` if it fails.
@@ -550,8 +553,13 @@ def _rotary_row_by_row(hf: nn.Module) -> bool:
     return found
 
 
-def _rotary_of_each_row(module: nn.Module, forward: Any, kinds: dict, x: Tensor, position_ids: Tensor, **kwargs: Any):
-    """``forward`` (transformers' rotary embedding) for one row at a time, from its original frequencies each time."""
+def _rotary_of_each_row(
+    module: nn.Module, forward: Any, kinds: dict, x: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any
+):
+    """``forward`` (transformers' rotary embedding) for one row at a time, from its original frequencies each time.
+
+    ``args``: what else the model passes (``layer_type``, by position in Gemma 3 and others).
+    """
     rows = []
     for b in range(position_ids.shape[0]):
         for layer_type, kind in kinds.items():
@@ -560,7 +568,7 @@ def _rotary_of_each_row(module: nn.Module, forward: Any, kinds: dict, x: Tensor,
                 original = getattr(module, f"{prefix}original_inv_freq")
                 module.register_buffer(f"{prefix}inv_freq", original.to(x.device), persistent=False)
                 setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
-        rows.append(forward(x, position_ids[b : b + 1], **kwargs))  # (cos, sin), each (1, T, D)
+        rows.append(forward(x, position_ids[b : b + 1], *args, **kwargs))  # (cos, sin), each (1, T, D)
     return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # (B, T, D) each
 
 
