@@ -22,6 +22,7 @@ import torch
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.engine.parallel import free_port
 from pluginhost.errors import ConfigError, ModelClassError, ModelRunError, PluginhostError, TensorParallelError
+from pluginhost.logits_processors import LogitsProcessor
 from pluginhost.testing import make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -148,6 +149,42 @@ def test_an_in_process_plugin_travels_by_importable_name(tiny_opt):
     llm = LLM(str(tiny_opt), plugins=[COUNTS_BUILDS], load_installed_plugins=False, tensor_parallel_size=2)
     try:
         assert llm.config.max_num_seqs == 5 and llm.generate(PROMPTS[:2], GREEDY)
+    finally:
+        llm.close()
+
+
+class BrokenProcessor(LogitsProcessor):
+    def __init__(self, config, device):  # noqa: ANN001 - the interface's
+        raise RuntimeError("cannot create me")
+
+    def apply(self, logits):  # noqa: ANN001, ANN201
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:  # noqa: ANN001
+        pass
+
+
+class RegistersABrokenProcessor:
+    @hookimpl
+    def register_logits_processors(self, registry):
+        registry.add(BrokenProcessor)
+
+
+REGISTERS_A_BROKEN_PROCESSOR = RegistersABrokenProcessor()
+
+
+def test_a_failure_after_the_model_is_built_ends_the_ranks_and_the_process_can_start_another(tiny_opt):
+    """Rank 1 lived on with no engine to close, and every later split engine of the process was refused."""
+    threads = torch.get_num_threads()
+    with pytest.raises(PluginhostError, match=r"logits processor BrokenProcessor .* cannot create me"):
+        LLM(str(tiny_opt), plugins=[REGISTERS_A_BROKEN_PROCESSOR], load_installed_plugins=False, tensor_parallel_size=2)
+    assert torch.get_num_threads() == threads  # given back, as a closed engine gives them
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    try:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
     finally:
         llm.close()
 

@@ -57,8 +57,15 @@ class EngineFrontend:
     def _start(self, loaded: LoadedModel, ranks: Ranks | None = None) -> None:
         self._loaded = loaded
         self._ranks = ranks
-        self.engine = EngineCore(loaded, ranks)
-        self._inputs = InputProcessor(loaded)
+        try:
+            self.engine = EngineCore(loaded, ranks)
+            self._inputs = InputProcessor(loaded)
+        except BaseException:
+            # No engine reaches the caller to be closed: end the other ranks here, or they would live as long as
+            # this process, which could start no other tensor-parallel engine (it stays in their group).
+            if ranks is not None:
+                ranks.close()
+            raise
         self._request_ids = itertools.count()
         if ranks is not None:  # the other ranks end with this engine, or with the interpreter at the latest
             self._finalizer = weakref.finalize(self, ranks.close)
