@@ -385,6 +385,40 @@ def test_a_window_the_model_keeps_in_its_own_masks_gives_each_batched_request_it
     assert [o.token_ids for o in outs] == [hf_generate(reference, p, 10) for p in PROMPTS]
 
 
+def test_layer_typed_rope_following_the_length_runs_batched_as_transformers_runs_each_alone(tmp_path):
+    """Gemma 3: rotary embeddings per layer type, ``dynamic`` on the full layers, called with the layer type."""
+    from pluginhost.testing import make_tiny_model
+
+    rope = {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "rope_parameters": rope}
+    sizes = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 16}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "initializer_range": 0.2}
+    path = make_tiny_model(tmp_path, "gemma3_text", seed=1, max_position_embeddings=16, **sizes, **heads, **layers)
+    llm = fallback(path)  # it failed to load: transformers passes the layer type by position
+    prompts = [[2, *range(10, 20)], [2, 5], [2, *range(30, 35)]]  # within the 16 positions the engine allows
+    outs = llm.generate(prompts, greedy(4))
+    assert [o.token_ids for o in outs] == [hf_generate(hf_model(path), p, 4) for p in prompts]
+
+
+def test_a_window_the_config_class_derives_keeps_the_cache(tmp_path, caplog):
+    """ModernBERT's decoder sets sliding_window from local_attention: it is the model's, not a stray key."""
+    from pluginhost.testing import make_tiny_model
+
+    fields = {"local_attention": 8, "global_attn_every_n_layers": 3, "cls_token_id": 1, "sep_token_id": 2}
+    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2}
+    path = make_tiny_model(
+        tmp_path, "modernbert-decoder", num_hidden_layers=3, pad_token_id=0, initializer_range=0.2, **sizes, **fields
+    )
+    with caplog.at_level(logging.WARNING):
+        llm = fallback(path, max_model_len=64)
+    assert llm.model.cache_supported and "sliding_window" not in caplog.text
+    prompt = [3, *range(10, 30)]  # not 1: hf_generate's padding id
+    assert llm.generate([prompt], greedy(6))[0].token_ids == hf_generate(hf_model(path), prompt, 6)
+
+
 def test_a_cache_that_disagrees_with_the_uncached_forward_is_switched_off(neox_dir, monkeypatch, caplog):
     """The load-time check: a cache that writes every token to slot 0 (wrong) is caught; generation stays exact."""
     update = KVCache.update
