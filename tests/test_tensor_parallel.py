@@ -819,6 +819,30 @@ def test_the_server_exits_with_the_error_when_its_engine_loses_a_rank(tiny_opt):
     assert "Traceback" not in stderr
 
 
+CLAIMS_HEALTH = """
+from pluginhost import hookimpl
+
+@hookimpl
+def register_routes(app, engine):
+    @app.get("/health")
+    def mine():
+        return {"mine": True}
+"""
+
+
+def test_a_split_server_refused_after_its_engine_is_built_says_one_line(install_plugin, tiny_opt, run_pluginhost):
+    """The engine was left to the command's exit: rank 1 printed a gloo traceback, and semaphores were leaked."""
+    install_plugin("claims_health", CLAIMS_HEALTH, dist="claims-health-dist")
+    argv = ["serve", "--model", str(tiny_opt), "--tensor-parallel-size", "2", "--port", "0"]
+    result = run_pluginhost(*argv, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "error: plugin 'claims_health' (distribution claims-health-dist 1.0) failed in its register_routes hook: "
+        "route /health is already taken by the server itself."
+    )
+    assert result.stderr.count("\n") == 1, result.stderr  # that line alone
+
+
 def test_an_async_engine_starts_its_ranks_deaf_to_ctrl_c_and_they_generate_as_one_process(tiny_opt, monkeypatch):
     """AsyncLLM builds in its own thread, where no signal handler can be set: its ranks start with Ctrl-C blocked.
 

@@ -361,6 +361,7 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         AsyncLLM._from_host(make_host(args), **settings)  # returns when rank 0's engine closes
         return None
     sock = bind(args.host, args.port)  # a busy port fails before the model loads
+    engine = None
     try:
         from pluginhost.engine.async_llm import AsyncLLM
         from pluginhost.server.app import build_app
@@ -369,6 +370,11 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         app = build_app(engine, served_model_name=served, api_key=api_key)
     except BaseException:
         sock.close()
+        # Built, but not to be served (a plugin's route refused): stop it before the command's exit, which does
+        # not wait for its threads, cuts a tensor-parallel engine's ranks off mid-conversation (their tracebacks,
+        # leaked semaphores).
+        if engine is not None:
+            engine.shutdown()
         raise
     keywords = {"served_model_name": served, "shutdown_timeout": args.shutdown_timeout}
     return app, engine, sock, {**keywords, "requires_key": api_key is not None}

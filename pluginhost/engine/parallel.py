@@ -685,7 +685,9 @@ def _rank_main(spec: RankSpec) -> None:
     try:
         serve_steps(runner, ranks)
     except BaseException as exc:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
-        if os.getppid() != spec.parent_pid:  # rank 0 is gone, and took the collective with it: nothing to add
+        # Rank 0 gone took the collective with it: nothing to add. Its sockets close before this process is
+        # handed to a new parent, so a collective failing may be seen first: give the parent a moment to go.
+        if _parent_gone(spec.parent_pid, within=1.0 if _raised_in_a_collective(exc) else 0.0):
             _leave(1)
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
         if isinstance(exc, Exception) and not _raised_in_a_collective(exc):  # its own fault: tell rank 0 why
@@ -713,6 +715,16 @@ def _leave(code: int) -> None:
     except Exception:  # noqa: BLE001 - best effort: the other ranks may be gone
         pass
     sys.exit(code)
+
+
+def _parent_gone(parent_pid: int, *, within: float) -> bool:
+    """Whether rank 0 (this process's parent) is gone, or goes within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _exit_with(parent_pid: int) -> None:
