@@ -172,11 +172,18 @@ def _top_p(logits: Tensor, top_p: float) -> None:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (always the most likely one).
 
     A token is kept when the tokens more likely than it hold less than ``top_p``. Sorting all V
-    logits would say which those are, but costs milliseconds a row on a CPU. A model's mass mostly
-    lies on a few tokens: the 64 most likely decide, when they hold ``top_p``. Otherwise the boundary
-    is narrowed by bisection on the probability, and only the tokens left near it are sorted.
+    logits says which those are: one launch on a GPU, but milliseconds a row on a CPU. There, as a
+    model's mass mostly lies on a few tokens, the 64 most likely decide when they hold ``top_p``;
+    otherwise the boundary is narrowed by bisection on the probability, and only the tokens left
+    near it are sorted.
     """
     probs = logits.softmax(dim=-1)  # (V,)
+    if logits.device.type != "cpu":  # the search below would wait for the device a dozen times a row
+        ranked, order = torch.sort(probs, descending=True)  # (V,), (V,)
+        drop = ranked.cumsum(dim=-1) - ranked >= top_p
+        drop[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
+        logits.masked_fill_(drop.scatter(0, order, drop), float("-inf"))
+        return
     top, order = torch.topk(probs, min(64, probs.shape[-1]))  # (k,), (k,): descending
     before = top.cumsum(dim=-1) - top  # (k,): the mass of the more likely tokens
     if float(before[-1] + top[-1]) >= top_p:
@@ -190,9 +197,11 @@ def _top_p(logits: Tensor, top_p: float) -> None:
 def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
     """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is."""
     low = 0.0  # every token at or below ``low`` has ``top_p`` or more before it
-    for _ in range(64):  # ties (a band that never narrows) end it after 64
+    counts = []
+    for _ in range(64):
         band = (probs > low) & (probs <= high)  # (V,): the undecided tokens
-        if int(band.sum()) <= 2048:
+        counts.append(int(band.sum()))
+        if counts[-1] <= 2048 or counts[-3:] == [counts[-1]] * 3:  # small, or not narrowing: tied tokens
             break
         # Probabilities span orders of magnitude, most of the vocabulary's near the bottom: split geometrically.
         middle = math.sqrt(low * high) if low > 0 else high / 64
@@ -201,11 +210,21 @@ def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
         else:
             low = middle
     kept = probs > high
+    above = float(probs[kept].sum())
     undecided = band.nonzero()[:, 0]  # (n,)
-    ranked, order = torch.sort(probs[undecided], descending=True)  # (n,), (n,)
-    before = float(probs[kept].sum()) + ranked.cumsum(dim=-1) - ranked
+    values = probs[undecided]
+    if values.numel() and float(values.min()) == float(values.max()):  # all tied: the first as many as fit
+        fitting = math.ceil((top_p - above) / float(values[0])) if above < top_p else 0
+        kept[undecided[: max(0, min(fitting, len(undecided)))]] = True
+        return kept
+    ranked, order = torch.sort(values, descending=True)  # (n,), (n,)
+    before = above + ranked.cumsum(dim=-1) - ranked
     kept[undecided[order[before < top_p]]] = True
     return kept
+
+
+#: Rows whose cumulative distributions ``_draw`` holds at once: at most this many float64 numbers (128 MiB).
+_CDF_NUMBERS = 1 << 24
 
 
 def _draw(logits: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
@@ -216,6 +235,9 @@ def _draw(logits: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
     of the V tokens instead: ~0.7 ms a row at V = 50k on a CPU core, against ~0.05 ms.
     """
     S, V = logits.shape
+    rows = max(1, _CDF_NUMBERS // V)
+    if S > rows:  # 256 rows of a 262k vocabulary would hold 0.5 GiB
+        return [t for i in range(0, S, rows) for t in _draw(logits[i : i + rows], generators[i : i + rows])]
     cdf = logits.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (S, V)
     total = cdf[:, -1]  # (S,): 1 up to rounding; NaN where a row has +inf, or nothing but -inf
     uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators])
