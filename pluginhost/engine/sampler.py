@@ -179,10 +179,7 @@ def _top_p(logits: Tensor, top_p: float) -> None:
     """
     probs = logits.softmax(dim=-1)  # (V,)
     if logits.device.type != "cpu":  # the search below would wait for the device a dozen times a row
-        ranked, order = torch.sort(probs, descending=True)  # (V,), (V,)
-        drop = ranked.cumsum(dim=-1) - ranked >= top_p
-        drop[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
-        logits.masked_fill_(drop.scatter(0, order, drop), float("-inf"))
+        _top_p_by_sorting(logits, probs, top_p)
         return
     top, order = torch.topk(probs, min(64, probs.shape[-1]))  # (k,), (k,): descending
     before = top.cumsum(dim=-1) - top  # (k,): the mass of the more likely tokens
@@ -192,6 +189,14 @@ def _top_p(logits: Tensor, top_p: float) -> None:
     else:
         kept = _nucleus(probs.double(), top_p, float(top[-1]))
     logits.masked_fill_(~kept, float("-inf"))
+
+
+def _top_p_by_sorting(logits: Tensor, probs: Tensor, top_p: float) -> None:
+    """``_top_p`` by sorting the whole vocabulary: ``probs`` (V,) are the softmax of ``logits``."""
+    ranked, order = torch.sort(probs, descending=True)  # (V,), (V,)
+    drop = ranked.cumsum(dim=-1) - ranked >= top_p
+    drop[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
+    logits.masked_fill_(drop.scatter(0, order, drop), float("-inf"))
 
 
 def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
