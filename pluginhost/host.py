@@ -160,12 +160,18 @@ def _unmarked_hooks(pm: pluggy.PluginManager, record: PluginRecord, plugin: obje
     already refused), and only hooks it does not implement otherwise (``specname``).
     """
     implemented = {impl.hook for impl in impls}
+    names = set(dir(plugin))  # what pluggy looks at: never a lazy module __getattr__ (PEP 562), which may import
     warnings = []
     for name in sorted(dir(pm.hook)):
         caller = getattr(pm.hook, name, None)
         if name.startswith("_") or name in implemented or not getattr(caller, "has_spec", lambda: False)():
             continue
-        function = getattr(plugin, name, None)
+        if name not in names:
+            continue
+        try:
+            function = getattr(plugin, name, None)
+        except Exception:  # noqa: BLE001 - a plugin's attribute may raise anything; pluggy skips it too
+            continue
         if callable(function) and pm.parse_hookimpl_opts(plugin, name) is None:
             warnings.append(
                 f"{record.ref.describe()}: {name}() is named as the hook {_spec_signature(pm, name)} but is not "
@@ -514,12 +520,14 @@ class PluginHost:
         """
         if not inspect.ismodule(module):
             return None
-        register = getattr(module, "register", None)
+        register = vars(module).get("register")  # not getattr: a lazy module __getattr__ (PEP 562) may import
         if not inspect.isfunction(register) or _required_parameters(register):
             return None
         target = f"{module.__name__}:register"
+        # Defined here, or imported from the module an entry point names (``from .models import register``).
+        names = {target, f"{register.__module__}:{register.__qualname__}"}
         if any(p is register for p in self._in_process) or any(
-            p.value.replace(" ", "") == target for p in discover_installed()
+            p.value.replace(" ", "") in names for p in discover_installed()
         ):
             return None  # loaded as a plugin of its own (if selected)
         if record.kind == "installed":
@@ -915,9 +923,10 @@ def _signature_problem(pm: pluggy.PluginManager, impls: list[_Impl]) -> str | No
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
         ]
         # Taking none of the arguments is legal pluggy (a hook that only needs to run), and so is a star beside
-        # the named ones: only arguments the author meant to reach through the star are lost.
+        # some named ones (on_output(output, **kwargs): the arguments it uses): a star with none named meant to
+        # reach them through it, and never will.
         lost = [name for name in caller.spec.argnames if name not in {p.name for p in params}]
-        if starred and lost:
+        if starred and lost and len(lost) == len(caller.spec.argnames):
             return (
                 f"its {impl.hook} implementation takes {' and '.join(starred)}, which pluggy leaves empty (it passes "
                 f"a hook's arguments only to parameters of their names), so it never gets {', '.join(lost)}: write "

@@ -782,6 +782,36 @@ def test_an_in_process_module_plugin_s_register_function_that_nothing_calls_is_w
     assert "register()" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        # A module loading its attributes lazily (PEP 562): pluggy reads dir(), the host's checks must not import.
+        "from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n    pass\n"
+        "def __getattr__(name):\n    import importlib\n    return importlib.import_module(f'{__name__}.{name}')\n",
+        # A hook naming the argument it uses, and taking the rest in **kwargs: pluggy calls it with that one.
+        "from pluginhost import hookimpl\n@hookimpl\ndef on_output(output, **kwargs):\n    pass\n",
+    ],
+    ids=["lazy-module-getattr", "some-arguments-and-kwargs"],
+)
+def test_legal_plugins_load_without_a_warning(install_plugin, caplog, code):
+    # Both were refused as broken by the checks for a forgotten @hookimpl and for arguments lost in a star.
+    install_plugin("legal", code)
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        record = {r.name: r for r in PluginHost().load(strict=False)}["legal"]
+    assert (record.status, record.reason) == ("loaded", None)
+    assert "legal" not in caplog.text
+
+
+def test_a_register_function_re_exported_by_the_module_plugin_beside_it_is_not_called_uncalled(install_plugin, caplog):
+    # acme_models:register is an entry point of its own; acme imports it (``from .models import register``): the
+    # advice to add an entry point for acme:register would have called it twice.
+    install_plugin("acme_models", MIXED_MODULE, dist="acme-dist", target="acme_models:register")
+    install_plugin("acme", "from acme_models import register, register_logits_processors\n", dist="acme-dist")
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        assert "MixedOPT" in PluginHost().collect_models()
+    assert "register()" not in caplog.text
+
+
 def test_a_function_named_as_a_hook_but_not_marked_is_warned_about(install_plugin, caplog):
     """It loads beside the plugin's marked hooks and would never run: the change it makes silently never happens."""
 
