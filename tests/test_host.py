@@ -650,10 +650,10 @@ def test_the_lowest_pluggy_allowed_leaves_none_of_a_failed_plugins_hooks_behind(
             "arguments only to parameters of their names), so it never gets config: write modify_config(config)",
         ),
         (
-            "from pluginhost import hookimpl\n@hookimpl\ndef pre_load(config, *args):\n    pass\n",
+            "from pluginhost import hookimpl\n@hookimpl\ndef pre_load(*args):\n    pass\n",
             None,
             "its pre_load implementation takes *args, which pluggy leaves empty (it passes a hook's arguments only "
-            "to parameters of their names), so it never gets model_class: write pre_load(config, model_class)",
+            "to parameters of their names), so it never gets config, model_class: write pre_load(config, model_class)",
         ),
     ],
     ids=[
