@@ -500,6 +500,34 @@ def test_a_plugin_failing_inside_a_step_is_named_and_the_engine_stops(install_pl
         llm.close()
 
 
+class SlowOnRank0:
+    """Once-only work where get_rank() == 0, as docs/distributed.md advises, taking longer than the timeout."""
+
+    @hookimpl
+    def post_load(self, config, model):
+        from pluginhost.distributed import get_rank
+
+        if get_rank() == 0:
+            time.sleep(10)
+
+
+SLOW_ON_RANK_0 = SlowOnRank0()
+
+
+def test_a_rank_0_slower_than_the_timeout_is_named_with_the_setting(tiny_opt, monkeypatch):
+    """Rank 1 gave up on rank 0 and exited; the error blamed rank 1, pointing at a log line it never wrote."""
+    monkeypatch.setenv("PLUGINHOST_DIST_TIMEOUT", "6")
+    with pytest.raises(TensorParallelError) as info:
+        LLM(str(tiny_opt), plugins=[SLOW_ON_RANK_0], load_installed_plugins=False, tensor_parallel_size=2)
+    message = str(info.value)
+    assert (
+        "rank 1: waited 6 s (PLUGINHOST_DIST_TIMEOUT) for the other ranks to finish building and loading the model, "
+        "and gave up. " in message
+    )
+    assert re.search(r"Rank 0 took 1\d\.\d s building and loading the model, longer than the 6 s the other ", message)
+    assert "set PLUGINHOST_DIST_TIMEOUT above the slowest rank's time" in message
+
+
 def test_a_rank_that_never_joins_is_a_timeout_naming_the_limit(run_pluginhost, tiny_opt):
     # torchrun's environment for rank 0 of 2, with no rank 1 started.
     env = {

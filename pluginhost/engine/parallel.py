@@ -200,8 +200,11 @@ class Ranks:
             f"({TIMEOUT_ENV} sets the limit; a rank stopped or stuck between steps?). The engine is stopped."
         )
 
-    def explain(self, exc: BaseException, doing: str) -> TensorParallelError:
-        """A failed collective, said in terms of ranks: which died, or that one did not answer in time."""
+    def explain(self, exc: BaseException, doing: str, hint: str = "") -> TensorParallelError:
+        """A failed collective, said in terms of ranks: which died, or that one did not answer in time.
+
+        ``hint``: a sentence on what to do, put before "The engine is stopped."
+        """
         deadline = time.monotonic() + 2.0  # a rank that just died: let its exit status arrive
         while self.processes and not self.dead_ranks() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -218,7 +221,8 @@ class Ranks:
             )
         else:
             message = f"the ranks lost each other while {doing}: {type(exc).__name__}: {exc}"
-        error = TensorParallelError(f"Tensor parallelism failed: {message}. The engine is stopped.")
+        hint = f" {hint}" if hint else ""
+        error = TensorParallelError(f"Tensor parallelism failed: {message}.{hint} The engine is stopped.")
         error.__cause__ = exc
         return error
 
@@ -476,6 +480,10 @@ class Agreement:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
         self._next = 0
+        #: When this rank set out for the next point (the ranks start together, and leave each point together).
+        self._since = time.monotonic()
+        #: Why this rank's own exchange failed (it gave up on the others), and that in brief, for rank 0's error.
+        self.lost: tuple[TensorParallelError, str] | None = None
 
     def reach(self, phase: str, fingerprint: dict[str, Any] | None = None) -> None:
         assert self.PHASES[self._next] == phase, f"agreement phase {phase!r} out of order"
@@ -514,12 +522,32 @@ class Agreement:
         phase = self.PHASES[self._next]
         self._next += 1
         reports: list[Any] = [None] * self.ranks.world_size
+        took = time.monotonic() - self._since
         try:
             dist.all_gather_object(reports, mine)
         except Exception as exc:
             self._next = len(self.PHASES)
             doing = "planning the build" if phase == "plan" else "building and loading the model"
-            raise self.ranks.explain(exc, doing) from exc
+            limit = f"{self.ranks.timeout_s:g} s"
+            hint = ""
+            if took > self.ranks.timeout_s:  # this rank came late: the others may have given up waiting for it
+                hint = (
+                    f"Rank {self.ranks.rank} took {took:.1f} s {doing}, longer than the {limit} the other ranks wait "
+                    f"for it ({TIMEOUT_ENV}): set {TIMEOUT_ENV} above the slowest rank's time (work done on one rank "
+                    "only, such as a build hook's `if get_rank() == 0:` part, makes the others wait)."
+                )
+            if self.ranks.rank != 0 and _timed_out(exc) and not hint:
+                told = f"waited {limit} ({TIMEOUT_ENV}) for the other ranks to finish {doing}, and gave up"
+                error = TensorParallelError(
+                    f"Tensor parallelism failed: rank {self.ranks.rank} {told}: another rank is slower there; if "
+                    f"nothing is stuck, raise {TIMEOUT_ENV}. The engine is stopped."
+                )
+            else:
+                error = self.ranks.explain(exc, doing, hint)
+                told = str(error).removeprefix("Tensor parallelism failed: ").removesuffix(" The engine is stopped.")
+            self.lost = (error, told.rstrip("."))
+            raise error from exc
+        self._since = time.monotonic()
         return reports
 
 
@@ -677,6 +705,10 @@ def _rank_main(spec: RankSpec) -> None:
         host = PluginHost.from_replica_args(spec.host_args)
         loaded = load_model(host, spec.settings, agreement=agreement)
     except BaseException as exc:  # noqa: BLE001 - reported through the agreement, by rank 0
+        if agreement.lost is not None:  # no agreement point left to report it at: log it, and tell rank 0
+            error, told = agreement.lost
+            logging.getLogger("pluginhost").error("%s", error)
+            _tell(spec, told)
         agreement.abandon(exc)
         _leave(1)
     runner = ModelRunner(
