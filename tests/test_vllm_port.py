@@ -370,6 +370,24 @@ def test_a_forward_that_cannot_take_the_engines_arguments_is_refused_when_resolv
     assert "'What does not port' in docs/porting-from-vllm.md" in message
 
 
+class CallsItselfOPT(OPTForCausalLM):
+    """Answers the call itself, passing the engine's four arguments on to a forward of another shape."""
+
+    def __call__(self, input_ids, positions, cache_rows=None, mask=None):
+        return self.forward(input_ids, (positions, cache_rows, mask))
+
+    def forward(self, input_ids, state):
+        return super().forward(input_ids, *state)
+
+
+def test_a_model_answering_the_call_itself_is_not_refused_for_its_forward(tiny_opt):
+    # It was refused: the check bound the engine's arguments to forward, which the engine never calls directly.
+    llm = LLM(str(tiny_opt), plugins=[RegistersModel("OPTForCausalLM", CallsItselfOPT)], load_installed_plugins=False)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    plain = LLM(str(tiny_opt), load_installed_plugins=False)
+    assert llm.generate([[2, 5]], params)[0].token_ids == plain.generate([[2, 5]], params)[0].token_ids
+
+
 VLLM_PROCESSOR_IMPORTS = """
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor, BatchUpdate, BatchUpdateBuilder, LogitsProcessor
 from vllm.v1.sample.logits_processor import MoveDirectionality
