@@ -196,6 +196,7 @@ def run_server(
     finally:
         engine.shutdown()
         sock.close()
+        gc.unfreeze()  # an embedder's process goes on: what the server held may be collected again
     if server.engine_stopped is not None:
         raise server.engine_stopped
 
