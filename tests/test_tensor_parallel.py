@@ -675,6 +675,44 @@ def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, 
     assert said == [[str(expected[0].token_ids), "rank 0 done"], ["rank 1 done"]]
 
 
+TORCHRUN_RANK_0_DIES = """
+import os
+import signal
+from pathlib import Path
+
+from pluginhost import LLM
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stops the others once one has died: let them say why
+    try:
+        llm = LLM({model!r}, load_installed_plugins=False, tensor_parallel_size=2)  # rank 1: serves rank 0's steps
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        said = "returned"
+    except Exception as exc:
+        said = f"{{type(exc).__name__}}: {{exc}}"
+    Path({out!r}, "launched-" + os.environ["RANK"]).write_text(said)
+"""
+
+
+def test_under_torchrun_a_rank_whose_rank_0_dies_says_so(tiny_opt, tmp_path):
+    """It raised gloo's RuntimeError ("Connection closed by peer"); the CLI called it an internal error."""
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_RANK_0_DIES.format(model=str(tiny_opt), out=str(tmp_path)))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    result = subprocess.run(
+        [*launcher, "--master-port", str(free_port()), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode != 0
+    said = (tmp_path / "launched-1").read_text()
+    assert said.startswith("TensorParallelError: Tensor parallelism failed: rank 0 is gone"), said
+    assert said.endswith("rank 1 lost it while waiting for its next step; this rank stops.")
+
+
 def test_an_engine_not_split_under_a_launcher_is_rank_0_of_1(tiny_opt, monkeypatch):
     """Data parallelism: torchrun starts N processes, each with its own whole engine."""
     seen = []

@@ -51,6 +51,13 @@ class EngineFrontend:
         )
         try:
             serve_steps(runner, ranks)
+        except Exception as exc:  # the model's or a plugin's code on this rank: named, as rank 0 names its own
+            from pluginhost.engine.core import blame
+
+            error = blame(loaded, exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             ranks.close()
 

@@ -662,12 +662,32 @@ def build_parallel(host: Any, settings: dict[str, Any], world_size: int, device:
 
 
 def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
-    """Run the steps rank 0 sends until it says stop."""
+    """Run the steps rank 0 sends until it says stop.
+
+    A collective failing here is a ``TensorParallelError`` saying what this rank can know: rank 0 is gone
+    (or another rank); the model's or a plugin's own error is raised as it is.
+    """
     while True:
-        inputs = ranks.receive_step()
+        try:
+            inputs = ranks.receive_step()
+        except Exception as exc:  # only rank 0 sends on this group: its end closed
+            raise TensorParallelError(
+                f"Tensor parallelism failed: rank 0 is gone (it died, or ended its engine after a failure it "
+                f"reports itself): rank {ranks.rank} lost it while waiting for its next step; this rank stops."
+            ) from exc  # gloo's own words ("Connection closed by peer ...") follow with --debug
         if inputs is None:
             return
-        runner.run(inputs)
+        try:
+            runner.run(inputs)
+        except Exception as exc:
+            if not _raised_in_a_collective(exc):
+                raise
+            if _timed_out(exc):
+                raise ranks.explain(exc, "running a step") from exc
+            raise TensorParallelError(
+                f"Tensor parallelism failed: another rank is gone (rank 0, or one that rank 0 then stopped): rank "
+                f"{ranks.rank} lost it while running a step; this rank stops."
+            ) from exc
 
 
 def _rank_main(spec: RankSpec) -> None:
@@ -719,10 +739,11 @@ def _rank_main(spec: RankSpec) -> None:
     except BaseException as exc:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
         # Rank 0 gone took the collective with it: nothing to add. Its sockets close before this process is
         # handed to a new parent, so a collective failing may be seen first: give the parent a moment to go.
-        if _parent_gone(spec.parent_pid, within=1.0 if _raised_in_a_collective(exc) else 0.0):
+        lost = isinstance(exc, TensorParallelError) or _raised_in_a_collective(exc)  # serve_steps says "gone"
+        if _parent_gone(spec.parent_pid, within=1.0 if lost else 0.0):
             _leave(1)
         logging.getLogger("pluginhost").error("rank %d failed in a step:\n%s", spec.rank, traceback.format_exc())
-        if isinstance(exc, Exception) and not _raised_in_a_collective(exc):  # its own fault: tell rank 0 why
+        if isinstance(exc, Exception) and not lost:  # its own fault: tell rank 0 why
             _tell(spec, _describe(blame(loaded, exc)))
         _leave(1)
     _leave(0)
