@@ -199,12 +199,21 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
     kept = filtered_by_transformers(logits, params) > 0
     assert (500 < int(kept.sum()) < 1200) if shape == "peaked" else (10_000 < int(kept.sum()) < 45_000)
     row = logits / params.temperature
-    _filter(row, params)
+    _filter(row[None], [params])
     assert torch.equal(row.isfinite(), kept)
     assert kept[draw(logits, params, 256)].all()
     sorted_row = logits / params.temperature  # as on a GPU
     _top_p_by_sorting(sorted_row, sorted_row.softmax(dim=-1), params.top_p)
     assert torch.equal(sorted_row.isfinite(), kept)
+    # In a batch, beside rows of other parameters (filtered together), each row keeps what it keeps alone.
+    rows = [logits / params.temperature, logits.flip(0), logits, logits.roll(7)]
+    settings = [params, SamplingParams(top_p=0.5), SamplingParams(top_k=5), SamplingParams()]
+    batch = torch.stack(rows)
+    _filter(batch, settings)
+    for row, setting, batched in zip(rows, settings, batch, strict=True):
+        alone = row.clone()
+        _filter(alone[None], [setting])
+        assert torch.equal(batched, alone)
 
 
 @pytest.mark.parametrize("levels", [1, 2])
@@ -217,7 +226,7 @@ def test_top_p_over_tied_tokens_keeps_as_many_as_transformers(levels):
     logits[: 20_000 * (levels - 1)] = 1.0  # a second, likelier level, holding more than top_p
     params = SamplingParams(temperature=1.0, top_p=0.3)
     row = logits.clone()
-    _filter(row, params)
+    _filter(row[None], [params])
     kept = row.isfinite()
     # Which of the tied tokens is a matter of order; how many, of rounding at the boundary: one token at most.
     assert abs(int(kept.sum()) - int((filtered_by_transformers(logits, params) > 0).sum())) <= 1

@@ -104,8 +104,7 @@ def sample(
     else:
         temperatures = torch.tensor([s.params.temperature for _, s in drawn], dtype=logits.dtype, device=logits.device)
         scaled = logits[index] / temperatures[:, None]  # (S, V)
-    for row, (_, state) in zip(scaled, drawn, strict=True):
-        _filter(row, state.params)
+    _filter(scaled, [s.params for _, s in drawn])
     for (i, _), token in zip(drawn, _draw(scaled, [s.generator for _, s in drawn]), strict=True):
         tokens[i] = token
     for i, state in live:
@@ -154,40 +153,53 @@ def _without_overflow(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
     return (wide - wide.max()).float()
 
 
-def _filter(logits: Tensor, p: SamplingParams) -> None:
-    """Min-p, top-k and top-p on one row of temperature-scaled logits (V,): what they drop becomes -inf, in place."""
-    if not (p.min_p > 0.0 or 0 < p.top_k < logits.shape[-1] or p.top_p < 1.0) or logits.isposinf().any():
-        return  # with +inf logits, all the mass is on those tokens: the most likely, which every filter keeps
-    if p.min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits.masked_fill_(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        _top_p(logits, p.top_p)
+def _filter(logits: Tensor, params: Sequence[SamplingParams]) -> None:
+    """Min-p, top-k and top-p on rows of temperature-scaled logits (S, V): what they drop becomes -inf, in place."""
+    V = logits.shape[-1]
+    nucleus: list[int] = []
+    for i, p in enumerate(params):
+        row = logits[i]
+        if not (p.min_p > 0.0 or 0 < p.top_k < V or p.top_p < 1.0) or row.isposinf().any():
+            continue  # with +inf logits, all the mass is on those tokens: the most likely, which every filter keeps
+        if p.min_p > 0.0:
+            probs = row.softmax(dim=-1)
+            row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
+        if 0 < p.top_k < V:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row.masked_fill_(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            nucleus.append(i)
+    if nucleus:
+        index = torch.tensor(nucleus, device=logits.device)
+        rows = logits[index]  # (R, V)
+        _top_p(rows, [params[i].top_p for i in nucleus])
+        logits[index] = rows
 
 
-def _top_p(logits: Tensor, top_p: float) -> None:
+def _top_p(logits: Tensor, top_p: Sequence[float]) -> None:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (always the most likely one).
 
-    A token is kept when the tokens more likely than it hold less than ``top_p``. Sorting all V
-    logits says which those are: one launch on a GPU, but milliseconds a row on a CPU. There, as a
-    model's mass mostly lies on a few tokens, the 64 most likely decide when they hold ``top_p``;
-    otherwise the boundary is narrowed by bisection on the probability, and only the tokens left
-    near it are sorted.
+    On rows (R, V), in place, each with its own ``top_p``. A token is kept when the tokens more likely
+    than it hold less than ``top_p``. Sorting all V logits says which those are: one launch on a GPU,
+    but milliseconds a row on a CPU. There, as a model's mass mostly lies on a few tokens, the 64 most
+    likely decide when they hold ``top_p`` (for every such row at once); otherwise the boundary is
+    narrowed by bisection on the probability, and only the tokens left near it are sorted.
     """
-    probs = logits.softmax(dim=-1)  # (V,)
+    probs = logits.softmax(dim=-1)  # (R, V)
     if logits.device.type != "cpu":  # the search below would wait for the device a dozen times a row
-        _top_p_by_sorting(logits, probs, top_p)
+        for row, row_probs, p in zip(logits, probs, top_p, strict=True):
+            _top_p_by_sorting(row, row_probs, p)
         return
-    top, order = torch.topk(probs, min(64, probs.shape[-1]))  # (k,), (k,): descending
-    before = top.cumsum(dim=-1) - top  # (k,): the mass of the more likely tokens
-    if float(before[-1] + top[-1]) >= top_p:
-        keep = order[before < top_p]
-        kept = torch.zeros_like(logits, dtype=torch.bool).index_fill_(0, keep if keep.numel() else order[:1], True)
-    else:
-        kept = _nucleus(probs.double(), top_p, float(top[-1]))
+    top, order = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # (R, k), (R, k): descending
+    before = top.cumsum(dim=-1) - top  # (R, k): the mass of the more likely tokens
+    limit = torch.tensor(top_p, dtype=before.dtype, device=before.device)[:, None]  # (R, 1)
+    keep = before < limit  # (R, k)
+    keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
+    reached = (before[:, -1] + top[:, -1] >= limit[:, 0]).tolist()  # (R,): the 64 hold top_p
+    for r, decided in enumerate(reached):
+        if not decided:
+            kept[r] = _nucleus(probs[r].double(), top_p[r], float(top[r, -1]))
     logits.masked_fill_(~kept, float("-inf"))
 
 
