@@ -153,6 +153,9 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
     import dataclasses
 
     import pluginhost.engine.runner
+    from pluginhost.engine.memory import keep_freed_memory
+
+    keep_freed_memory()  # as pluginhost serve does
     from pluginhost import AsyncLLM
     from pluginhost.engine.scheduler import Scheduler
     from pluginhost.server.app import build_app

@@ -1061,6 +1061,24 @@ def long_opt(tmp_path_factory) -> Path:
     return make_tiny_opt(tmp_path_factory.mktemp("long-opt"), tokenizer=False, max_position_embeddings=1024)
 
 
+def test_processes_pluginhost_owns_keep_freed_memory_unless_the_user_tuned_malloc(monkeypatch):
+    # Set in generate, serve and the spawned ranks: glibc then keeps a step's freed temporaries for the next
+    # step instead of faulting them in again page by page. A user's own malloc settings win.
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    from pluginhost.engine.memory import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert keep_freed_memory() is False
+    if platform.libc_ver()[0] == "glibc":
+        code = "from pluginhost.engine.memory import keep_freed_memory as k; raise SystemExit(0 if k() else 1)"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+
+
 def memory_for(llm: LLM, rows: int, slots: int):  # noqa: ANN201 - what available_bytes returns
     """An ``available_bytes`` under which the cache may grow to ``rows`` x ``slots`` and no more."""
     from pluginhost.engine.memory import CACHE_SHARE

@@ -197,6 +197,9 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
     host = make_host(args)
     from pluginhost.engine import LLM
+    from pluginhost.engine.memory import keep_freed_memory
+
+    keep_freed_memory()  # this process is the engine's
 
     _check_launcher(settings)
     llm = LLM._from_host(host, **settings)
@@ -355,6 +358,9 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get("PLUGINHOST_API_KEY") or None
     _check_launcher(settings)
+    from pluginhost.engine.memory import keep_freed_memory
+
+    keep_freed_memory()  # this process is the engine's
     if torchrun_rank() not in (None, 0):  # a torchrun rank other than 0 runs steps; rank 0 serves
         from pluginhost.engine.async_llm import AsyncLLM
 

@@ -17,11 +17,13 @@ grows unchecked, as before.
 
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 import torch
 
-__all__ = ["CACHE_SHARE", "available_bytes"]
+__all__ = ["CACHE_SHARE", "available_bytes", "keep_freed_memory"]
 
 #: The share of the available memory the KV cache may take when it grows: the rest is left for
 #: activations, the logits and everything else the process and the machine need.
@@ -30,6 +32,35 @@ CACHE_SHARE = 0.9
 _PROC_CGROUP = "/proc/self/cgroup"
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+#: glibc's ``mallopt`` parameters (malloc.h) and the values ``keep_freed_memory`` sets.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEPT_BELOW = 32 << 20  # glibc's largest mmap threshold on 64-bit: larger blocks (weights, the KV cache) go back
+_TRIMMED_ABOVE = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory a step frees for the next step; whether it could.
+
+    Every step allocates temporaries of a few MiB (the logits of 32 rows, their softmax, the
+    sampler's cumulative distributions). glibc hands such blocks back to the kernel when they are
+    freed (mmapped blocks, and the heap's top past 128 KiB), and the next step faults them in again,
+    page by page: on this project's 2-core VM, drawing 32 tokens from 50k-token logits took 8.4 ms
+    that way, 1.3 ms with the memory kept. vLLM's CPU backend preloads tcmalloc for the same reason.
+    Blocks of 32 MiB and more (weights, the KV cache) still go back when freed; the cost is a heap
+    that keeps its largest size. Only for processes pluginhost owns (``generate``, ``serve``, the
+    ranks it spawns): a process-wide setting is not a library's to change under an embedder. A
+    ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's choice,
+    and left alone; so is any C library other than glibc.
+    """
+    if {"MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"} & os.environ.keys():
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEPT_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIMMED_ABOVE))
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from pluginhost import distributed
 from pluginhost.distributed import torchrun_rank
+from pluginhost.engine.memory import keep_freed_memory
 from pluginhost.engine.runner import ModelRunner, StepInputs
 from pluginhost.errors import ConfigError, PluginhostError, TensorParallelError
 
@@ -700,6 +701,7 @@ def _rank_main(spec: RankSpec) -> None:
     _exit_with(spec.parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"pluginhost rank {spec.rank}: %(levelname)s: %(message)s")
     torch.set_num_threads(spec.num_threads)
+    keep_freed_memory()  # a process of the engine's own
     os.environ[TIMEOUT_ENV] = str(spec.timeout_s)
     # tqdm's default lock is a multiprocessing semaphore, left registered when a rank is ended by a
     # signal ("leaked semaphore objects" at exit); a rank has no child process to share it with.
