@@ -218,7 +218,7 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
 
 @pytest.mark.parametrize("levels", [1, 2])
 def test_top_p_over_tied_tokens_keeps_as_many_as_transformers(levels):
-    # Thousands of tokens of one probability (a processor that flattens a row, a dummy model): the bisection
+    # Thousands of tokens of one probability (a processor that flattens a row, a dummy model): the former bisection
     # never narrowed them, and its 64 rounds made top-p 5-6x slower than a sort.
     from pluginhost.engine.sampler import _filter
 

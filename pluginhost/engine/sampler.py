@@ -182,8 +182,8 @@ def _top_p(logits: Tensor, top_p: Sequence[float]) -> None:
     On rows (R, V), in place, each with its own ``top_p``. A token is kept when the tokens more likely
     than it hold less than ``top_p``. Sorting all V logits says which those are: one launch on a GPU,
     but milliseconds a row on a CPU. There, as a model's mass mostly lies on a few tokens, the 64 most
-    likely decide when they hold ``top_p`` (for every such row at once); otherwise the boundary is
-    narrowed by bisection on the probability, and only the tokens left near it are sorted.
+    likely decide when they hold ``top_p`` (for every such row at once); otherwise the tokens are
+    binned by log-probability, and only those of the bin where the boundary lies are sorted.
     """
     probs = logits.softmax(dim=-1)  # (R, V)
     if logits.device.type != "cpu":  # the search below would wait for the device a dozen times a row
@@ -211,31 +211,39 @@ def _top_p_by_sorting(logits: Tensor, probs: Tensor, top_p: float) -> None:
     logits.masked_fill_(drop.scatter(0, order, drop), float("-inf"))
 
 
+#: Bins of log-probability ``_nucleus`` sorts the undecided tokens into: one pass finds the bin of the boundary.
+_BINS = 1024
+
+
 def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
-    """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is."""
-    low = 0.0  # every token at or below ``low`` has ``top_p`` or more before it
-    counts = []
-    for _ in range(64):
-        band = (probs > low) & (probs <= high)  # (V,): the undecided tokens
-        counts.append(int(band.sum()))
-        if counts[-1] <= 2048 or counts[-3:] == [counts[-1]] * 3:  # small, or not narrowing: tied tokens
-            break
-        # Probabilities span orders of magnitude, most of the vocabulary's near the bottom: split geometrically.
-        middle = math.sqrt(low * high) if low > 0 else high / 64
-        if float(torch.where(probs > middle, probs, 0).sum()) < top_p:
-            high = middle
-        else:
-            low = middle
+    """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is.
+
+    The tokens at or below ``high`` go into bins of log-probability, most likely first, with their
+    mass; the cumulative mass says in which bin the boundary lies. Every bin before it is kept, every
+    one after it dropped, and only the boundary bin's tokens are sorted.
+    """
     kept = probs > high
     above = float(probs[kept].sum())
-    undecided = band.nonzero()[:, 0]  # (n,)
+    log_probs = probs.log()  # (V,): -inf where a token has no mass
+    band = ~kept & (log_probs > -math.inf)  # (V,): the undecided tokens
+    lowest = float(log_probs[band].min()) if bool(band.any()) else 0.0
+    width = max(math.log(high) - lowest, 1e-300) / _BINS
+    bins = ((math.log(high) - log_probs) / width).clamp_(0, _BINS - 1).long()  # (V,): 0 = most likely
+    mass = torch.zeros(_BINS, dtype=probs.dtype, device=probs.device).index_add_(0, bins[band], probs[band])
+    before_bin = above + mass.cumsum(dim=0) - mass  # (BINS,): the mass of the likelier bins
+    boundary = int((before_bin + mass < top_p).sum())  # the first bin whose end reaches top_p
+    kept |= band & (bins < boundary)
+    if boundary >= _BINS:
+        return kept
+    undecided = (band & (bins == boundary)).nonzero()[:, 0]  # (n,)
     values = probs[undecided]
+    start = float(before_bin[boundary])
     if values.numel() and float(values.min()) == float(values.max()):  # all tied: the first as many as fit
-        fitting = math.ceil((top_p - above) / float(values[0])) if above < top_p else 0
+        fitting = math.ceil((top_p - start) / float(values[0])) if start < top_p else 0
         kept[undecided[: max(0, min(fitting, len(undecided)))]] = True
         return kept
     ranked, order = torch.sort(values, descending=True)  # (n,), (n,)
-    before = above + ranked.cumsum(dim=-1) - ranked
+    before = start + ranked.cumsum(dim=-1) - ranked
     kept[undecided[order[before < top_p]]] = True
     return kept
 
