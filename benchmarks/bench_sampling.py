@@ -19,6 +19,8 @@ Systems, alternating, best time of ``--rounds`` each:
   stream for the whole batch, so it needs one call per sequence to give each its
   own: both figures are printed.
 
+glibc keeps the memory a step frees for every system, as in ``pluginhost generate`` and ``serve``.
+
     python benchmarks/bench_sampling.py [--rounds 20]
 """
 
@@ -31,6 +33,7 @@ from collections.abc import Callable
 import torch
 from common import OPT_125M, machine, setup_threads
 
+from pluginhost.engine.memory import keep_freed_memory
 from pluginhost.engine.sampler import SamplingState, sample
 from pluginhost.sampling import SamplingParams
 
@@ -106,6 +109,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     setup_threads()
+    keep_freed_memory()  # as pluginhost generate and serve do, for every system alike
     print(f"machine: {machine()}")
     print(f"vocabulary {V}, float32; best of {args.rounds} rounds, systems alternating; ms per step")
     systems = {
