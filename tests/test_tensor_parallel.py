@@ -528,6 +528,24 @@ def test_a_rank_0_slower_than_the_timeout_is_named_with_the_setting(tiny_opt, mo
     assert "set PLUGINHOST_DIST_TIMEOUT above the slowest rank's time" in message
 
 
+def _split_engine_in_a_pool_worker(model: str) -> str:
+    try:
+        LLM(model, tensor_parallel_size=2, load_installed_plugins=False)
+    except Exception as exc:  # noqa: BLE001 - what the worker's caller is shown
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
+def test_a_split_engine_in_a_daemonic_process_says_where_to_build_it(tiny_opt):
+    # multiprocessing's own refusal was a bare "AssertionError: daemonic processes are not allowed to have children".
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        answer = pool.apply_async(_split_engine_in_a_pool_worker, (str(tiny_opt),)).get(timeout=120)
+    assert answer.startswith("ConfigError: tensor_parallel_size=2 starts 1 worker process(es), which a daemonic")
+    assert "build the engine in the main process" in answer
+
+
 def test_a_rank_that_never_joins_is_a_timeout_naming_the_limit(run_pluginhost, tiny_opt):
     # torchrun's environment for rank 0 of 2, with no rank 1 started.
     env = {

@@ -313,6 +313,12 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 "this process already belongs to a torch.distributed group (another tensor-parallel engine?): "
                 "close that engine first, or run one engine per process"
             )
+        if multiprocessing.current_process().daemon:  # multiprocessing's own refusal is a bare AssertionError
+            raise ConfigError(
+                f"tensor_parallel_size={world_size} starts {world_size - 1} worker process(es), which a daemonic "
+                "process (a multiprocessing.Pool worker, say) may not have: build the engine in the main process or "
+                "in a multiprocessing.Process that is not a daemon, or launch the ranks with torchrun"
+            )
         rank = 0
         init_method = f"tcp://127.0.0.1:{free_port()}"
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
