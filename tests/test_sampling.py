@@ -216,6 +216,21 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
         assert torch.equal(batched, alone)
 
 
+def test_a_top_p_next_to_1_over_fewer_than_64_likely_tokens_keeps_them_all(llm):
+    # top_k=8 leaves 8 tokens with any mass; top_p 0.99999999 rounds to 1 in float32, so the 64 most likely never
+    # "reached" it, and the search took the log of the 64th probability, 0: a ValueError that failed the whole step.
+    from pluginhost.engine.sampler import _filter
+
+    row = torch.randn(50_000, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=0.99999999)
+    filtered = row.clone()
+    _filter(filtered[None], [params])
+    assert int(filtered.isfinite().sum()) == 8
+    tiny = SamplingParams(temperature=1.0, top_k=8, top_p=0.99999999, seed=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [tiny, greedy(max_tokens=4)])
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
 @pytest.mark.parametrize("levels", [1, 2])
 def test_top_p_over_tied_tokens_keeps_as_many_as_transformers(levels):
     # Thousands of tokens of one probability (a processor that flattens a row, a dummy model): the former bisection

@@ -196,7 +196,8 @@ def _top_p(logits: Tensor, top_p: Sequence[float]) -> None:
     keep = before < limit  # (R, k)
     keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
     kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
-    reached = (before[:, -1] + top[:, -1] >= limit[:, 0]).tolist()  # (R,): the 64 hold top_p
+    # (R,): the 64 hold top_p, or all the mass there is (a top_p that rounds to 1 in float32 is not reached)
+    reached = ((before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)).tolist()
     for r, decided in enumerate(reached):
         if not decided:
             kept[r] = _nucleus(probs[r].double(), top_p[r], float(top[r, -1]))
