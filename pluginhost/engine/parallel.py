@@ -308,6 +308,10 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
         initialized = dist.is_initialized()  # by the script itself: only the control group is left to make
         control = _init(backend, "env://", rank, world_size, timeout, timeout_s, processes, initialized=initialized)
     else:
+        if dist.is_initialized() and _abandoned_rendezvous is not None and _abandoned_rendezvous.is_alive():
+            # A start given up on (a rank died as the ranks met) holds the group until torch lets it go.
+            logger.warning("waiting up to %g s for the last, failed start of the ranks to let go", timeout_s)
+            _abandoned_rendezvous.join(timeout_s + 5)
         if dist.is_initialized():
             raise ConfigError(
                 "this process already belongs to a torch.distributed group (another tensor-parallel engine?): "
@@ -382,6 +386,10 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
     )
 
 
+#: The rendezvous thread of the last start given up on while it still waited in torch (``None``: none).
+_abandoned_rendezvous: threading.Thread | None = None
+
+
 def _init(
     backend: str,
     init_method: str,
@@ -446,6 +454,8 @@ def _init(
         with lock:
             if not outcome:  # given up on (a rank died, Ctrl-C): the thread cleans up once torch lets it go
                 abandoned = True
+                global _abandoned_rendezvous
+                _abandoned_rendezvous = thread
             elif not isinstance(outcome[0], BaseException) and not initialized:  # it finished meanwhile
                 _destroy_group()
         raise
