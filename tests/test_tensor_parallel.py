@@ -399,6 +399,22 @@ def test_a_rank_that_cannot_load_a_plugin_is_named_with_the_plugin(install_plugi
     assert message.endswith("skip broken plugins. No rank was built.")
 
 
+def test_ctrl_c_while_closing_still_ends_the_ranks(tiny_opt, monkeypatch):
+    # A KeyboardInterrupt while the stop message went out left the ranks running (close was already marked done),
+    # for as long as an embedding process lived. The autouse fixture checks that no rank survives.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    rank_1 = llm._ranks.processes[1]
+
+    def interrupted(step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm._ranks, "send_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.close()
+    rank_1.join(10)
+    assert not rank_1.is_alive()
+
+
 def test_a_rank_that_dies_is_named_and_the_engine_stops(tiny_opt):
     llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
     try:

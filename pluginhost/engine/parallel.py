@@ -250,13 +250,21 @@ class Ranks:
         if self._closed:
             return
         self._closed = True
-        if self.rank == 0 and self.broken is None:
-            try:
-                self.send_step(None)
-            except Exception:  # noqa: BLE001 - a rank already gone: the signals below
-                logger.debug("could not send the stop message", exc_info=True)
-        else:  # no stop message: the ranks end by themselves after a failed build, or are stuck
-            timeout = min(timeout, 2.0)
+        try:
+            if self.rank == 0 and self.broken is None:
+                try:
+                    self.send_step(None)
+                except Exception:  # noqa: BLE001 - a rank already gone: the signals below
+                    logger.debug("could not send the stop message", exc_info=True)
+            else:  # no stop message: the ranks end by themselves after a failed build, or are stuck
+                timeout = min(timeout, 2.0)
+        except BaseException:  # Ctrl-C while the stop message goes out: the ranks are still ended, at once
+            self._end(0.0)
+            raise
+        self._end(timeout)
+
+    def _end(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the ranks to end, then kill the rest; leave the group, give the threads back."""
         deadline = time.monotonic() + timeout
         for process in self.processes.values():
             process.join(max(0.0, deadline - time.monotonic()))
