@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from typing import TYPE_CHECKING, Any
@@ -380,7 +381,10 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         # not wait for its threads, cuts a tensor-parallel engine's ranks off mid-conversation (their tracebacks,
         # leaked semaphores).
         if engine is not None:
-            engine.shutdown()
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - the refusal is what the user must see, not this
+                logging.getLogger("pluginhost").debug("shutting the refused engine down failed", exc_info=True)
         raise
     keywords = {"served_model_name": served, "shutdown_timeout": args.shutdown_timeout}
     return app, engine, sock, {**keywords, "requires_key": api_key is not None}
