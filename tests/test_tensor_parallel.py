@@ -649,33 +649,22 @@ def test_the_cli_splits_the_model_and_prints_once(run_pluginhost, tiny_opt):
     assert json.loads(two.stdout) == json.loads(one.stdout)
 
 
-def test_torchrun_ranks_come_from_its_environment(run_pluginhost, tiny_opt):
-    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello there", "--max-tokens", "6", "--json"]
-    one = run_pluginhost(*argv, "--no-plugins")
-    port = str(free_port())
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            port,
-            "-m",
-            "pluginhost",
-            *argv,
-            "--no-plugins",
-            "--tensor-parallel-size",
-            "2",
-        ],
+def torchrun(*program: str) -> subprocess.CompletedProcess:
+    """``program`` (a script and its arguments, or ``-m module ...``) run by torchrun as two ranks on this machine."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    return subprocess.run(
+        [*launcher, "--master-port", str(free_port()), *program],
         capture_output=True,
         text=True,
         timeout=180,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
     )
+
+
+def test_torchrun_ranks_come_from_its_environment(run_pluginhost, tiny_opt):
+    argv = ["generate", "--model", str(tiny_opt), "--prompt", "Hello there", "--max-tokens", "6", "--json"]
+    one = run_pluginhost(*argv, "--no-plugins")
+    result = torchrun("-m", "pluginhost", *argv, "--no-plugins", "--tensor-parallel-size", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == json.loads(one.stdout)  # rank 0 alone printed
 
@@ -705,14 +694,7 @@ def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, 
     expected = LLM(str(tiny_opt), load_installed_plugins=False).generate(
         [[2, 5, 9]], SamplingParams(max_tokens=4, temperature=0)
     )
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    result = subprocess.run(
-        [*launcher, "--master-port", str(free_port()), str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
-    )
+    result = torchrun(str(script))
     assert result.returncode == 0, result.stderr[-3000:]
     said = [(tmp_path / f"launched-{rank}").read_text().splitlines() for rank in (0, 1)]
     assert said == [[str(expected[0].token_ids), "rank 0 done"], ["rank 1 done"]]
@@ -742,14 +724,7 @@ def test_under_torchrun_a_rank_whose_rank_0_dies_says_so(tiny_opt, tmp_path):
     """It raised gloo's RuntimeError ("Connection closed by peer"); the CLI called it an internal error."""
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_RANK_0_DIES.format(model=str(tiny_opt), out=str(tmp_path)))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    result = subprocess.run(
-        [*launcher, "--master-port", str(free_port()), str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"},
-    )
+    result = torchrun(str(script))
     assert result.returncode != 0
     said = (tmp_path / "launched-1").read_text()
     assert said.startswith("TensorParallelError: Tensor parallelism failed: rank 0 is gone"), said
