@@ -188,7 +188,7 @@ def test_draws_follow_the_filtered_distribution(temperature, min_p, top_k, top_p
 def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
     # Peaked: the nucleus holds ~1,000 of 50,000 tokens, scattered, more than the first most likely ones looked
     # at. Flat (a random model's logits): it holds most of the vocabulary.
-    from pluginhost.engine.sampler import _filter, _top_p_by_sorting
+    from pluginhost.engine.sampler import _filter, _top_p
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(50_000, generator=generator)
@@ -202,8 +202,8 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
     _filter(row[None], [params])
     assert torch.equal(row.isfinite(), kept)
     assert kept[draw(logits, params, 256)].all()
-    sorted_row = logits / params.temperature  # as on a GPU
-    _top_p_by_sorting(sorted_row, sorted_row.softmax(dim=-1), params.top_p)
+    sorted_row = logits / params.temperature  # as on a GPU: the whole vocabulary sorted
+    _top_p(sorted_row[None], [params.top_p], first=len(sorted_row))
     assert torch.equal(sorted_row.isfinite(), kept)
     # In a batch, beside rows of other parameters (filtered together), each row keeps what it keeps alone.
     rows = [logits / params.temperature, logits.flip(0), logits, logits.roll(7)]

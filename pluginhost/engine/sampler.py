@@ -172,44 +172,34 @@ def _filter(logits: Tensor, params: Sequence[SamplingParams]) -> None:
     if nucleus:
         index = torch.tensor(nucleus, device=logits.device)
         rows = logits[index]  # (R, V)
-        _top_p(rows, [params[i].top_p for i in nucleus])
+        # A GPU sorts the whole vocabulary in one launch; on a CPU that costs milliseconds a row, and the 64
+        # most likely tokens mostly decide (the search past them would wait for a GPU a dozen times a row).
+        _top_p(rows, [params[i].top_p for i in nucleus], first=V if logits.device.type != "cpu" else min(64, V))
         logits[index] = rows
 
 
-def _top_p(logits: Tensor, top_p: Sequence[float]) -> None:
+def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (always the most likely one).
 
     On rows (R, V), in place, each with its own ``top_p``. A token is kept when the tokens more likely
-    than it hold less than ``top_p``. Sorting all V logits says which those are: one launch on a GPU,
-    but milliseconds a row on a CPU. There, as a model's mass mostly lies on a few tokens, the 64 most
-    likely decide when they hold ``top_p`` (for every such row at once); otherwise the tokens are
-    binned by log-probability, and only those of the bin where the boundary lies are sorted.
+    than it hold less than ``top_p``. The ``first`` most likely decide, for every row at once, where they
+    hold ``top_p`` (all V always do); in a row where they do not, the other tokens are binned by
+    log-probability, and only those of the bin where the boundary lies are sorted.
     """
     probs = logits.softmax(dim=-1)  # (R, V)
-    if logits.device.type != "cpu":  # the search below would wait for the device a dozen times a row
-        for row, row_probs, p in zip(logits, probs, top_p, strict=True):
-            _top_p_by_sorting(row, row_probs, p)
-        return
-    top, order = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # (R, k), (R, k): descending
+    top, order = torch.topk(probs, first, dim=-1)  # (R, k), (R, k): descending
     before = top.cumsum(dim=-1) - top  # (R, k): the mass of the more likely tokens
     limit = torch.tensor(top_p, dtype=before.dtype, device=before.device)[:, None]  # (R, 1)
     keep = before < limit  # (R, k)
     keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
     kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
-    # (R,): the 64 hold top_p, or all the mass there is (a top_p that rounds to 1 in float32 is not reached)
-    reached = ((before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)).tolist()
-    for r, decided in enumerate(reached):
-        if not decided:
-            kept[r] = _nucleus(probs[r].double(), top_p[r], float(top[r, -1]))
+    if first < logits.shape[-1]:
+        # (R,): the first hold top_p, or all the mass there is (a top_p that rounds to 1 in float32 is not reached)
+        reached = ((before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)).tolist()
+        for r, decided in enumerate(reached):
+            if not decided:
+                kept[r] = _nucleus(probs[r].double(), top_p[r], float(top[r, -1]))
     logits.masked_fill_(~kept, float("-inf"))
-
-
-def _top_p_by_sorting(logits: Tensor, probs: Tensor, top_p: float) -> None:
-    """``_top_p`` by sorting the whole vocabulary: ``probs`` (V,) are the softmax of ``logits``."""
-    ranked, order = torch.sort(probs, descending=True)  # (V,), (V,)
-    drop = ranked.cumsum(dim=-1) - ranked >= top_p
-    drop[0] = False  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
-    logits.masked_fill_(drop.scatter(0, order, drop), float("-inf"))
 
 
 #: Bins of log-probability ``_nucleus`` sorts the undecided tokens into: one pass finds the bin of the boundary.
