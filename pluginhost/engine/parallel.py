@@ -272,11 +272,8 @@ class Ranks:
             if process.is_alive():
                 process.kill()  # a rank ignores SIGTERM (see _rank_main)
                 process.join(5.0)
-        if dist.is_initialized() and (self.processes or self.broken is None):
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort once the peers are gone
-                logger.debug("destroy_process_group failed", exc_info=True)
+        if self.processes or self.broken is None:
+            _destroy_group()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
         distributed._clear()
