@@ -90,7 +90,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from builtin_models.attention import declared_sliding_window
 from builtin_models.kv_cache import CacheRows, KVCache
-from builtin_models.weights import assign_weights, check_all_loaded
+from builtin_models.weights import assign_weights, check_all_loaded, same_tensor
 from pluginhost.errors import CheckpointError, ModelClassError
 
 __all__ = ["EngineCache", "TransformersForCausalLM"]
@@ -364,7 +364,7 @@ class TransformersForCausalLM(nn.Module):
         for target, source in tied.items():
             tensor = held.get(target)
             if source in loaded:
-                if tensor is not None and not torch.equal(tensor, self.hf_model.get_parameter(source)):
+                if tensor is not None and not same_tensor(tensor, self.hf_model.get_parameter(source)):
                     # Both in the checkpoint, and different: transformers does not tie them either.
                     logger.warning("%s and %s differ in the checkpoint: not tying them", target, source)
                     self.hf_model.all_tied_weights_keys.pop(target, None)

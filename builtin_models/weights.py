@@ -32,7 +32,16 @@ from pluginhost.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PARTS_MISSING_ATTR", "SHARD_ATTR", "Shard", "Stacked", "TiedHead", "assign_weights", "check_all_loaded"]
+__all__ = [
+    "PARTS_MISSING_ATTR",
+    "SHARD_ATTR",
+    "Shard",
+    "Stacked",
+    "TiedHead",
+    "assign_weights",
+    "check_all_loaded",
+    "same_tensor",
+]
 
 #: The attribute of a (meta) parameter holding its ``Shard``.
 SHARD_ATTR = "tp_shard"
@@ -280,7 +289,7 @@ class TiedHead:
         held, self._held = self._held, None
         if self.embeddings not in loaded and held is not None:
             loaded |= assign_weights(model, [(self.embeddings, held)], lambda name: name)
-        elif held is not None and not _same(held, model.get_parameter(self.embeddings)):
+        elif held is not None and not same_tensor(held, model.get_parameter(self.embeddings)):
             logger.warning(
                 "The checkpoint holds %s and %s, and they differ: they are not tied, though the config says "
                 "tie_word_embeddings (as transformers does).",
@@ -296,8 +305,8 @@ class TiedHead:
         return loaded
 
 
-def _same(held: torch.Tensor, embeddings: torch.Tensor) -> bool:
-    """Whether the checkpoint's head is the embedding table (as loaded, in the model's dtype)."""
-    return tuple(held.shape) == tuple(embeddings.shape) and torch.equal(
-        held.to(device=embeddings.device, dtype=embeddings.dtype), embeddings
+def same_tensor(held: torch.Tensor, parameter: torch.Tensor) -> bool:
+    """Whether a checkpoint's tensor is what ``parameter`` holds (as loaded: in its dtype, on its device)."""
+    return tuple(held.shape) == tuple(parameter.shape) and torch.equal(
+        held.to(device=parameter.device, dtype=parameter.dtype), parameter
     )
