@@ -306,14 +306,14 @@ class PluginHost:
         if selection is not None and selection.allow == ():
             switch, source = selection.none_allowed_reason, selection.allow_source
         counted = [r for r in blocked if r.reason == switch]
-        named = [f"{r.name} ({r.distribution}: {r.reason})" for r in blocked if r.reason != switch]
-        if len(counted) > 1:
+        if len(counted) < 2:  # one is named like the others
+            counted = []
+        named = [f"{r.name} ({r.distribution}: {r.reason})" for r in blocked if r not in counted]
+        if counted:
             summary = f"{len(counted)} installed plugins were left out by {source}"
             if not named:
                 return f"{summary}, one of which may register it (see `pluginhost plugins`)."
             named.insert(0, f"{summary} (see `pluginhost plugins`)")
-        else:
-            named = [f"{r.name} ({r.distribution}: {r.reason})" for r in blocked]
         return f"Installed plugins left out by the selection, one of which may register it: {', '.join(named)}."
 
     def _failure_message(self, record: PluginRecord) -> str:
