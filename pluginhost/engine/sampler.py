@@ -92,25 +92,26 @@ def sample(
     drawn = [(i, s) for i, s in live if not s.params.greedy]
     index = torch.tensor([i for i, _ in drawn], device=logits.device)
     if keeping:  # after temperature, on the whole batch, as vLLM applies them
-        temperatures = torch.tensor(
-            [s.params.temperature if s is not None and not s.params.greedy else 1.0 for s in states],
-            dtype=logits.dtype,
-            device=logits.device,
-        )
-        scaled = logits / temperatures[:, None]
+        scaled = logits / _temperatures(states, logits)[:, None]
         for processor in keeping:
             scaled = processor.apply(scaled)
         scaled = scaled[index]  # (S, V): the rows that draw
     else:
-        temperatures = torch.tensor([s.params.temperature for _, s in drawn], dtype=logits.dtype, device=logits.device)
-        scaled = logits[index] / temperatures[:, None]  # (S, V)
+        scaled = logits[index] / _temperatures([s for _, s in drawn], logits)[:, None]  # (S, V)
     _filter(scaled, [s.params for _, s in drawn])
     for (i, _), token in zip(drawn, _draw(scaled, [s.generator for _, s in drawn]), strict=True):
         tokens[i] = token
-    for i, state in live:
-        if state.params.greedy:
-            tokens[i] = int(logits[i].argmax())
+    greedy = [i for i, s in live if s.params.greedy]
+    if greedy:
+        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = token
     return tokens
+
+
+def _temperatures(states: Sequence[SamplingState | None], logits: Tensor) -> Tensor:
+    """Each row's temperature (B,), 1 where the row does not draw (greedy, or no state)."""
+    values = [s.params.temperature if s is not None and not s.params.greedy else 1.0 for s in states]
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
 
 def _apply_penalties(logits: Tensor, state: SamplingState) -> None:
