@@ -153,13 +153,13 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
     import dataclasses
 
     import pluginhost.engine.runner
-    from pluginhost.engine.memory import keep_freed_memory
-
-    keep_freed_memory()  # as pluginhost serve does
     from pluginhost import AsyncLLM
+    from pluginhost.engine.memory import keep_freed_memory
     from pluginhost.engine.scheduler import Scheduler
     from pluginhost.server.app import build_app
     from pluginhost.server.run import bind, run_server
+
+    keep_freed_memory()  # as pluginhost serve does, before the model is built
 
     class StaticScheduler(Scheduler):
         batch_size = 0  # rows the running batch was admitted with
