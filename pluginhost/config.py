@@ -4,12 +4,13 @@ A pydantic model that validates every assignment and refuses unknown fields,
 so a typo or a bad value from a user or a plugin fails where it is made.
 Each field remembers who set it last: ``default``, ``user`` or
 ``plugin:NAME`` (a plugin assigning inside its ``modify_config`` hook).
-Once the engine is built, every setting is read-only (assignment refused; the
-contents of ``hf_overrides``, a dict, are not guarded).
+Once the engine is built, every setting is read-only: assignment is refused,
+and so is a change to the contents of ``hf_overrides``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any, Literal
@@ -35,6 +36,39 @@ _TAKEN_ELSEWHERE = {
         "processor')"
     ),
 }
+
+
+class _BuiltOverrides(dict):
+    """``hf_overrides`` of a built engine: reads as the dict it was, refuses every change.
+
+    Nested dicts (``rope_scaling``) are read-only too. A copy is a plain dict again, as a copied config
+    describes no engine yet.
+    """
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        super().__init__({k: _BuiltOverrides(v) if isinstance(v, dict) else v for k, v in overrides.items()})
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(
+            f"EngineConfig.hf_overrides cannot change once the engine is built (it is {self.plain()!r}): the model "
+            "was built from the config they made, and would not change with them. Build a new engine with the "
+            "overrides you want instead."
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def plain(self) -> dict[str, Any]:
+        return {k: v.plain() if isinstance(v, _BuiltOverrides) else v for k, v in self.items()}
+
+    def __copy__(self) -> dict[str, Any]:
+        return self.plain()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(self.plain(), memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # unpickled with the config, still built: still read-only
+        return _BuiltOverrides, (self.plain(),)
 
 
 class EngineConfig(BaseModel):
@@ -194,10 +228,12 @@ class EngineConfig(BaseModel):
 
         A copy (``model_copy()``, ``copy.deepcopy``) is free again: it describes no engine yet.
         """
+        self.__dict__["hf_overrides"] = _BuiltOverrides(self.hf_overrides)
         self._fixed = True
 
     def __copy__(self) -> EngineConfig:
         copied = super().__copy__()
+        copied.__dict__["hf_overrides"] = copy.copy(self.hf_overrides)
         copied._fixed = False
         return copied
 

@@ -12,6 +12,7 @@ vocabulary of ``"300"``, zero heads).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -205,9 +206,28 @@ def check_model_config(hf_config: PretrainedConfig) -> None:
         )
 
 
+def _with_rope_theta(value: Any, hf_config: PretrainedConfig) -> Any:
+    """A flat RoPE dict given without ``rope_theta``, with the config's (left as it is when there is none)."""
+    if not isinstance(value, dict) or "rope_theta" in value or not ({"rope_type", "type"} & value.keys()):
+        return value  # not a flat RoPE dict (a per-layer-type one, say): transformers' to judge
+    current = getattr(hf_config, "rope_parameters", None)
+    theta = current.get("rope_theta") if isinstance(current, dict) else None
+    theta = theta if theta is not None else getattr(hf_config, "rope_theta", None)
+    return value if theta is None else {**value, "rope_theta": theta}
+
+
 def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], architecture: str | None) -> None:
-    """Apply ``hf_overrides`` and the architecture override to ``hf_config`` in place."""
-    for key, value in overrides.items():
+    """Apply ``hf_overrides`` and the architecture override to ``hf_config`` in place.
+
+    Each value is copied first (transformers completes some dicts in place; the user's stay as given). A
+    RoPE dict without ``rope_theta`` keeps the config's, as transformers does reading one from config.json:
+    ``{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, ...}}``, vLLM's usual override, changes the
+    scaling, not the base frequency.
+    """
+    for key, given in overrides.items():
+        value = copy.deepcopy(given)
+        if key in ("rope_scaling", "rope_parameters"):
+            value = _with_rope_theta(value, hf_config)
         if not hasattr(hf_config, key):
             logger.warning(
                 "hf_overrides sets %r, which %s does not define: it is added for the model to read (a plugin's "
@@ -220,7 +240,7 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
         except Exception as exc:  # noqa: BLE001 - transformers' typed configs raise their validators' own errors
             raise ConfigError(
                 f"The model config does not describe a model that can be built: hf_overrides sets {key} to "
-                f"{value!r}, which {type(hf_config).__name__} refuses ({str(exc).splitlines()[-1].strip()}). "
+                f"{given!r}, which {type(hf_config).__name__} refuses ({str(exc).splitlines()[-1].strip()}). "
                 "Fix the value in hf_overrides (--hf-overrides)."
             ) from None
     if architecture is not None:

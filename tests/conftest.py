@@ -157,8 +157,10 @@ def forced_kernel(request):
 
 
 @pytest.fixture
-def greedy_tokens() -> Callable[[Path], list[list[int]]]:
+def greedy_tokens() -> Callable[..., list[list[int]]]:
     """Greedy tokens (6 each, end-of-sequence ignored) on three prompts of a model directory, in float32.
+
+    ``settings``: more of ``LLM``'s (``hf_overrides``, say).
 
     Two layouts of one checkpoint (sharded, legacy .bin, renamed tensors) must give the same.
     """
@@ -166,8 +168,8 @@ def greedy_tokens() -> Callable[[Path], list[list[int]]]:
 
     prompts = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8]]
 
-    def tokens(path: Path) -> list[list[int]]:
-        llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    def tokens(path: Path, **settings: Any) -> list[list[int]]:
+        llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", **settings)
         outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         return [o.token_ids for o in outputs]
 

@@ -118,3 +118,34 @@ def test_a_built_engines_settings_are_read_only(tiny_opt):
     copied = llm.config.model_copy()  # copy, change, build anew: a copy describes no engine yet
     copied.max_num_seqs = 2
     assert copied.max_num_seqs == 2 and llm.config.max_num_seqs == 4
+
+
+def test_a_built_engines_hf_overrides_are_read_only_and_what_the_user_gave_is_left_as_given(tmp_path, greedy_tokens):
+    from pluginhost import LLM
+    from pluginhost.errors import ConfigError
+    from pluginhost.testing import make_tiny_model
+
+    theta = 500.0  # not transformers' default: the checkpoint's own must be kept
+    path = make_tiny_model(
+        tmp_path / "llama", "llama", seed=1, rope_parameters={"rope_type": "default", "rope_theta": theta}
+    )
+    mine = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # vLLM's usual override: no rope_theta
+    llm = LLM(str(path), load_installed_plugins=False, device="cpu", hf_overrides=mine)
+    # transformers completes a rope dict in place: on a copy, never the user's; the base frequency is the config's
+    assert mine == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert llm.hf_config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": theta}
+    complete = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": theta}}
+    tokens = greedy_tokens(path, hf_overrides=mine)
+    assert tokens == greedy_tokens(path, hf_overrides=complete) != greedy_tokens(path)
+    refused = r"EngineConfig.hf_overrides cannot change once the engine is built"
+    with pytest.raises(ConfigError, match=refused):
+        llm.config.hf_overrides["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ConfigError, match=refused):
+        llm.config.hf_overrides["rope_scaling"]["factor"] = 4.0  # the model would go on with 2
+    with pytest.raises(ConfigError, match=refused):
+        llm.config.hf_overrides.update(max_position_embeddings=8)
+    assert llm.config.hf_overrides == mine
+    for copied in (llm.config.model_copy(), llm.config.model_copy(deep=True)):  # a copy describes no engine yet
+        copied.hf_overrides["rope_scaling"]["factor"] = 4.0
+        assert copied.hf_overrides["rope_scaling"]["factor"] == 4.0
+    assert llm.config.hf_overrides == mine
