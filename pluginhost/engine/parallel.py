@@ -101,7 +101,8 @@ class RankSpec:
 
     rank: int
     world_size: int
-    init_method: str
+    #: The port of rank 0's rendezvous store on 127.0.0.1.
+    store_port: int
     backend: str
     settings: dict[str, Any]
     host_args: dict[str, Any]
@@ -284,7 +285,7 @@ def _timed_out(exc: BaseException) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous, or a test's server)."""
+    """A TCP port free on 127.0.0.1 now, for a test's or a benchmark's server (another process may take it first)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -311,7 +312,8 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 "make them equal (torchrun --nproc-per-node N ... --tensor-parallel-size N)"
             )
         initialized = dist.is_initialized()  # by the script itself: only the control group is left to make
-        control = _init(backend, "env://", rank, world_size, timeout, timeout_s, processes, initialized=initialized)
+        meeting = {"init_method": "env://"}
+        control = _init(backend, meeting, rank, world_size, timeout, timeout_s, processes, initialized=initialized)
     else:
         if dist.is_initialized() and _abandoned_rendezvous is not None and _abandoned_rendezvous.is_alive():
             # A start given up on (a rank died as the ranks met) holds the group until torch lets it go.
@@ -329,7 +331,9 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 "in a multiprocessing.Process that is not a daemon, or launch the ranks with torchrun"
             )
         rank = 0
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The store listens before any rank starts, on a port the kernel chose: no other process can take
+        # it in between, as one could a port found free and bound later.
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
@@ -352,7 +356,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                     spec = RankSpec(
                         r,
                         world_size,
-                        init_method,
+                        store.port,
                         backend,
                         settings,
                         host_args,
@@ -370,7 +374,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                     signal.signal(signal.SIGINT, previous)
                 else:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            control = _init(backend, init_method, 0, world_size, timeout, timeout_s, processes)
+            control = _init(backend, {"store": store}, 0, world_size, timeout, timeout_s, processes)
         except BaseException:
             for process in processes.values():
                 if process.pid is not None:  # started
@@ -397,7 +401,7 @@ _abandoned_rendezvous: threading.Thread | None = None
 
 def _init(
     backend: str,
-    init_method: str,
+    meeting: dict[str, Any],
     rank: int,
     world_size: int,
     timeout: datetime.timedelta,
@@ -407,6 +411,8 @@ def _init(
     initialized: bool = False,
 ) -> Any:
     """Meet the other ranks (unless ``initialized``: a launcher's script did) and make the control group.
+
+    ``meeting``: how ``init_process_group`` meets them (``init_method``, or a ``store``).
 
     Returns the control group (``Ranks.control``). Both happen in a thread, so that this one can see a
     spawned rank die (or Ctrl-C) instead of waiting out the timeout: creating a group is a rendezvous
@@ -420,9 +426,7 @@ def _init(
     def meet() -> None:
         try:
             if not initialized:
-                dist.init_process_group(
-                    backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
-                )
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **meeting)
             met.set()
             # Rank 0 only sends on it, so its side is bounded (a rank stuck here, or between steps, is
             # named within the timeout); the others wait on it for rank 0's next step, however idle.
@@ -735,9 +739,8 @@ def _rank_main(spec: RankSpec) -> None:
 
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     try:
-        dist.init_process_group(
-            spec.backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
-        )
+        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
     except Exception:  # noqa: BLE001 - rank 0 reports that the ranks did not meet
         sys.exit(3)
     ranks = Ranks(spec.rank, spec.world_size, processes={}, control=None, timeout_s=spec.timeout_s, threads_before=None)
