@@ -24,6 +24,7 @@ from pluginhost.server.app import build_app
 from pluginhost.testing.server import running_server, wait_until
 
 TIMEOUT = 60
+JSON = {"content-type": "application/json"}
 PROMPTS = [
     "A plugin is",
     "The builtin architectures",
@@ -539,6 +540,39 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
             "top_logprobs",
             "top_logprobs needs logprobs: true",
         ),
+        # fields of OpenAI's or vLLM's API this server does not honour, at a value that asks for it
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "reasoning_effort": "low"},
+            "reasoning_effort",
+            "reasoning_effort is not supported (only null)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "modalities": ["text", "audio"]},
+            "modalities",
+            'modalities is not supported (only ["text"] or null)',
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "include_stop_str_in_output": True},
+            "include_stop_str_in_output",
+            "include_stop_str_in_output is not supported (only false or null)",
+        ),
+        (  # a boolean only as a boolean
+            "/v1/completions",
+            {"prompt": "x", "skip_special_tokens": 1},
+            "skip_special_tokens",
+            "skip_special_tokens is not supported (only true or null)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
+            "chat_template_kwargs",
+            "chat_template_kwargs: add_generation_prompt, messages cannot be set here: the request's own fields "
+            "decide it",
+        ),
+        ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature", "temprature: unknown field"),
     ],
 )
 def test_refusals_of_a_field_by_the_request_checks_name_it_as_param(url, path, body, param, message):
@@ -577,6 +611,116 @@ def test_null_means_the_default_as_the_openai_client_sends_it(url, client, offli
     # A field that takes null keeps its meaning: completions' max_tokens null is as many as the context allows.
     unbounded = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": None}, timeout=TIMEOUT).json()
     assert unbounded["usage"]["completion_tokens"] > 6
+
+
+def test_openai_and_vllm_fields_at_their_neutral_values_are_accepted(url, client, offline):
+    """What OpenAI's client sends for arguments left unset, and vLLM clients' usual extras, asking nothing more."""
+    expected = offline.generate([chat_ids(offline, USER)], greedy(8))[0].text
+    vllm_extras = {
+        "chat_template_kwargs": {"enable_thinking": False},  # Qwen3's idiom: a variable this template ignores
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "add_special_tokens": False,
+        "echo": False,
+        "prompt_logprobs": None,
+        "return_tokens_as_token_ids": False,
+        "priority": 0,
+        "length_penalty": 1,
+        "modalities": ["text"],
+        "functions": [],
+        "function_call": "none",
+        "web_search_options": None,
+        "prediction": None,
+    }
+    for stream in (False, True):
+        answer = client.chat.completions.create(
+            model="demo",
+            messages=USER,
+            max_tokens=8,
+            temperature=0,
+            reasoning_effort=None,
+            verbosity=None,
+            audio=None,
+            safety_identifier="end-user-1",  # user's successors: no effect on the answer
+            prompt_cache_key="conversation-7",
+            stream=stream,
+            stream_options={"include_usage": True, "include_obfuscation": False} if stream else None,
+            extra_body=vllm_extras,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices) if stream else None
+        assert (text if stream else answer.choices[0].message.content) == expected
+    completion = client.completions.create(
+        model="demo",
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"add_special_tokens": True, "skip_special_tokens": True, "include_stop_str_in_output": False},
+    )
+    assert completion.choices[0].text == offline.generate([PROMPTS[0]], greedy(6))[0].text
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tiny_opt, tmp_path):
+    """vLLM's chat_template_kwargs reach the template (Qwen3's enable_thinking, say)."""
+    import shutil
+
+    model = shutil.copytree(tiny_opt, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = AsyncLLM(str(model), load_installed_plugins=False)
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+            messages = [{"role": "user", "content": "Hi"}]
+
+            def prompt_tokens(**extra_body) -> int:
+                answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **extra_body)
+                return answer.usage.prompt_tokens
+
+            def rendered_tokens(text: str) -> int:
+                return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+            assert prompt_tokens() == rendered_tokens("Hi\n")
+            assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == rendered_tokens(
+                "Hi\n"
+            )
+            no_think = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert no_think == rendered_tokens("Hi\n/no_think") > rendered_tokens("Hi\n")
+    finally:
+        engine.shutdown()
+
+
+def test_error_objects_are_openais_and_answer_what_the_client_sent(url):
+    """An unknown model: OpenAI's own error object; a wrong method: the methods allowed (RFC 9110); a lone
+    surrogate the client sent (valid JSON) is quoted back, not a 500."""
+    body = json.dumps({"model": "gpt-4o", "prompt": "x"})
+    response = httpx.post(f"{url}/v1/completions", content=body, headers=JSON, timeout=TIMEOUT)
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "The model `gpt-4o` does not exist: this server serves `demo` (GET /v1/models).",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
+    body = json.dumps({"model": "x\udce9", "prompt": "x"})  # the escape a client sends: valid JSON
+    response = httpx.post(f"{url}/v1/completions", content=body, headers=JSON, timeout=TIMEOUT)
+    assert response.status_code == 404 and response.json()["error"]["message"].startswith("The model `x\udce9`")
+    body = json.dumps({"model": "demo", "prompt": "x", "\udce9": 1})
+    response = httpx.post(f"{url}/v1/completions", content=body, headers=JSON, timeout=TIMEOUT)
+    assert response.status_code == 400
+    assert "a field's name in the body is not valid Unicode ('\\udce9'" in response.json()["error"]["message"]
+    for method, path, allowed in [("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET")]:
+        response = httpx.request(method, f"{url}{path}", timeout=TIMEOUT)
+        assert response.status_code == 405 and response.headers["allow"] == allowed
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.get(f"{url}/v1/nothing-here", timeout=TIMEOUT)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_an_answer_sent_back_in_the_conversation_is_accepted(client, offline):

@@ -94,13 +94,30 @@ BUILTIN_ROUTES = (
 class APIError(Exception):
     """An error answered as OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, *, type: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.type, self.code, self.param = status, type, code, param
+        self.status, self.type, self.code, self.param, self.headers = status, type, code, param, headers
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorBody(message=str(self), type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+        return _ErrorJSON(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message quoting what the client sent (a model name holding a lone surrogate,
+    JSON's ``"\\udce9"``) is still one UTF-8 can carry."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -191,9 +208,8 @@ def _install_errors(app: FastAPI) -> None:
         if isinstance(exc, _BodyTooLarge):
             response = APIError(413, str(exc.detail), type="invalid_request_error", code="request_too_large").response()
             return _closing(response)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return APIError(exc.status_code, message, type=kind).response()
+        message = f"{request.method} {request.url.path}: {exc.detail}"  # OpenAI's type for any bad URL or method
+        return APIError(exc.status_code, message, type="invalid_request_error", headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -392,6 +408,8 @@ def _body_problem(error: Mapping[str, Any], body: Any, content_type: str | None)
         return _json_problem(error, body)
     if tuple(error.get("loc", ())) != ("body",) or isinstance(_raised(error), ValueError):
         return None  # a field's error, or a model validator's refusal
+    if error.get("type") == "string_unicode":  # a key: pydantic cannot take it as a field's name
+        return f"a field's name in the body is not valid Unicode ({error.get('input')!r}, a lone surrogate)"
     if error.get("type") == "missing":
         return "the request has no body: send a JSON object, with Content-Type: application/json"
     if isinstance(error.get("input"), bytes):  # FastAPI parses a body as JSON only when its Content-Type says JSON
@@ -479,9 +497,8 @@ class _API:
             raise APIError(
                 404,
                 f"The model `{model}` does not exist: this server serves `{self.name}` (GET /v1/models).",
-                type="not_found_error",
+                type="invalid_request_error",  # OpenAI's answer, param and all
                 code="model_not_found",
-                param="model",
             )
 
     async def _start(
@@ -549,7 +566,9 @@ class _API:
         names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"}, prompt_is_messages=True)
         inputs = self.engine.input_processor
         try:  # in the input thread: long conversations take seconds to render and tokenize
-            prompt = await self.engine.off_loop(_render_chat, tokenizer, body.conversation(), inputs.check_text_length)
+            prompt = await self.engine.off_loop(
+                _render_chat, tokenizer, body.conversation(), inputs.check_text_length, body.chat_template_kwargs or {}
+            )
         except PromptTooLongError as exc:
             raise names.bad_request(exc) from None
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
@@ -562,14 +581,18 @@ class _API:
 
 
 def _render_chat(
-    tokenizer: Any, conversation: list[dict[str, Any]], check_length: Callable[[int, str], None]
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    check_length: Callable[[int, str], None],
+    variables: dict[str, Any],
 ) -> dict[str, Any]:
     """The conversation through the chat template, as a prompt: its text and token ids (a 400 if it cannot be).
 
-    ``check_length`` refuses a text far too long before it is tokenized (``PromptTooLongError``).
+    ``check_length`` refuses a text far too long before it is tokenized (``PromptTooLongError``); ``variables``
+    (``chat_template_kwargs``) are the template's to read.
     """
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **variables)
     except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
         raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
     try:

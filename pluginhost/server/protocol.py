@@ -5,21 +5,30 @@ Requests follow OpenAI's fields and defaults, plus vLLM's sampling extras
 ``stop_token_ids``, ``ignore_eos``) and ``extra_args`` (also accepted as
 vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
-``extra_body``. A field the API does not know is a 400, not silently ignored;
-OpenAI fields pluginhost cannot honour (``logit_bias``, ``tools``, ``echo``...)
-are refused when set to anything but their neutral value. Fields that do not
-change the answer (``user``, chat's ``store``, ``metadata``, ``service_tier``,
-``parallel_tool_calls``; an assistant message's ``refusal`` or ``annotations``
-sent back in a conversation) are accepted and ignored. ``null`` means a
-field's default, as in OpenAI's API: clients send it for arguments left unset.
+``extra_body``. Chat also takes vLLM's ``chat_template_kwargs``, variables for
+the chat template (Qwen3's ``{"enable_thinking": false}``).
+
+A field neither API knows is a 400, not silently ignored: a misspelt setting is
+said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
+(``logit_bias``, ``tools``, ``echo``, ``reasoning_effort``, vLLM's
+``include_stop_str_in_output``...) are accepted at their neutral value (the one
+that asks for nothing this server does not do) and refused as not supported at
+any other. Fields that do not change the answer (``user`` and its successors
+``safety_identifier`` and ``prompt_cache_key``, chat's ``store``, ``metadata``,
+``service_tier``, ``parallel_tool_calls``; an assistant message's ``refusal``
+or ``annotations`` sent back in a conversation) are accepted and ignored.
+``null`` means a field's default, as in OpenAI's API: clients send it for
+arguments left unset.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import types
 import uuid
-from typing import Any, Literal, Union, get_args, get_origin
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -49,24 +58,44 @@ def now() -> int:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    #: Fields the API has and this server does not honour: name -> the values that ask nothing of it (``null``
+    #: always does). Accepted at those, then dropped; refused at any other as not supported.
+    _neutral: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         """Drop a ``null`` given for an optional field that does not take one: its default applies.
 
         A field that takes ``null`` keeps it (completions' ``max_tokens: null``: as long as the context allows).
+        A field of ``_neutral`` at a neutral value is dropped too; at another value it is refused.
         """
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
+        for key, value in data.items():
+            if key in cls._neutral and value is not None and not _same(value, cls._neutral[key]):
+                raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])})")
         return {
             key: value
             for key, value in data.items()
-            if value is not None
-            or key not in fields
-            or fields[key].is_required()
-            or _takes_none(fields[key].annotation)
+            if key not in cls._neutral
+            and (
+                value is not None
+                or key not in fields
+                or fields[key].is_required()
+                or _takes_none(fields[key].annotation)
+            )
         }
+
+
+def _same(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral``, a boolean only as a boolean (``1`` is not ``true``)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _neutral_values(neutral: tuple[Any, ...]) -> str:
+    return " or ".join(json.dumps(n) for n in (*neutral, None))
 
 
 class FieldError(ValueError):
@@ -104,6 +133,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     #: vLLM's: usage so far on every chunk, not only at the end.
     continuous_usage_stats: bool = False
+    #: OpenAI's: random padding on stream events against length side channels. This server sends none, which
+    #: ``false`` asks for; ``true`` (OpenAI's default) changes no text either: accepted, ignored.
+    include_obfuscation: bool | None = None
 
 
 class UsageInfo(BaseModel):
@@ -112,8 +144,32 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+#: vLLM's extras on both routes, at their values that ask for what this server does anyway.
+_VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (),
+    "return_tokens_as_token_ids": (False,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "priority": (0,),
+}
+
+
 class _SamplingFields(_Strict):
     """What completions and chat share: the sampling fields and the extras."""
+
+    _neutral = _VLLM_NEUTRAL
 
     model: str | None = None
     n: int = 1
@@ -179,6 +235,8 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
+
+    _neutral = _VLLM_NEUTRAL | {"add_special_tokens": (True,)}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -272,8 +330,36 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)  # as vLLM joins a message's text parts
 
 
+#: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them.
+_TEMPLATE_PARAMETERS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    _neutral = _VLLM_NEUTRAL | {
+        # OpenAI's, for models that reason, speak, search or call functions
+        "reasoning_effort": (),
+        "verbosity": (),
+        "prediction": (),
+        "modalities": (["text"],),
+        "audio": (),
+        "web_search_options": (),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        # vLLM's
+        "echo": (False,),
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "add_special_tokens": (False,),
+        "chat_template": (),
+        "documents": (),
+        "mm_processor_kwargs": (),
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -288,6 +374,19 @@ class ChatCompletionRequest(_SamplingFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # vLLM's: variables for the chat template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(_TEMPLATE_PARAMETERS & (value or {}).keys())
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields decide it")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
