@@ -17,6 +17,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from fastapi import WebSocket
 
 from pluginhost import LLM, AsyncLLM, SamplingParams
 from pluginhost.demo import ensure_demo_model
@@ -1162,6 +1163,38 @@ def test_the_api_key_is_checked_on_every_route(engine):
         assert keyed.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):
+    """An HTTP middleware never sees a WebSocket: a plugin's WebSocket route was served without the key."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from pluginhost import hookimpl
+
+    class Live:
+        @hookimpl
+        def register_routes(self, app):
+            @app.websocket("/v1/live")
+            async def live(websocket: WebSocket):
+                await websocket.accept()
+                await websocket.send_json({"served": True})
+                await websocket.close()
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Live()])
+    try:  # in-process (uvicorn serves WebSockets only with a websockets package, which is not a dependency)
+        with TestClient(build_app(engine, served_model_name="tiny", api_key="s3cret")) as client:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                with (
+                    pytest.raises(WebSocketDisconnect) as refused,
+                    client.websocket_connect("/v1/live", headers=headers),
+                ):
+                    pass
+                assert refused.value.code == 1008 and "Missing or wrong API key" in refused.value.reason
+            with client.websocket_connect("/v1/live", headers={"Authorization": "Bearer s3cret"}) as socket:
+                assert socket.receive_json() == {"served": True}
+    finally:
+        engine.shutdown()
 
 
 def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path):

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -233,25 +234,31 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, message, type="server_error", code="plugin_error" if plugins else None).response()
 
 
+_WRONG_KEY = "Missing or wrong API key: send the key given to --api-key as 'Authorization: Bearer KEY'."
+
+
+def _key_matches(headers: Headers, expected: bytes) -> bool:
+    """Whether ``Authorization`` is ``Bearer`` and the key: the scheme case-insensitive (RFC 9110), the key compared
+    in constant time."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+
+
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
     expected = api_key.encode() if api_key else None
+    if expected is not None:  # an HTTP middleware never sees a WebSocket (a plugin's route may be one)
+        app.add_middleware(_KeyOnWebSockets, expected=expected)
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         request.state.arrival = time.monotonic()  # before its body is read: latencies count from here (``_arrival``)
-        if expected is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
-            if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)):
-                response: Response = APIError(
-                    401,
-                    "Missing or wrong API key: send the key given to --api-key as 'Authorization: Bearer KEY'.",
-                    type="invalid_request_error",
-                    code="invalid_api_key",
-                ).response()
-                # Counted under the route the path would reach: a path of the caller's choosing is no label.
-                metrics.record_http(_route_path(app, request.scope), 401)
-                return _closing(response)
+        if expected is not None and not _key_matches(request.headers, expected):
+            response: Response = APIError(
+                401, _WRONG_KEY, type="invalid_request_error", code="invalid_api_key"
+            ).response()
+            # Counted under the route the path would reach: a path of the caller's choosing is no label.
+            metrics.record_http(_route_path(app, request.scope), 401)
+            return _closing(response)
         try:
             response = await call_next(request)
         except Exception as exc:  # noqa: BLE001 - answered here, so it is logged once (Starlette would re-raise it)
@@ -259,6 +266,21 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
+
+
+class _KeyOnWebSockets:
+    """The API key on a WebSocket's opening handshake: a connection without it is closed (1008, policy violation)
+    before any route runs, which the client sees as the handshake refused (HTTP 403)."""
+
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and not _key_matches(Headers(scope=scope), self.expected):
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": _WRONG_KEY})
+            return
+        await self.app(scope, receive, send)
 
 
 class _BodyTooLarge(StarletteHTTPException):
