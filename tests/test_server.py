@@ -1163,6 +1163,10 @@ def test_the_api_key_is_checked_on_every_route(engine):
         assert keyed.completions.create(model="demo", prompt="A plugin", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
+    with running_server(build_app(engine, served_model_name="demo", api_key="clé")) as base:  # sent as UTF-8
+        for key, status in [("clé", 200), ("cle", 401)]:
+            headers = {"Authorization": f"Bearer {key}".encode()}
+            assert httpx.get(f"{base}/health", headers=headers, timeout=TIMEOUT).status_code == status
 
 
 def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):

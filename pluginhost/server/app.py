@@ -239,9 +239,9 @@ _WRONG_KEY = "Missing or wrong API key: send the key given to --api-key as 'Auth
 
 def _key_matches(headers: Headers, expected: bytes) -> bool:
     """Whether ``Authorization`` is ``Bearer`` and the key: the scheme case-insensitive (RFC 9110), the key compared
-    in constant time."""
+    in constant time, as the bytes sent (headers arrive decoded as Latin-1; ``expected`` is the key's UTF-8)."""
     scheme, _, given = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), expected)
 
 
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
