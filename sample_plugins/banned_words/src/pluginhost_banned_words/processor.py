@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from pluginhost.errors import ConfigError
 from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, MoveDirectionality
 from pluginhost.sampling import SamplingParams
+from pluginhost.tokenizer import TOKENIZER_FILES, load_tokenizer
 from pluginhost_banned_words import OPTION
 
 __all__ = ["BannedWordsLogitsProcessor"]
@@ -105,25 +107,34 @@ class BannedWordsLogitsProcessor(LogitsProcessor):
     def _row(self, words: list[str], output: Sequence[int]) -> _Row:
         always: set[int] = set()
         after: set[tuple[tuple[int, ...], int]] = set()
-        for word in words:
-            for ids in self._token_sequences(word):
+        for index, word in enumerate(words):
+            for ids in self._token_sequences(index, word):
                 if len(ids) == 1:
                     always.add(ids[0])
                 else:
                     after.add((ids[:-1], ids[-1]))
         return _Row(sorted(always), sorted(after), output)
 
-    def _token_sequences(self, word: str) -> list[tuple[int, ...]]:
-        """The word's token ids as written and with one leading space (each once, none empty)."""
+    def _token_sequences(self, index: int, word: str) -> list[tuple[int, ...]]:
+        """The word's token ids as written and with one leading space (each once); ``ValueError`` if one is empty.
+
+        A word the tokenizer spells with no token of its own (characters its vocabulary lacks and drops,
+        or only whitespace) cannot be banned: it is the request's error, never silently dropped.
+        """
         cached = self._tokenized.get(word)
         if cached is not None:
             return cached
         tokenizer = self._load_tokenizer()
-        stripped = word.lstrip()
-        variants = []
-        for text in (word, " " + stripped):
+        variants: list[tuple[int, ...]] = []
+        for text in (word, " " + word.lstrip()):
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in variants:
+            if not ids or not tokenizer.decode(ids).strip():
+                raise ValueError(
+                    f"extra_args[{OPTION!r}][{index}] {word!r:.60} encodes to no token of its own with the model's "
+                    f"tokenizer ({text!r:.60} -> {list(ids)}), so it cannot be banned; remove it, or write it as "
+                    "the model spells it"
+                )
+            if ids not in variants:
                 variants.append(ids)
         if len(self._tokenized) >= _MAX_CACHED_WORDS:
             self._tokenized.clear()
@@ -131,18 +142,19 @@ class BannedWordsLogitsProcessor(LogitsProcessor):
         return variants
 
     def _load_tokenizer(self) -> Any:
+        """The model directory's tokenizer, found and loaded as the engine loads its own (never a stand-in)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(
-                    str(self._model_dir), local_files_only=True, trust_remote_code=False
-                )
-            except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+                tokenizer = load_tokenizer(self._model_dir)
+            except ConfigError as exc:
+                raise RuntimeError(f"banned_words needs the model's tokenizer, and it does not load: {exc}") from None
+            if tokenizer is None:
                 raise RuntimeError(
-                    f"banned_words needs the model's tokenizer, and {self._model_dir} has none that loads "
-                    f"({type(exc).__name__}: {exc})"
-                ) from exc
+                    f"banned_words needs the model's tokenizer to turn words into tokens, and {self._model_dir} has "
+                    f"none (none of {', '.join(TOKENIZER_FILES)}): nothing can be banned on this model. Send the "
+                    "request without extra_args.banned_words, or add the model's tokenizer files"
+                )
+            self._tokenizer = tokenizer
         return self._tokenizer
 
 
