@@ -12,6 +12,7 @@ import httpx
 import pluginhost_banned_words
 import pytest
 import torch
+from pluginhost_banned_words import MAX_WORD_CHARS, MAX_WORDS
 from pluginhost_banned_words.processor import BannedWordsLogitsProcessor
 
 from pluginhost import AsyncLLM, SamplingParams
@@ -85,6 +86,14 @@ def test_sampled_requests_are_processed_too(llm):
         ({"module": True}, r"must be a list of words, got dict"),
         (["module", 7], r"extra_args\['banned_words'\]\[1\] must be a string, got int 7"),
         (["module", "  "], r"extra_args\['banned_words'\]\[1\] is empty"),
+        (
+            [f"zq{i}x" for i in range(MAX_WORDS + 1)],
+            rf"extra_args\['banned_words'\] may hold at most {MAX_WORDS} words .*, got {MAX_WORDS + 1}",
+        ),
+        (
+            ["module", "x" * (MAX_WORD_CHARS + 1)],
+            rf"\[1\] has {MAX_WORD_CHARS + 1} characters .* at most {MAX_WORD_CHARS}",
+        ),
     ],
 )
 def test_a_malformed_option_refuses_the_request_naming_the_plugin(llm, option, message):
@@ -110,6 +119,13 @@ def test_through_the_server_extra_args_ban_and_bad_options_are_400s():
             refused = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
             assert refused.status_code == 400
             assert f"(plugin '{PLUGIN}') refused the request" in refused.json()["error"]["message"]
+            body["extra_args"] = {"banned_words": [f"zq{i}x" for i in range(100_000)]}  # 1.2 MB of JSON
+            refused = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert refused.status_code == 400
+            assert (
+                f"(plugin '{PLUGIN}') refused the request: extra_args['banned_words'] may hold at most"
+                in (refused.json()["error"]["message"])
+            )
     finally:
         engine.shutdown()
 
@@ -200,3 +216,32 @@ def test_state_follows_rows_through_removed_moved_and_swapped(ids):
     processor.update_state(BatchUpdate(1, removed=[1]))
     logits = torch.zeros(1, 2048)
     assert processor.apply(logits) is logits and not processor._rows  # nothing to do: untouched
+
+
+class CountedReads(list):
+    """A row's generated tokens that count how often a step reads them."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_step_looks_only_at_the_words_the_last_token_may_complete_however_many_are_banned(ids):
+    processor = new_processor()
+    words = [f"zq{i}x" for i in range(MAX_WORDS - 1)] + ["makes"]  # the most a request may ban
+    assert all(len(ids(" " + w)) > 1 for w in words)  # none of one token: each is looked for after its prefix
+    ma, kes = ids(" makes")
+    output = CountedReads(ids(" A plugin is a module"))
+    processor.update_state(BatchUpdate(2, added=[added(0, output, *words), added(1, [])]))
+    assert banned_rows(processor, 2) == {0: set(), 1: set()}  # " module" ends the prefix of no word
+    assert output.reads <= 1  # the last token, once (it was once per word's prefix: 2000 reads, every step)
+
+    output.append(ma)
+    output.reads = 0
+    assert banned_rows(processor, 2) == {0: {kes}, 1: set()}
+    assert output.reads <= 3
+    *prefix, last = ids(" zq517x")
+    output.extend(prefix)
+    assert banned_rows(processor, 2)[0] == {last}
