@@ -11,9 +11,14 @@ CACHE_DIR_ENV = "PLUGINHOST_CACHE_DIR"
 
 
 def user_cache_dir() -> Path:
-    """``$PLUGINHOST_CACHE_DIR``, else ``$XDG_CACHE_HOME/pluginhost``, else ``~/.cache/pluginhost`` (not created)."""
+    """``$PLUGINHOST_CACHE_DIR``, else ``$XDG_CACHE_HOME/pluginhost``, else ``~/.cache/pluginhost`` (not created).
+
+    A relative ``XDG_CACHE_HOME`` is ignored, as the XDG Base Directory specification requires (it would
+    put the cache under whatever directory the command happens to run in).
+    """
     explicit = os.environ.get(CACHE_DIR_ENV)
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pluginhost"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "pluginhost"

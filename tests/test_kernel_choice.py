@@ -204,3 +204,16 @@ def test_engine_kernels_run_through_the_real_measurement(tmp_path):
     chosen = linear_module.kernel_choices()
     assert set(chosen) == {"256x512+bias rows 1", "256x512+bias rows 4-7", "256x512+bias rows 32-63"}
     assert set(chosen.values()) <= set(KERNELS)
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    """The XDG spec: a relative XDG_CACHE_HOME is invalid; the cache never lands under the working directory."""
+    from pluginhost.paths import CACHE_DIR_ENV, user_cache_dir
+
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relcache")
+    assert user_cache_dir() == tmp_path / "home" / ".cache" / "pluginhost"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir() == tmp_path / "xdg" / "pluginhost"
