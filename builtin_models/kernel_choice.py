@@ -271,18 +271,26 @@ class KernelTable:
         except (OSError, ValueError, AttributeError):
             pass
         data = {"version": _CACHE_VERSION, "machine": machine_key(), "choices": choices}
+        temporary = None
         try:
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(prefix=".linear-kernels-", dir=self.cache_file.parent)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(temporary, self.cache_file)
+            temporary = None
         except OSError as exc:
             if not self._cache_warned:
                 self._cache_warned = True
                 logger.info(
                     "cannot save kernel choices to %s (%s); they are kept for this process", self.cache_file, exc
                 )
+        finally:  # a failed write or rename (a full disk, Ctrl-C) leaves no temporary behind
+            if temporary is not None:
+                try:
+                    os.unlink(temporary)
+                except OSError:
+                    pass
 
 
 def _fallback(weight: Tensor, bias: Tensor | None, rows: int) -> str:

@@ -217,3 +217,24 @@ def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
     assert user_cache_dir() == tmp_path / "home" / ".cache" / "pluginhost"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert user_cache_dir() == tmp_path / "xdg" / "pluginhost"
+
+
+@needs_onednn
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_save_leaves_no_temporary_behind(tmp_path, monkeypatch, failure):
+    """A full disk (or Ctrl-C while writing) must not leave a .linear-kernels-* file per run, for ever."""
+
+    def failing_dump(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(kernel_choice.json, "dump", failing_dump)
+    table = make_kernel_table(
+        cache_file=tmp_path / "k.json", timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0})
+    )
+    if isinstance(failure, OSError):
+        assert choose(table, 2) == ONEDNN  # kept in memory
+        assert choose(table, 4) == ONEDNN
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            choose(table, 2)
+    assert list(tmp_path.iterdir()) == []
