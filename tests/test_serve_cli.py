@@ -164,6 +164,53 @@ run()
     assert "Traceback" not in stderr, stderr
 
 
+#: ``pluginhost ARGS`` sending itself the signal named by $SIGNAL as torch imports numpy (from C: ``torch._C``).
+SIGNAL_AS_TORCH_IMPORTS_NUMPY = """
+import os, signal, sys
+
+class SignalAsTorchImportsNumpy:
+    sent = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and "torch" in sys.modules and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.Signals[os.environ["SIGNAL"]])
+        return None
+
+sys.meta_path.insert(0, SignalAsTorchImportsNumpy())
+from pluginhost.cli import run
+sys.argv = ["pluginhost", *sys.argv[1:]]
+run()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_torch_imports_stops_the_server_before_it_serves(signum):
+    """Ctrl-C or SIGTERM in the first second: torch's import swallowed it, and the server went on to serve."""
+    name = signal.Signals(signum).name
+    process = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_AS_TORCH_IMPORTS_NUMPY, "serve", "--port", "0", "--no-plugins"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "SIGNAL": name},
+        start_new_session=True,
+    )
+    try:
+        url, lines = served_url(process, TIMEOUT)  # None once the process has ended
+        assert url is None, f"the {name} was lost: it serves at {url}"
+        assert process.wait(TIMEOUT) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(TIMEOUT)
+    stderr = "".join(lines)
+    assert (
+        stderr.strip().splitlines()[-1] == f"pluginhost: stopped by {name} before serving (the model was still loading)"
+    )
+    assert "Traceback" not in stderr and "error" not in stderr, stderr
+
+
 def test_a_second_ctrl_c_aborts_every_request_and_each_answer_still_ends_as_the_api_says():
     """Ctrl-C twice: requests are aborted at once, not cancelled (plain-text 500s and a traceback for each)."""
     with serving("--max-num-seqs", "1", "--shutdown-timeout", "60") as (process, url):

@@ -7,10 +7,14 @@ and turned into exit statuses by ``pluginhost.cli.main``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pluginhost.cli import EXIT_OK, UsageError, engine_settings, make_host
@@ -197,6 +201,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         message = str(exc).removeprefix("SamplingParams: ").replace(" (or None)", "")  # a flag cannot be None
         raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
     host = make_host(args)
+    _import_torch()
     from pluginhost.engine import LLM
     from pluginhost.engine.memory import keep_freed_memory
 
@@ -286,6 +291,41 @@ def _check_tokenizer(model: str) -> None:
         )
 
 
+def _import_torch() -> None:
+    """Import torch with SIGINT and SIGTERM held back until it is imported, then acted on as they would have been.
+
+    torch imports numpy from C (``from torch._C import *``): an exception a signal's handler raises in there
+    (Ctrl-C's ``KeyboardInterrupt``, ``serve``'s ``_StoppedBeforeServing``) is swallowed, so the signal is lost
+    and the command goes on (a server serving), or it leaves numpy half-imported, so a later step fails with an
+    error blaming the model or an internal one. ``generate`` and ``serve`` call this before anything imports torch.
+    """
+    with _signals_held():
+        import torch  # noqa: F401
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Meanwhile SIGINT and SIGTERM are only noted; the first one is raised again once their handlers are back.
+
+    An ignored signal stays ignored; off the main thread (where no handler can be set) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    with contextlib.ExitStack() as handlers:  # every handler is put back, even if a signal interrupts that
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):  # None: a handler not set from Python
+                handlers.callback(signal.signal, signum, signal.signal(signum, note))
+        yield
+    if received:
+        signal.raise_signal(received[0])  # its own handler's doing now: an exception, or the default (an exit)
+
+
 class _StoppedBeforeServing(KeyboardInterrupt):
     """SIGTERM while the server is starting: raised in the main thread, and handled as Ctrl-C is there.
 
@@ -345,6 +385,7 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
             f"pluginhost serve needs FastAPI, uvicorn and prometheus_client ({exc.name} is missing): "
             "pip install 'pluginhost[serve]'"
         ) from None
+    _import_torch()
     from pluginhost.server.run import bind
 
     settings, demo = _settings_or_demo(args)
