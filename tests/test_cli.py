@@ -425,3 +425,21 @@ run()
     )
     assert result.returncode == 130, result.stderr
     assert result.stdout == "" and result.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "plugins", "models", "config"])
+def test_help_lists_every_plugin_selection_flag_under_plugin_selection(capsys, command):
+    """--plugins and --no-plugins were listed under "options:", apart from --disable-plugin and their heading."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    sections: dict[str, list[str]] = {}  # each heading of the help, and the flags listed under it
+    heading = ""
+    for line in capsys.readouterr().out.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            heading = line
+        elif line.lstrip().startswith("-"):
+            sections.setdefault(heading, []).append(line.split()[0])
+    selection = [flags for heading, flags in sections.items() if heading.startswith("plugin selection (")]
+    assert selection == [["--plugins", "--no-plugins", "--disable-plugin"]]
+    assert sections["options:"][0] == "-h," and "--plugins" not in sections["options:"]

@@ -47,9 +47,14 @@ class _CommandParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def _selection_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
+def _add_selection_options(parser: argparse.ArgumentParser) -> None:
+    """Add the plugin selection and output options to a command's ``parser``.
+
+    Added to each, not copied from a ``parents=`` parser: argparse (3.11's at least) copies a mutually exclusive
+    group out of the argument group holding it, so ``--help`` listed ``--plugins`` and ``--no-plugins`` under
+    "options:", apart from the rest of the plugin selection.
+    """
+    group = parser.add_argument_group("plugin selection (overrides PLUGINHOST_PLUGINS / PLUGINHOST_DISABLED_PLUGINS)")
     which = group.add_mutually_exclusive_group()  # "only these" and "none": one or the other
     which.add_argument(
         "--plugins", metavar="A,B", help="load only these installed plugins (entry-point or distribution names)"
@@ -58,10 +63,9 @@ def _selection_options() -> argparse.ArgumentParser:
     group.add_argument(
         "--disable-plugin", metavar="NAME", action="append", default=[], help="never load this plugin (repeatable)"
     )
-    out = parent.add_argument_group("output")
+    out = parser.add_argument_group("output")
     out.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     out.add_argument("-v", "--verbose", action="store_true", help="show informational logging")
-    return parent
 
 
 def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
@@ -116,17 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
-    selection = _selection_options()
 
     gen = commands.add_parser(
         "generate",
-        parents=[_engine_options(model_required=False), selection],
+        parents=[_engine_options(model_required=False)],
         help="generate text (on the demo model unless --model is given)",
         description=(
             "Generate text. Without --model, runs on the small demo model shipped with pluginhost, "
             "which knows only pluginhost's own docs."
         ),
     )
+    _add_selection_options(gen)
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=16, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
@@ -137,11 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        parents=[_engine_options(model_required=False), selection],
+        parents=[_engine_options(model_required=False)],
         help="serve the OpenAI-compatible HTTP API (on the demo model unless --model is given)",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
         "Stops cleanly on Ctrl-C or SIGTERM.",
     )
+    _add_selection_options(serve)
     net = serve.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -161,9 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="on Ctrl-C or SIGTERM, seconds requests in flight get to end before they are aborted (default 10)",
     )
 
-    plugins = commands.add_parser("plugins", parents=[selection], help="list plugins and their status")
+    plugins = commands.add_parser("plugins", help="list plugins and their status")
+    _add_selection_options(plugins)
     plugins.add_argument("--json", action="store_true")
-    models = commands.add_parser("models", parents=[selection], help="list architectures and who registered them")
+    models = commands.add_parser("models", help="list architectures and who registered them")
+    _add_selection_options(models)
     models.add_argument("--json", action="store_true")
     models.add_argument(
         "--fallback",
@@ -173,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config = commands.add_parser(
         "config",
-        parents=[_engine_options(model_required=False), selection],
+        parents=[_engine_options(model_required=False)],
         help="show the final engine configuration and who set each field (of the demo model unless --model is given)",
     )
+    _add_selection_options(config)
     config.add_argument("--json", action="store_true")
     return parser
 
