@@ -35,6 +35,8 @@ import json
 import logging
 import os
 import platform
+import re
+import stat
 import tempfile
 import threading
 import time
@@ -84,6 +86,10 @@ _COLD_MAX_ROWS = 64
 _MARGIN = 0.97
 #: 2: few rows timed with cold weights (version 1 timed them hot, and chose badly for decoding).
 _CACHE_VERSION = 2
+#: A larger file is not a kernel cache (each choice takes about 30 bytes).
+_MAX_CACHE_BYTES = 1 << 20
+#: A choice as the cache names it: ``<out>x<in>[+bias]/<row bucket>``.
+_ENTRY = re.compile(r"([1-9][0-9]{0,8})x([1-9][0-9]{0,8})(\+bias)?/([1-9][0-9]?)")
 
 Key = tuple[int, int, bool, int]  # out features, in features, bias, row bucket
 
@@ -154,6 +160,7 @@ class KernelTable:
         self._lock = threading.Lock()
         self._cache_loaded = False
         self._cache_warned = False
+        self._cache_unreadable_logged = False
 
     @classmethod
     def from_environment(cls, runners: dict[str, Runner]) -> KernelTable:
@@ -242,34 +249,32 @@ class KernelTable:
 
     def _load_cache(self) -> None:
         self._cache_loaded = True
+        for key, kernel in self._read_cache().items():
+            if kernel in self.runners:
+                self._choices.setdefault(key, kernel)
+
+    def _read_cache(self) -> dict[Key, str]:
+        """The choices in the cache file; none if there is none, or (logged once) if it cannot be read."""
         if self.cache_file is None:
-            return
+            return {}
         try:
-            data = json.loads(self.cache_file.read_text(encoding="utf-8"))
-            if data.get("version") != _CACHE_VERSION:
-                return
-            for text, kernel in data["choices"].items():
-                key = _parse(text)
-                if key is not None and kernel in self.runners:
-                    self._choices.setdefault(key, kernel)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            logger.info(
-                "ignoring the kernel cache %s, which cannot be read (%s); measuring again", self.cache_file, exc
-            )
+            return _read_choices(self.cache_file)
+        except (OSError, ValueError) as exc:
+            if not self._cache_unreadable_logged:
+                self._cache_unreadable_logged = True
+                logger.warning(
+                    "ignoring the kernel cache %s, which cannot be read (%s); measuring again and replacing it",
+                    self.cache_file,
+                    exc,
+                )
+            return {}
 
     def _save_cache(self) -> None:
         """Merge this table's choices into the file, atomically (a rename), so readers never see half a file."""
         if self.cache_file is None:
             return
-        choices = {_encode(key): kernel for key, kernel in self._choices.items()}
-        try:
-            existing = json.loads(self.cache_file.read_text(encoding="utf-8"))
-            if existing.get("version") == _CACHE_VERSION and isinstance(existing.get("choices"), dict):
-                choices = {**existing["choices"], **choices}
-        except (OSError, ValueError, AttributeError):
-            pass
+        existing = self._read_cache()  # what other processes saved meanwhile; an unreadable file is replaced
+        choices = {_encode(key): kernel for key, kernel in {**existing, **self._choices}.items()}
         data = {"version": _CACHE_VERSION, "machine": machine_key(), "choices": choices}
         temporary = None
         try:
@@ -342,14 +347,49 @@ def _encode(key: Key) -> str:
     return f"{out}x{inp}{'+bias' if has_bias else ''}/{b}"
 
 
-def _parse(text: str) -> Key | None:
+def _read_choices(path: Path) -> dict[Key, str]:
+    """The choices saved in ``path`` ({} if there is no file, or it is another version's): validated, every one.
+
+    Only a regular file is read, opened without blocking (a FIFO there would hang the first product), and
+    any content that is not exactly a cache of this version raises ``ValueError`` saying what is wrong.
+    """
     try:
-        shape, b = text.split("/")
-        has_bias = shape.endswith("+bias")
-        out, inp = shape.removesuffix("+bias").split("x")
-        return int(out), int(inp), has_bias, int(b)
-    except ValueError:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError("it is not a regular file")
+        raw = f.read(_MAX_CACHE_BYTES + 1)
+    if len(raw) > _MAX_CACHE_BYTES:
+        raise ValueError(f"it is larger than {_MAX_CACHE_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:  # deeply nested arrays: json's parser runs out of stack
+        raise ValueError("it nests too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError("it is not a JSON object")
+    version = data.get("version")
+    if type(version) is int and version != _CACHE_VERSION:
+        return {}  # another version's file (an older engine's measurements): replaced on the next save
+    if version != _CACHE_VERSION or not isinstance(data.get("choices"), dict):
+        raise ValueError(f"it is not a version {_CACHE_VERSION} kernel cache")
+    choices = {}
+    for text, kernel in data["choices"].items():
+        key = _parse(text)
+        if key is None or kernel not in KERNELS:
+            raise ValueError(f"bad entry {text!r}: {kernel!r}"[:200])
+        choices[key] = kernel
+    return choices
+
+
+def _parse(text: str) -> Key | None:
+    """The key ``text`` names, if it is a valid one: sizes from 1, a row bucket that :func:`_bucket` can give."""
+    match = _ENTRY.fullmatch(text)
+    if match is None or int(match[4]) > _bucket(_MAX_TIMED_ROWS):
         return None
+    return int(match[1]), int(match[2]), match[3] is not None, int(match[4])
 
 
 def _describe(key: Key) -> str:

@@ -238,3 +238,44 @@ def test_a_failed_save_leaves_no_temporary_behind(tmp_path, monkeypatch, failure
         with pytest.raises(KeyboardInterrupt):
             choose(table, 2)
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100_000 + "]" * 100_000,  # json's parser runs out of stack (RecursionError)
+        '{"version": 2, "choices": {"64x32/0": "onednn"}}',  # row bucket 0: kernel_choices() raised
+        '{"version": 2, "choices": {"64x32/-3": "onednn"}}',
+        '{"version": 2, "choices": {"64x32/99": "onednn"}}',  # no row count falls in bucket 99
+        '{"version": 2, "choices": {"0x32/2": "onednn"}}',
+        '{"version": 2, "choices": {"64x32/2": "mkl"}}',  # not a kernel
+        '{"version": 2, "choices": {" 64x32/2": "onednn"}}',
+        '{"version": "2", "choices": {}}',
+        " " * (2 << 20),
+    ],
+    ids=["deep", "bucket0", "bucket-3", "bucket99", "size0", "kernel", "space", "strversion", "huge"],
+)
+def test_a_hostile_cache_is_ignored_and_replaced_with_one_warning(tmp_path, caplog, content):
+    cache = tmp_path / "kernels.json"
+    cache.write_text(content)
+    timer = FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0})
+    table = make_kernel_table(cache_file=cache, timer=timer)
+    with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
+        assert choose(table, 2) == ONEDNN and timer.calls  # measured: nothing was taken from the file
+    assert json.loads(cache.read_text())["choices"] == {"64x32+bias/2": ONEDNN}  # replaced by a valid file
+    assert len([r for r in caplog.records if "cannot be read" in r.getMessage()]) == 1
+    assert table.choices() == {"64x32+bias rows 2-3": ONEDNN}  # raised "negative shift count" for bucket 0
+    assert make_kernel_table(cache_file=cache, timer=FakeTimer({})).kernel(torch.randn(64, 32), torch.randn(64), 3)
+
+
+@needs_onednn
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_in_place_of_the_cache_does_not_hang(tmp_path, caplog):
+    cache = tmp_path / "kernels.json"
+    os.mkfifo(cache)  # opening it for reading blocked until a writer came: for ever
+    table = make_kernel_table(cache_file=cache, timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}))
+    with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
+        assert choose(table, 2) == ONEDNN
+    assert "not a regular file" in caplog.text
+    assert json.loads(cache.read_text())["choices"] == {"64x32+bias/2": ONEDNN}
