@@ -79,9 +79,10 @@ FALLBACK_ONEDNN_MIN_WEIGHT_ELEMENTS = 2**17
 #: Row counts above this are timed at this many rows (the ranking no longer changes; the timing would).
 _MAX_TIMED_ROWS = 2048
 #: The swapped product is only tried up to this many rows: beyond, transposing its output costs too much.
-_SWAPPED_MAX_ROWS = 64
+#: (Like the next limit, the top of a row bucket: a choice serves every row count of its bucket.)
+_SWAPPED_MAX_ROWS = 63
 #: Up to this many rows a product is bound by reading its weight, and is timed with the weight cold.
-_COLD_MAX_ROWS = 64
+_COLD_MAX_ROWS = 63
 #: A kernel must beat F.linear by this much to be chosen: timing noise never picks a slower one.
 _MARGIN = 0.97
 #: 2: few rows timed with cold weights (version 1 timed them hot, and chose badly for decoding).
@@ -129,6 +130,14 @@ def machine_key() -> str:
 def _bucket(rows: int) -> int:
     """Row counts that share a kernel choice: 1, 2-3, 4-7, 8-15, ..."""
     return min(rows, _MAX_TIMED_ROWS).bit_length()
+
+
+def _bucket_top(bucket: int) -> float:
+    """The most rows bucket ``bucket`` holds (the last one holds any number)."""
+    return (1 << bucket) - 1 if bucket < _bucket(_MAX_TIMED_ROWS) else float("inf")
+
+
+assert all(_bucket(n) < _bucket(n + 1) for n in (_SWAPPED_MAX_ROWS, _COLD_MAX_ROWS)), "limits must be bucket tops"
 
 
 Runner = Callable[[Tensor, Tensor, Tensor | None], Tensor]
@@ -205,22 +214,26 @@ class KernelTable:
             self._load_cache()
             if key in self._choices:
                 return self._choices[key]
-        choice = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS))
+        choice = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS), _bucket_top(key[3]))
         self._choices[key] = choice
         self._save_cache()
         return choice
 
-    def _measure(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
-        """Time every kernel that gets the right answer on ``weight``; the fastest (F.linear on a near tie)."""
+    def _measure(self, weight: Tensor, bias: Tensor | None, rows: int, most_rows: int) -> str:
+        """Time every kernel that gets the right answer on ``weight``; the fastest (F.linear on a near tie).
+
+        The choice serves up to ``most_rows`` (its bucket's top): a kernel is a candidate, and the weight
+        is cold, only if that holds for every row count of the bucket, whichever one met it first.
+        """
         generator = torch.Generator().manual_seed(rows)
         x = torch.randn(rows, weight.shape[1], generator=generator)
         with torch.inference_mode():
-            weights = _cold_copies(weight) if rows <= _COLD_MAX_ROWS else [weight]
+            weights = _cold_copies(weight) if most_rows <= _COLD_MAX_ROWS else [weight]
             expected = F.linear(x, weight, bias)
             tolerance = 1e-5 * (F.linear(x.abs(), weight.abs()).max().item() + 1)
             times: dict[str, float] = {}
             for name, run in self.runners.items():
-                if name == ONEDNN_SWAPPED and rows > _SWAPPED_MAX_ROWS:
+                if name == ONEDNN_SWAPPED and most_rows > _SWAPPED_MAX_ROWS:
                     continue
                 try:
                     y = run(x, weight, bias)

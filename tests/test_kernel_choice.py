@@ -279,3 +279,14 @@ def test_a_fifo_in_place_of_the_cache_does_not_hang(tmp_path, caplog):
         assert choose(table, 2) == ONEDNN
     assert "not a regular file" in caplog.text
     assert json.loads(cache.read_text())["choices"] == {"64x32+bias/2": ONEDNN}
+
+
+@needs_onednn
+@pytest.mark.parametrize("first_rows", [64, 65, 127])
+def test_a_bucket_choice_never_depends_on_the_row_count_that_met_it_first(first_rows):
+    """The swapped kernel is only tried up to 63 rows: it was chosen (and saved) for 64-127 rows when 64 came first."""
+    timer = FakeTimer({F_LINEAR: 3.0, ONEDNN: 2.0, ONEDNN_SWAPPED: 1.0})  # swapped would win wherever tried
+    table = make_kernel_table(timer=timer)
+    assert choose(table, first_rows, bias=False) == ONEDNN
+    assert ONEDNN_SWAPPED not in timer.calls
+    assert choose(table, 63, bias=False) == ONEDNN_SWAPPED  # the bucket 32-63 may have it
