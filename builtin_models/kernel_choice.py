@@ -25,6 +25,13 @@ cannot be read is ignored and replaced. Switches:
 * ``PLUGINHOST_PLAIN_LINEAR=1``: ``F.linear`` for every product;
 * ``PLUGINHOST_LINEAR_KERNEL=f_linear|onednn|onednn_swapped``: that kernel for every product it can do;
 * ``PLUGINHOST_KERNEL_CALIBRATION=0``: no measuring; fixed row-count thresholds (the fallback).
+
+The first that applies wins, in that order: ``PLUGINHOST_PLAIN_LINEAR=1`` overrides
+``PLUGINHOST_LINEAR_KERNEL`` (with a warning if that names another kernel), and a forced kernel makes
+``PLUGINHOST_KERNEL_CALIBRATION`` moot. The two on/off switches take 1, true, yes, on or 0, false, no,
+off (any case; unset or empty is the default: plain linear off, calibration on). A value that is none of
+these, or an unknown kernel name, is ignored with a warning naming the variable and the accepted values
+(they are read at the first product, which a typo must not fail).
 """
 
 from __future__ import annotations
@@ -174,15 +181,19 @@ class KernelTable:
     @classmethod
     def from_environment(cls, runners: dict[str, Runner]) -> KernelTable:
         """The table the engine uses: the switches above, the cache file of this machine."""
-        if env_flag(PLAIN_LINEAR_ENV, strict=False):  # read at the first product: a typo must not fail a request
-            return cls(runners, mode=F_LINEAR)
         forced = os.environ.get(KERNEL_ENV, "").strip()
+        if _switch(PLAIN_LINEAR_ENV, default=False, otherwise="F.linear is not forced"):
+            if forced and forced != F_LINEAR:
+                logger.warning(
+                    "%s=%r is overridden by %s: F.linear for every product", KERNEL_ENV, forced, PLAIN_LINEAR_ENV
+                )
+            return cls(runners, mode=F_LINEAR)
         if forced:
             if forced not in KERNELS:
                 logger.warning("%s=%r is not one of %s; measuring instead", KERNEL_ENV, forced, ", ".join(KERNELS))
             else:
                 return cls(runners, mode=forced)
-        if os.environ.get(CALIBRATION_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        if not _switch(CALIBRATION_ENV, default=True, otherwise="measuring"):
             return cls(runners, mode="fallback")
         from pluginhost.paths import user_cache_dir
 
@@ -309,6 +320,17 @@ class KernelTable:
                     os.unlink(temporary)
                 except OSError:
                     pass
+
+
+def _switch(name: str, *, default: bool, otherwise: str) -> bool:
+    """On/off switch ``name`` (unset or empty: ``default``); a value that is neither is ``default``, with a warning."""
+    if not os.environ.get(name, "").strip():
+        return default
+    try:
+        return env_flag(name)
+    except ValueError as exc:  # read at the first product: a typo must not fail a request
+        logger.warning("%s; ignored: %s", exc, otherwise)
+        return default
 
 
 def _fallback(weight: Tensor, bias: Tensor | None, rows: int) -> str:

@@ -290,3 +290,30 @@ def test_a_bucket_choice_never_depends_on_the_row_count_that_met_it_first(first_
     assert choose(table, first_rows, bias=False) == ONEDNN
     assert ONEDNN_SWAPPED not in timer.calls
     assert choose(table, 63, bias=False) == ONEDNN_SWAPPED  # the bucket 32-63 may have it
+
+
+@pytest.mark.parametrize(
+    ("env", "mode", "warning"),
+    [
+        ({PLAIN_LINEAR_ENV: "y"}, "measure", "PLUGINHOST_PLAIN_LINEAR='y' is neither on (1, true, yes, on) nor off"),
+        ({PLAIN_LINEAR_ENV: "maybe", CALIBRATION_ENV: "0"}, "fallback", "PLUGINHOST_PLAIN_LINEAR='maybe'"),
+        ({CALIBRATION_ENV: "disabled"}, "measure", "PLUGINHOST_KERNEL_CALIBRATION='disabled' is neither on"),
+        ({KERNEL_ENV: "ONEDNN"}, "measure", "is not one of f_linear, onednn, onednn_swapped"),
+        ({PLAIN_LINEAR_ENV: "1", KERNEL_ENV: ONEDNN}, F_LINEAR, "PLUGINHOST_LINEAR_KERNEL='onednn' is overridden"),
+        ({PLAIN_LINEAR_ENV: "Off", CALIBRATION_ENV: "FALSE"}, "fallback", None),
+        ({PLAIN_LINEAR_ENV: "", CALIBRATION_ENV: "yes"}, "measure", None),
+        ({KERNEL_ENV: ONEDNN, CALIBRATION_ENV: "0"}, ONEDNN, None),  # a forced kernel: nothing is measured anyway
+    ],
+)
+def test_a_misspelt_switch_is_named_in_a_warning(monkeypatch, caplog, env, mode, warning):
+    for name in (PLAIN_LINEAR_ENV, KERNEL_ENV, CALIBRATION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
+        table = KernelTable.from_environment(dict(TABLE_RUNNERS))
+    assert table.mode == mode
+    if warning is None:
+        assert not caplog.records
+    else:
+        assert [r.levelname for r in caplog.records] == ["WARNING"] and warning in caplog.text
