@@ -1,5 +1,8 @@
 """The /tokenize and /detokenize routes, served on 127.0.0.1 by the real app over the demo model."""
 
+import threading
+import time
+
 import httpx
 import pluginhost_tokenize_endpoint
 import pytest
@@ -89,6 +92,53 @@ def test_bad_input_is_an_openai_error_object_and_the_server_goes_on(url, path, b
     assert fragment in error["message"] and error["param"] == param
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert post(url, "/tokenize", {"prompt": "still here"}).status_code == 200
+
+
+def test_a_text_far_too_long_for_the_model_is_refused_before_it_is_tokenized(url, engine):
+    big = "A plugin is a module. " * 150_000  # 3.3 MB: seconds to tokenize, for 256 tokens at most
+    for body, param, words in [
+        ({"prompt": big}, "prompt", "the prompt has 3300000 characters, more than"),
+        ({"messages": [{"role": "user", "content": big}]}, "messages", "the messages come to 33000"),
+    ]:
+        answer = post(url, "/tokenize", body)
+        assert answer.status_code == 400, answer.text[:200]
+        error = answer.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        assert words in error["message"] and f"{engine.max_model_len} tokens" in error["message"], error["message"]
+    assert post(url, "/tokenize", {"prompt": "still here"}).status_code == 200
+
+
+class SeesEveryRequest:
+    """A plugin with an on_request hook (request_guard, say): the engine then tokenizes a text of any length,
+    since the hook may shorten it."""
+
+    @hookimpl
+    def on_request(self, request):
+        pass
+
+
+def test_health_answers_at_once_while_a_long_text_is_tokenized():
+    engine = new_engine(pluginhost_tokenize_endpoint, SeesEveryRequest())
+    big = "A plugin is a module. " * 50_000  # 1.1 MB: seconds to tokenize
+    answers, latencies = [], []
+    try:
+        with running_server(build_app(engine, served_model_name="demo")) as url:
+            tokenizing = threading.Thread(target=lambda: answers.append(post(url, "/tokenize", {"prompt": big})))
+            start = time.monotonic()
+            tokenizing.start()
+            while tokenizing.is_alive():
+                asked = time.monotonic()
+                assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+                latencies.append(time.monotonic() - asked)
+                time.sleep(0.05)
+            took = time.monotonic() - start
+            tokenizing.join(TIMEOUT)
+    finally:
+        engine.shutdown()
+    (answer,) = answers
+    assert answer.status_code == 200 and answer.json()["count"] > 300_000  # 6 tokens a sentence
+    # /health went on meanwhile (it waited for the whole tokenization, 6 s for 3 MB, when it ran on the event loop).
+    assert len(latencies) >= 2 and max(latencies) < took / 2, (latencies, took)
 
 
 def test_the_routes_are_behind_the_api_key(engine):
