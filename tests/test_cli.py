@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,7 +153,7 @@ def test_config_table(capsys, tiny_opt):
 
 def test_config_refuses_what_the_build_would_refuse_without_reading_weights(capsys, tiny_opt):
     code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-model-len", "4096")
-    assert code == 2 and "max_model_len=4096 is more than the model's 128 positions (max_position_embeddings)" in err
+    assert code == 2 and "--max-model-len 4096 is more than the model's 128 positions (max_position_embeddings)" in err
     code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--compile-decode", "--tensor-parallel-size", "2")
     assert code == 2 and "compile_decode cannot be combined with tensor parallelism" in err
 
@@ -443,3 +444,28 @@ def test_help_lists_every_plugin_selection_flag_under_plugin_selection(capsys, c
     selection = [flags for heading, flags in sections.items() if heading.startswith("plugin selection (")]
     assert selection == [["--plugins", "--no-plugins", "--disable-plugin"]]
     assert sections["options:"][0] == "-h," and "--plugins" not in sections["options:"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-model-len", "4", "--prompt", "a b c d e f"],
+            r"--prompt 1 has \d+ tokens, which leaves no room to generate within --max-model-len 4\. Shorten the "
+            r"prompt\.",
+        ),
+        (
+            ["--max-model-len", "4", "--prompt", "a prompt longer than four tokens"],
+            r"--prompt 1 has 32 characters, more than --max-model-len 4 tokens can hold \(.*\)\. Shorten the prompt\.",
+        ),
+        (
+            ["--max-model-len", "100000000", "--prompt", "hi"],
+            r"--max-model-len 100000000 is more than the model's 128 positions \(max_position_embeddings\); lower it\.",
+        ),
+    ],
+)
+def test_messages_about_the_model_length_name_the_flag_that_set_it(capsys, tiny_opt, argv, message):
+    """They said max_model_len=4, the engine's field, where the user had typed --max-model-len 4."""
+    code, _, err = run(capsys, "generate", "--model", str(tiny_opt), "--no-plugins", *argv)
+    assert code == 2
+    assert re.fullmatch(f"error: {message}\n", err), err

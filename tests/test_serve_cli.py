@@ -322,6 +322,7 @@ def test_served_name_and_api_key(tiny_opt):
         (["--api-key", ""], "--api-key is empty (an unset shell variable?), which would serve without a key"),
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
         (["--shutdown-timeout", "-5"], "--shutdown-timeout must be a number of seconds >= 0, got -5"),
+        (["--max-model-len", "100000000"], "error: --max-model-len 100000000 is more than the model's 256 positions"),
     ],
 )
 def test_bad_settings_exit_2_before_serving(args, message):

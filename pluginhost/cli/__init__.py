@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -199,23 +200,26 @@ def _configure_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=level, format="pluginhost: %(levelname)s: %(message)s", stream=sys.stderr)
 
 
+#: The ``EngineConfig`` fields a flag sets, each by its name's flag (``max_model_len``: ``--max-model-len``).
+_ENGINE_FIELDS = (
+    "model",
+    "dtype",
+    "device",
+    "max_model_len",
+    "max_num_seqs",
+    "max_waiting_seqs",
+    "tensor_parallel_size",
+    "seed",
+    "compile_decode",
+    "model_architecture_override",
+    "model_impl",
+)
+
+
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields given on the command line (only those, for provenance)."""
     settings: dict[str, Any] = {}
-    fields = (
-        "model",
-        "dtype",
-        "device",
-        "max_model_len",
-        "max_num_seqs",
-        "max_waiting_seqs",
-        "tensor_parallel_size",
-        "seed",
-        "compile_decode",
-        "model_architecture_override",
-        "model_impl",
-    )
-    for field in fields:
+    for field in _ENGINE_FIELDS:
         value = getattr(args, field, None)
         if value is not None:
             settings[field] = value
@@ -230,6 +234,22 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             )
         settings["hf_overrides"] = overrides
     return settings
+
+
+def _as_typed(message: str, args: argparse.Namespace) -> str:
+    """An error in the words the user typed: ``max_model_len=8`` is ``--max-model-len 8`` when that flag said 8.
+
+    The engine names its fields; only a value the user gave is theirs to change with its flag (one a plugin
+    set, or the model's default, is left as the engine says it).
+    """
+    for field in _ENGINE_FIELDS:
+        value = getattr(args, field, None)
+        if value is None or isinstance(value, bool):
+            continue
+        engine = rf"(?<![\w-]){field}={re.escape(str(value))}(?!\w|\.\d| \(set by )"  # not 80, 8.5, a plugin's 8
+        flag = f"--{field.replace('_', '-')} {value}"
+        message = re.sub(engine, flag.replace("\\", "\\\\"), message)  # the flag as is, backslashes too
+    return message
 
 
 def make_host(args: argparse.Namespace):  # -> PluginHost
@@ -269,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with reserved_stdout() as out:
             return handler(args, out)
     except (PluginhostError, ValueError) as exc:
-        _report(f"error: {exc}", debug=args.debug)
+        _report(f"error: {_as_typed(str(exc), args)}", debug=args.debug)
         return EXIT_USER
     except KeyboardInterrupt:
         return 130
