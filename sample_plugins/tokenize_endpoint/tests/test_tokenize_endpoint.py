@@ -94,6 +94,17 @@ def test_bad_input_is_an_openai_error_object_and_the_server_goes_on(url, path, b
     assert post(url, "/tokenize", {"prompt": "still here"}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [(b'{"prompt": "a\\udce9"}', "prompt"), (b'{"messages": [{"role": "user", "content": "a\\udce9"}]}', "messages")],
+)
+def test_text_that_is_not_valid_unicode_is_a_400_not_a_server_error(url, raw, param):
+    answer = httpx.post(f"{url}/tokenize", content=raw, headers={"Content-Type": "application/json"}, timeout=TIMEOUT)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and f"the {param} is not valid Unicode: '\\udce9'" in error["message"]
+
+
 def test_a_text_far_too_long_for_the_model_is_refused_before_it_is_tokenized(url, engine):
     big = "A plugin is a module. " * 150_000  # 3.3 MB: seconds to tokenize, for 256 tokens at most
     for body, param, words in [

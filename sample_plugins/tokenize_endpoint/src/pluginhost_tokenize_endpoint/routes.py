@@ -110,6 +110,11 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest, check_length: Callable[[int
     else:
         text = body.prompt
         add_special_tokens = body.add_special_tokens is not False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\udce9"): the tokenizer would raise a TypeError
+        field = "prompt" if body.messages is None else "messages"
+        raise bad_request(f"the {field} is not valid Unicode: {text[exc.start]!r}, {exc.reason}", param=field) from None
     check_length(0, text)
     tokens = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens)}
