@@ -469,3 +469,22 @@ def test_messages_about_the_model_length_name_the_flag_that_set_it(capsys, tiny_
     code, _, err = run(capsys, "generate", "--model", str(tiny_opt), "--no-plugins", *argv)
     assert code == 2
     assert re.fullmatch(f"error: {message}\n", err), err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"]])
+def test_help_and_version_that_cannot_be_written_exit_2_with_a_message(run_pluginhost, capsys, argv):
+    """``pluginhost --version > /dev/full`` exited 0 with nothing on stderr: argparse ignores the error."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        result = run_pluginhost(*argv, stdout=full)
+    finally:
+        os.close(full)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: the output could not be written to stdout: No space left on device; free space or write it elsewhere\n"
+    )
+    with pytest.raises(SystemExit) as exited:  # to a stdout that takes it, all of it as before
+        main(argv)
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and out.startswith(("pluginhost ", "usage: pluginhost")) and out.endswith("\n")
+    assert not out.endswith("\n\n")

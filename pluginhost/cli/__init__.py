@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from pluginhost.errors import PluginhostError
 
@@ -31,7 +31,29 @@ class UsageError(PluginhostError):
     """A bad command-line value."""
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A parser whose ``--help`` and ``--version`` fail as a command's output does when stdout cannot be written.
+
+    argparse ignores the error (``pluginhost --version > /dev/full`` exited 0, having written nothing); here it
+    is an ``OutputError``, which ``main`` reports as it does any command's: one message, exit status 2.
+    """
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        if not message or file is not sys.stdout:  # usage errors, to stderr: as argparse writes them
+            super()._print_message(message, file)
+            return
+        from pluginhost.cli.output import ResultStream
+
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # a test harness's capture; or None: stdout was closed
+            out = ResultStream(stream=sys.stdout)
+        else:  # below Python's buffer, which would fail again at exit
+            out = ResultStream(fd=fd, encoding=sys.stdout.encoding or "utf-8")
+        out.print(message.removesuffix("\n"))
+
+
+class _CommandParser(_Parser):
     """A subcommand's parser: an argument it does not know is its own usage error.
 
     argparse hands such arguments back to the top-level parser, whose usage
@@ -115,7 +137,7 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pluginhost",
         description="An LLM inference engine extended by installed plugins (pluggy hooks).",
     )
@@ -268,8 +290,14 @@ def make_host(args: argparse.Namespace):  # -> PluginHost
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pluginhost.cli.output import OutputError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OutputError as exc:  # --help or --version, to a stdout that cannot be written
+        _report(f"error: {exc}", debug=False)
+        return EXIT_USER
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USER
