@@ -217,7 +217,9 @@ def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
     class inside the hook), or keep per-request state outside the processor.
     A processor that raises ends the requests it was processing (all those of
     the step, for ``apply``), with an error naming the plugin; it is then
-    rebuilt for the requests still running.
+    rebuilt for the requests still running. One that leaves a request's row
+    no token to choose (every logit -inf, or a NaN) ends that request alone,
+    with an error naming the plugin; the others of the step go on.
 
     Example::
 

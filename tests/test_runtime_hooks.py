@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 
 import httpx
 import openai
@@ -379,6 +380,62 @@ def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_it
         llm.engine.step()
     assert isinstance(newcomer.error, PluginHookError) and fourth.error is None
     assert fourth.output().token_ids == alone
+
+
+class AllowsOnly(LogitsProcessor):
+    """``extra_args={"allow": ids}``: only those tokens may follow (none, for an empty list); ``"nan"`` writes a NaN."""
+
+    def __init__(self, config, device):
+        self.rows = {}
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        process_dict_updates(self.rows, batch_update, lambda params, _p, _o: (params.extra_args or {}).get("allow"))
+
+    def apply(self, logits):
+        for row, allow in self.rows.items():
+            if allow == "nan":
+                logits[row, 5] = float("nan")  # greedy argmax would pick it
+                continue
+            kept = logits[row, allow].clone()
+            logits[row] = float("-inf")
+            logits[row, allow] = kept
+        return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    ("allow", "settings", "message"),
+    [
+        ([], {}, r"left this request no token to choose: every logit of its row was -inf or NaN"),
+        ("nan", {}, r"left this request no token to choose: every logit of its row was -inf or NaN"),
+        ([2], {"min_tokens": 3}, r"left this request only tokens that would end it, which min_tokens=3 forbids"),
+    ],
+    ids=["every token masked", "a NaN written", "only end-of-sequence left before min_tokens"],
+)
+def test_a_processor_leaving_a_request_no_token_ends_only_that_request_naming_the_plugin(
+    tiny_opt, temperature, allow, settings, message
+):
+    # Greedy decoding took token 0 for ever; sampling raised a RuntimeError that ended every request of the step.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[AddsProcessors(AllowsOnly)])
+
+    def params(**extra_args):
+        return SamplingParams(max_tokens=6, temperature=temperature, seed=3, **settings, extra_args=extra_args)
+
+    alone = llm.generate([PROMPTS[1]], params())[0].token_ids
+    bad = llm._inputs.make_request("bad", PROMPTS[0], params(allow=allow))
+    good = llm._inputs.make_request("good", PROMPTS[1], params())
+    llm.engine.submit([bad, good])
+    llm.engine.run_until(lambda: bad.finished and good.finished)
+    assert isinstance(bad.error, PluginHookError)
+    assert (bad.error.plugin, bad.error.hook) == ("AddsProcessors", "register_logits_processors")
+    assert re.search(r"^logits processor AllowsOnly \(plugin 'AddsProcessors'\) " + message, str(bad.error))
+    assert good.error is None and good.output().token_ids == alone  # its batch-mate goes on, as if alone
+    with pytest.raises(PluginHookError, match="AllowsOnly"):
+        llm.generate([PROMPTS[2]], params(allow=allow))
+    assert llm.generate([PROMPTS[1]], params())[0].token_ids == alone and llm.engine.scheduler.num_running == 0
 
 
 # -- on_request, on_output, record_stats ----------------------------------------------------------------

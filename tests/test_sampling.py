@@ -16,7 +16,9 @@ from transformers import OPTForCausalLM as HFOPTForCausalLM
 
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams
+from pluginhost.engine import sampler
 from pluginhost.engine.detokenizer import IncrementalDetokenizer
+from pluginhost.engine.sampler import NoTokenLeft, SamplingState
 from pluginhost.testing import RegistersModel
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
@@ -263,6 +265,58 @@ def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens(tiny_opt):
     # Both stop tokens held back for two tokens (the model's next choice is token 0), then end-of-sequence.
     out = llm.generate([[2, 5]], SamplingParams(temperature=0, max_tokens=10, min_tokens=2, stop_token_ids=[9]))[0]
     assert (out.token_ids, out.finish_reason, out.outputs[0].stop_reason) == ([0, 0, 2], "stop", None)
+
+
+class Sets:
+    """A logits processor as ``sample`` takes it: gives ``rows`` of the logits ``value``."""
+
+    def __init__(self, rows: list[int], value: float, *, invariant: bool = False) -> None:
+        self.rows, self.value, self.invariant = rows, value, invariant
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[self.rows] = self.value
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return self.invariant
+
+
+class KeepsOnly(Sets):
+    """Leaves every row only ``token``."""
+
+    def __init__(self, token: int) -> None:
+        super().__init__([], 0.0)
+        self.token = token
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        kept = logits[:, self.token].clone()
+        logits[:] = float("-inf")
+        logits[:, self.token] = kept
+        return logits
+
+
+def state_of(params: SamplingParams, seed: int = 0) -> SamplingState:
+    return SamplingState(params, torch.Generator().manual_seed(seed), [2], frozenset({2}), 8, torch.device("cpu"))
+
+
+def test_rows_the_processors_leave_no_token_are_named_with_the_processor_that_emptied_them():
+    # Greedy rows took token 0 (or a NaN's index); drawn rows raised a RuntimeError naming no one, for the batch.
+    states = [state_of(greedy()), state_of(greedy()), state_of(greedy()), None]  # row 3 waits this step
+    masks, writes_nan, refills = Sets([0, 2, 3], float("-inf")), Sets([1], float("nan")), Sets([2], 0.0)
+    with pytest.raises(NoTokenLeft) as caught:
+        sampler.sample(torch.randn(4, 8), states, [masks, writes_nan, refills])
+    assert caught.value.rows == {0: (masks,), 1: (writes_nan,)}  # row 2 was given a token again; row 3 is idle
+    only_eos, idle = KeepsOnly(2), Sets([], 0.0)
+    with pytest.raises(NoTokenLeft) as caught:  # end-of-sequence alone was left, which min_tokens masks
+        sampler.sample(torch.randn(1, 8), [state_of(greedy(min_tokens=2))], [only_eos, idle])
+    assert (caught.value.rows, caught.value.by_min_tokens) == ({0: (only_eos, idle)}, {0})
+    drawn = state_of(SamplingParams(temperature=1.0))
+    before = drawn.generator.get_state()
+    keeps = Sets([0], float("nan"), invariant=True)  # claims to keep the most likely token: applied after temperature
+    with pytest.raises(NoTokenLeft) as caught:
+        sampler.sample(torch.randn(2, 8), [drawn, state_of(greedy())], [keeps])
+    assert caught.value.rows == {0: (keeps,)} and torch.equal(drawn.generator.get_state(), before)  # nothing drawn
+    assert sampler.sample(torch.randn(2, 8), [None, state_of(greedy())], [Sets([0], float("nan"))])[0] is None
 
 
 # -- stop strings -------------------------------------------------------------------------

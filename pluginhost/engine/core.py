@@ -36,7 +36,7 @@ import torch
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, Sequence
 from pluginhost.engine.runner import ModelOutputError, ModelRunner
-from pluginhost.engine.sampler import sample
+from pluginhost.engine.sampler import NoTokenLeft, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
 from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor, step_rows
@@ -254,6 +254,9 @@ class EngineCore:
             except _NonFiniteLogits as nonfinite:
                 self._nonfinite(plan, nonfinite.rows)
                 return True
+            except NoTokenLeft as emptied:
+                self._processors_emptied(plan, emptied)
+                return True
             except Exception as exc:
                 self._fail(plan, blame(self.loaded, exc))
                 return True
@@ -349,6 +352,36 @@ class EngineCore:
             "ended %d of a step's %d rows: their logits were not finite numbers", len(rows), len(plan.active_rows)
         )
         for request in {id(plan.rows[r].request): plan.rows[r].request for r in rows}.values():
+            self._end(request, error)
+
+    def _processors_emptied(self, plan: ScheduledStep, emptied: NoTokenLeft) -> None:
+        """End the requests of the rows logits processors left no token to choose, naming them; the others run again.
+
+        Nothing was sampled: the step runs again without them, as after non-finite logits (the processors stay
+        as they are, for the requests they did not empty).
+        """
+        for row, processors in emptied.rows.items():
+            request = plan.rows[row].request
+            if request.error is not None:  # another of its samples ended it already
+                continue
+            entries = [p.entry for p in processors]  # type: ignore[attr-defined]  # the engine's _LiveProcessors
+            if row in emptied.by_min_tokens:
+                what = (
+                    f"{' and '.join(e.describe() for e in entries)} left this request only tokens that would end "
+                    f"it, which min_tokens={request.params.min_tokens} forbids this early: no token was left to "
+                    "choose"
+                )
+            else:
+                what = (
+                    f"{entries[0].describe()} left this request no token to choose: every logit of its row was -inf "
+                    "or NaN after its apply"
+                )
+            error = PluginHookError(
+                f"{what}. The request was ended; the others go on. {entries[0].registered_by.remedy()}",
+                plugin=entries[0].registered_by.name,
+                hook="register_logits_processors",
+            )
+            logger.error("%s", error)
             self._end(request, error)
 
     def _processor_failed(self, failure: _ProcessorFailure, plan: ScheduledStep, rows: list[int]) -> None:

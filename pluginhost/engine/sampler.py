@@ -14,6 +14,12 @@ In order, on a batch of rows (one per sequence) of float32 logits:
 Rows that need none of steps 1-3 cost nothing there, and an all-greedy batch
 without them is one ``argmax``. A row whose state is ``None`` gets no token
 (its sequence waits this step).
+
+A row the processors leave without a token to choose (every logit -inf, or a
+NaN, which ``argmax`` would pick) raises ``NoTokenLeft``, naming the processor,
+before any row draws: greedy decoding would pick token 0 for ever, sampling
+would fail. What the check costs (one pass over the logits after each
+processor, one read for the whole batch) is paid only when processors ran.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from torch import Tensor
 
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["Processor", "SamplingState", "sample", "top_logprobs"]
+__all__ = ["NoTokenLeft", "Processor", "SamplingState", "sample", "top_logprobs"]
 
 
 @dataclass
@@ -65,6 +71,20 @@ class Processor(Protocol):
     def is_argmax_invariant(self) -> bool: ...
 
 
+class NoTokenLeft(Exception):
+    """Rows where the logits processors left no token to choose: every logit -inf, or a NaN among them.
+
+    ``rows`` maps each such row (of the ``logits`` given to ``sample``) to the processor after which it
+    held no token; a row that still held some after the processors, but only tokens the ``min_tokens``
+    mask then took away, maps to every processor that changed the logits (those rows are in
+    ``by_min_tokens``). Raised before any row draws a random number: the step may run again without them.
+    """
+
+    def __init__(self, rows: dict[int, tuple[Processor, ...]], by_min_tokens: frozenset[int] = frozenset()) -> None:
+        super().__init__(f"the logits processors left no token to choose in rows {sorted(rows)}")
+        self.rows, self.by_min_tokens = rows, by_min_tokens
+
+
 def sample(
     logits: Tensor, states: Sequence[SamplingState | None], processors: Sequence[Processor] = ()
 ) -> list[int | None]:
@@ -77,12 +97,19 @@ def sample(
     penalized = [(i, s) for i, s in live if s.params.penalized]
     if changing or masked or penalized:
         logits = logits.clone()  # the model's own tensor stays as it returned it
+    #: After each processor (``None``: after the min_tokens mask), which rows still hold a token to choose.
+    stages: list[tuple[Processor | None, Tensor]] = []
     for processor in changing:
         logits = processor.apply(logits)
+        stages.append((processor, _choosable(logits)))
     for i, state in masked:  # an end-of-sequence id a config puts beyond the vocabulary cannot be sampled anyway
         logits[i, [t for t in state.stop_ids if t < logits.shape[-1]]] = float("-inf")
+    if stages and masked:  # what a processor left may be only the tokens min_tokens forbids
+        stages.append((None, _choosable(logits)))
     for i, state in penalized:
         _apply_penalties(logits[i], state)
+    if stages:
+        _check_choosable(stages, rows, changing)
     tokens: list[int | None] = [None] * len(states)
     if all(s.params.greedy for _, s in live):
         chosen = (logits if len(rows) == len(states) else logits[rows]).argmax(dim=-1).tolist()
@@ -93,8 +120,11 @@ def sample(
     index = torch.tensor([i for i, _ in drawn], device=logits.device)
     if keeping:  # after temperature, on the whole batch, as vLLM applies them
         scaled = logits / _temperatures(states, logits)[:, None]
+        stages = []
         for processor in keeping:
             scaled = processor.apply(scaled)
+            stages.append((processor, _choosable(scaled)))
+        _check_choosable(stages, [i for i, _ in drawn], keeping)
         scaled = scaled[index]  # (S, V): the rows that draw
     else:
         scaled = logits[index] / _temperatures([s for _, s in drawn], logits)[:, None]  # (S, V)
@@ -106,6 +136,39 @@ def sample(
         for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
             tokens[i] = token
     return tokens
+
+
+def _choosable(logits: Tensor) -> Tensor:
+    """Which rows (B,) hold a token to choose: one logit above -inf, and no NaN (``amax`` propagates it)."""
+    return logits.amax(dim=-1) > float("-inf")
+
+
+def _check_choosable(
+    stages: Sequence[tuple[Processor | None, Tensor]], rows: Sequence[int], processors: Sequence[Processor]
+) -> None:
+    """Raise ``NoTokenLeft`` for the ``rows`` the last stage left without a token to choose (one read of the batch).
+
+    Each such row is the fault of the stage from which it held none to the end (a later processor may give
+    an emptied row a token again); a ``None`` stage (the min_tokens mask), of every one of ``processors``.
+    """
+    held = torch.stack([choosable for _, choosable in stages])[:, rows]  # (stages, R)
+    if bool(held[-1].all()):
+        return
+    emptied: dict[int, tuple[Processor, ...]] = {}
+    by_min_tokens = set()
+    for row, column in zip(rows, held.t().tolist(), strict=True):
+        if column[-1]:
+            continue
+        stage = len(column) - 1
+        while stage > 0 and not column[stage - 1]:
+            stage -= 1
+        processor = stages[stage][0]
+        if processor is None:
+            emptied[row] = tuple(processors)
+            by_min_tokens.add(row)
+        else:
+            emptied[row] = (processor,)
+    raise NoTokenLeft(emptied, frozenset(by_min_tokens))
 
 
 def _temperatures(states: Sequence[SamplingState | None], logits: Tensor) -> Tensor:
