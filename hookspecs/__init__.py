@@ -270,7 +270,9 @@ def on_output(request: EngineRequest, output: RequestOutput) -> None:
     output reaches the caller (``LLM.generate``'s result, the last streamed
     output, the server's answer).
 
-    May: change ``output`` in place (``output.outputs[i].text``, for example).
+    May: change ``output`` in place (``output.outputs[i].text``, for example;
+    its lists are its own, but each token's ``logprobs`` dict is read-only:
+    put a new dict in its place).
 
     Must not: block for long (the engine waits), replace the object, or
     change a sample's ``token_ids`` without its ``logprobs`` (one per token;

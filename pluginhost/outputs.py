@@ -5,11 +5,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CompletionOutput", "FinishReason", "RequestOutput"]
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs"]
 
 #: "length" (max_tokens or max_model_len reached), "stop" (end-of-sequence, a stop token or a stop
 #: string), or "abort" (``AsyncLLM.abort``, a client that went away, a shutdown).
 FinishReason = Literal["length", "stop", "abort"]
+
+
+class TokenLogprobs(dict[int, float]):
+    """One generated token's ``{token_id: logprob}`` (the chosen token and the top k): a ``dict``, read-only.
+
+    Every output of a request holds the same one for a token, the engine's own: built once, never copied
+    (a streamed answer of thousands of tokens is handed out after each of them). Read it as any dict;
+    to change it, make a copy (``dict(logprobs)``) and change that.
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "a token's logprobs are read-only (every output of the request shares them with the engine): "
+            "change a copy, dict(logprobs)"
+        )
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore[assignment]
+
+    def copy(self) -> dict[int, float]:
+        """A plain dict with the same entries, to change."""
+        return dict(self)
+
+    def __reduce__(self) -> tuple[type[TokenLogprobs], tuple[dict[int, float]]]:
+        return type(self), (dict(self),)  # pickle and deepcopy: built at once, not filled item by item
 
 
 @dataclass
@@ -22,7 +48,8 @@ class CompletionOutput:
     text: str | None
     #: Generated token ids only (a stop or end-of-sequence token that ended generation included).
     token_ids: list[int]
-    #: ``None``, or one ``{token_id: logprob}`` per generated token (the chosen one and the top k).
+    #: ``None``, or one ``{token_id: logprob}`` per generated token (the chosen one and the top k; each a
+    #: read-only ``TokenLogprobs``). The list is the output's own.
     logprobs: list[dict[int, float]] | None = None
     #: Sum of the chosen tokens' log-probabilities, when ``logprobs`` was asked for.
     cumulative_logprob: float | None = None
@@ -47,6 +74,7 @@ class RequestOutput:
     request_id: str
     #: The prompt as given when it was text, else ``None``.
     prompt: str | None
+    #: The output's own copy of the prompt's token ids (changing it changes nothing else).
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
 

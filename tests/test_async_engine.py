@@ -321,6 +321,41 @@ def test_streamed_text_never_shows_half_a_character(tiny_opt):
         engine.shutdown()
 
 
+def test_a_streamed_output_is_the_callers_to_change_the_request_runs_on_as_given(tiny_opt, offline):
+    # The outputs held the request's live prompt list and its logprob dicts: a client that built its next
+    # prompt from one (history.extend) changed the running request's prompt, and what a preemption recomputes.
+    seen: list[list[int]] = []
+
+    class Spy:
+        @hookimpl
+        def on_output(self, request, output):
+            seen.append(list(request.prompt_token_ids))
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Spy()])
+
+    async def scenario():
+        outs = []
+        async for out in engine.generate(PROMPTS[3], greedy(6), "changed"):
+            if not outs:
+                history = out.prompt_token_ids  # a client building its next prompt
+                history.extend([99, 99])
+                with pytest.raises(TypeError, match="logprobs are read-only"):
+                    out.outputs[0].logprobs[0].clear()  # or tidying what it shows
+                tidied = dict(out.outputs[0].logprobs[0])  # a copy is its to change
+                tidied.clear()
+            outs.append(out)
+        return outs
+
+    try:
+        outs = run(scenario())
+    finally:
+        engine.shutdown()
+    alone = offline.generate([PROMPTS[3]], greedy(6))[0]
+    assert outs[0].prompt_token_ids == [*PROMPTS[3], 99, 99]  # the caller's own copy
+    assert seen == [PROMPTS[3]] and outs[-1].prompt_token_ids == PROMPTS[3]
+    assert outs[-1].token_ids == alone.token_ids and outs[-1].logprobs == alone.logprobs
+
+
 def test_a_request_id_in_use_is_refused_at_once_and_the_running_request_is_untouched(engine, offline):
     async def scenario():
         first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "dup")

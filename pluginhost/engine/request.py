@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pluginhost.engine.sampler import SamplingState, top_logprobs
-from pluginhost.outputs import CompletionOutput, FinishReason, RequestOutput
+from pluginhost.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -74,7 +74,7 @@ class Sequence:
             assert self.params.logprobs is not None
             if self.logprobs is None:
                 self.logprobs, self.cumulative_logprob = [], 0.0
-            step = top_logprobs(logprobs, token, self.params.logprobs)
+            step = TokenLogprobs(top_logprobs(logprobs, token, self.params.logprobs))  # shared by every output
             self.logprobs.append(step)
             self.cumulative_logprob += step[token]
         may_stop = len(self.token_ids) >= self.params.min_tokens
@@ -96,7 +96,7 @@ class Sequence:
             self.detokenizer.flush()
 
     def output(self, *, streaming: bool = False) -> CompletionOutput:
-        """A snapshot of the sample so far.
+        """A snapshot of the sample so far: its lists are its own, each token's logprobs read-only.
 
         While streaming an unfinished sample, trailing text that may still turn out to start a stop
         string is held back.
@@ -145,12 +145,16 @@ class EngineRequest:
         return self.error is not None or self.aborted or all(s.finished for s in self.sequences)
 
     def output(self) -> RequestOutput:
-        """A cumulative snapshot of every sample (once finished, the final output)."""
+        """A cumulative snapshot of every sample (once finished, the final output).
+
+        The caller's to change: its lists are copies, never the engine's (the prompt's ids run on, and are
+        prefilled again after a preemption).
+        """
         if self.final_output is not None:
             return self.final_output
         return RequestOutput(
             self.request_id,
             self.prompt,
-            self.prompt_token_ids,
+            list(self.prompt_token_ids),
             [s.output(streaming=self.streaming) for s in self.sequences],
         )
