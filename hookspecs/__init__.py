@@ -245,8 +245,10 @@ def on_request(request: EngineRequest) -> None:
     ids), ``prompt_token_ids`` and ``params`` (its own ``SamplingParams``).
 
     May: change ``request.params`` or ``request.prompt_token_ids`` in place;
-    raise ``ValueError`` to refuse the request (the caller gets a
-    ``ValueError``, the server a 400, naming this plugin).
+    raise ``ValueError`` to refuse the request, or ``PermissionError`` to
+    refuse it by policy (either way the caller gets a ``RequestRefusedError``,
+    a ``ValueError``, and the server a 400, naming this plugin; the engine and
+    the server go on).
 
     Must not: block for long (requests are prepared one at a time, so the
     server's next request waits for it), or keep the request. Any other

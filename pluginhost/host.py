@@ -702,8 +702,9 @@ class PluginHost:
         An exception from an implementation (any ``BaseException`` but Ctrl-C:
         a plugin's ``sys.exit()`` too) becomes a ``PluginHookError`` naming the
         plugin and the hook, followed by ``consequence``. An ``on_request``
-        implementation raising ``ValueError`` refuses the request: a
-        ``RequestRefusedError``, which is a ``ValueError``.
+        implementation raising ``ValueError`` (or ``PermissionError``, a refusal
+        by policy) refuses the request: a ``RequestRefusedError``, which is a
+        ``ValueError``.
         """
         return self._dispatch(getattr(self.plugin_manager.hook, hook), hook, consequence, kwargs)
 
@@ -744,7 +745,9 @@ class PluginHost:
     def _hook_error(self, plugin: PluginRef, hook: str, exc: BaseException, consequence: str) -> PluginHookError:
         record = next((r for r in self._records if r.name == plugin.name), None)
         remedy = _remedy(record) if record is not None else ""
-        if hook == "on_request" and isinstance(exc, ValueError):
+        if hook == "on_request" and isinstance(exc, ValueError | PermissionError):
+            # A refusal of the request (a PermissionError: by policy), told to its caller (a 400, as any ValueError
+            # there); the engine and the server go on. Not a fault of the plugin's to fix or disable.
             return RequestRefusedError(f"{plugin.describe()} refused the request: {exc}", plugin=plugin.name, hook=hook)
         if isinstance(exc, PermissionError):  # a policy said no, as it should: not a fault to fix or disable
             message = f"{plugin.describe()} refused, in its {hook} hook: {exc}. {consequence}".strip()

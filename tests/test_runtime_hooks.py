@@ -518,6 +518,40 @@ def test_a_refusal_is_a_400_and_the_server_keeps_serving(tiny_opt):
         engine.shutdown()
 
 
+class Policy:
+    @hookimpl
+    def on_request(self, request):
+        if (request.params.extra_args or {}).get("forbidden"):
+            raise PermissionError("this site does not answer that")
+
+
+def test_a_permission_error_in_on_request_refuses_the_request_by_policy_a_400_and_the_server_keeps_serving(tiny_opt):
+    # It said "refused, in its on_request hook" but was the plugin's failure: a 500 server_error for the client.
+    forbidden = greedy(3, extra_args={"forbidden": True})
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Policy()])
+    with pytest.raises(
+        RequestRefusedError, match=r"^plugin 'Policy' refused the request: this site does not answer"
+    ) as info:
+        llm.generate([PROMPTS[0]], forbidden)
+    assert (info.value.plugin, info.value.hook) == ("Policy", "on_request")
+    assert isinstance(info.value.__cause__, PermissionError)
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Policy()])
+    try:
+        with running_server(build_app(engine, served_model_name="policy")) as base:
+            body = {"model": "policy", "prompt": [2, 5, 9], "max_tokens": 3}
+            refused = httpx.post(
+                f"{base}/v1/completions", json={**body, "extra_args": {"forbidden": 1}}, timeout=TIMEOUT
+            )
+            assert refused.status_code == 400
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"] == "plugin 'Policy' refused the request: this site does not answer that"
+            served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+    finally:
+        engine.shutdown()
+
+
 class Redacts:
     @hookimpl
     def on_output(self, request, output):
