@@ -241,14 +241,20 @@ def on_request(request: EngineRequest) -> None:
     Called for each request (each prompt of ``LLM.generate``, each prompt of
     an HTTP request), in the thread that prepares it (see above), after its
     prompt is tokenized and before its parameters are checked and it is queued.
-    ``request`` has ``request_id``, ``prompt`` (text, or ``None`` for token
-    ids), ``prompt_token_ids`` and ``params`` (its own ``SamplingParams``).
+    ``request`` has ``request_id``, ``prompt``, ``prompt_token_ids`` and
+    ``params`` (its own ``SamplingParams``). ``prompt`` is the text of the ids
+    that run: the text given, or, for a prompt dict giving ids and text (the
+    server's chat prompts), the text given if the ids are its tokens, else
+    what they decode to; ``None`` for token ids alone.
 
-    May: change ``request.params`` or ``request.prompt_token_ids`` in place;
-    raise ``ValueError`` to refuse the request, or ``PermissionError`` to
-    refuse it by policy (either way the caller gets a ``RequestRefusedError``,
-    a ``ValueError``, and the server a 400, naming this plugin; the engine and
-    the server go on).
+    May: change ``request.params``, ``request.prompt_token_ids`` or
+    ``request.prompt`` in place (once every ``on_request`` hook has run, a
+    changed ``prompt`` is tokenized again, and ids changed with it must be
+    its tokens, else the request fails naming the plugin; ids changed alone
+    take the text they decode to); raise ``ValueError`` to refuse the
+    request, or ``PermissionError`` to refuse it by policy (either way the
+    caller gets a ``RequestRefusedError``, a ``ValueError``, and the server a
+    400, naming this plugin; the engine and the server go on).
 
     Must not: block for long (requests are prepared one at a time, so the
     server's next request waits for it), or keep the request. Any other

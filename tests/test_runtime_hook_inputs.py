@@ -116,10 +116,66 @@ def test_on_request_sees_the_text_of_a_chat_prompt():
     assert seen == [text] and "Hello there" in text
 
 
-def test_a_token_prompt_may_carry_its_text(llm):
-    # vLLM's TokensPrompt: the ids are generated from, the text is the request's prompt.
-    out = llm.generate({"prompt": "hi", "prompt_token_ids": [2, 5]}, tagged(70, 1))[0]
-    assert (out.prompt, out.prompt_token_ids) == ("hi", [2, 5])
+class SeesPrompts:
+    def __init__(self):
+        self.seen: list[str | None] = []
+
+    @hookimpl
+    def on_request(self, request):
+        self.seen.append(request.prompt)
+
+
+def test_a_token_prompt_carrying_a_text_shows_hooks_the_text_that_runs(tiny_opt):
+    # vLLM's TokensPrompt: the ids are generated from. The text beside them was shown to on_request hooks and
+    # reported as the output's prompt whatever the ids said, so a guard reading it let "the secret plan" run.
+    spy = SeesPrompts()
+    llm = LLM(str(tiny_opt), plugins=[ForceTagPlugin(), spy], load_installed_plugins=False, device="cpu")
+    ids = llm.get_tokenizer()("the secret plan")["input_ids"]
+    assert ids[0] == 2  # the tokenizer's beginning-of-sequence token, which a text prompt's text leaves out
+    faithful = llm.generate({"prompt": "the secret plan", "prompt_token_ids": ids}, tagged(70, 1))[0]
+    disguised = llm.generate({"prompt": "a harmless plan", "prompt_token_ids": ids}, tagged(70, 1))[0]
+    assert spy.seen == ["the secret plan", "</s>the secret plan"]
+    assert (faithful.prompt, disguised.prompt) == ("the secret plan", "</s>the secret plan")
+    assert faithful.prompt_token_ids == disguised.prompt_token_ids == ids
+
+
+class RewritesPrompts:
+    """Rewrites a text prompt; with ``extra_args``, changes its ids too (``"ids": ...``) or only them (``"add"``)."""
+
+    @hookimpl
+    def on_request(self, request):
+        extra = request.params.extra_args or {}
+        if "add" in extra:
+            request.prompt_token_ids = request.prompt_token_ids + extra["add"]
+            return
+        request.prompt = "The engine" + request.prompt
+        if "ids" in extra:
+            request.prompt_token_ids = extra["ids"]
+
+
+def test_a_prompt_an_on_request_hook_rewrites_is_the_prompt_that_runs(tiny_opt):
+    # The new text was reported as the output's prompt, but the old text's ids ran.
+    llm = LLM(str(tiny_opt), plugins=[RewritesPrompts()], load_installed_plugins=False, device="cpu")
+    plain = LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = plain.generate("The engine is", params)[0]
+    out = llm.generate(" is", params)[0]
+    assert (out.prompt, out.prompt_token_ids, out.token_ids) == (
+        "The engine is",
+        expected.prompt_token_ids,
+        expected.token_ids,
+    )
+    # Changed together with that text's ids, the text runs; with other ids, the request is the plugin's error.
+    both = params.clone(extra_args={"ids": expected.prompt_token_ids})
+    assert llm.generate(" is", both)[0].token_ids == expected.token_ids
+    with pytest.raises(PluginHookError, match=r"on_request hook of plugin 'RewritesPrompts': request.prompt and"):
+        llm.generate(" is", params.clone(extra_args={"ids": [2, 5]}))
+    # Ids changed alone take the text they stand for: the output does not report a text that never ran.
+    grown = llm.generate(" is", params.clone(extra_args={"add": [224, 224]}))[0]
+    assert (grown.prompt, grown.prompt_token_ids) == (
+        "</s> is  ",
+        [*plain.generate(" is", params)[0].prompt_token_ids, 224, 224],
+    )
 
 
 class BuggyValidation(ForceTag):

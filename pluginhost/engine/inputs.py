@@ -64,19 +64,19 @@ class InputProcessor:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         if self._on_request:
-            given = (list(token_ids), request.params.clone())
+            given = (text, list(token_ids), request.params.clone())
             # Only the caller's own max_tokens can be the caller's error: what a plugin adds is cut to fit.
             asked = params.max_tokens
             exact = exact_max_tokens and asked is not None and len(token_ids) + asked > loaded.max_model_len
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
-                request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
+                self._follow_prompt(index, request, text, given[1])
                 max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact)
             except ValueError as exc:
-                now = (request.prompt_token_ids, request.params)
+                now = (request.prompt, request.prompt_token_ids, request.params)
                 if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
                     raise
-                self._checked(index, *given, exact_max_tokens)  # the caller's own request fails too: the caller's error
+                self._checked(index, *given[1:], exact_max_tokens)  # the caller's own request fails too: theirs
                 plugins = loaded.host.implementers("on_request")
                 raise PluginHookError(
                     f"prompt {index} became invalid in the on_request hook of "
@@ -191,44 +191,92 @@ class InputProcessor:
         return max_tokens
 
     def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
-        loaded = self._loaded
         if isinstance(prompt, Mapping):
             text = prompt.get("prompt")
             prompt = _unwrap_prompt_dict(index, prompt)
             if not isinstance(prompt, str) and isinstance(text, str):
-                # vLLM's TokensPrompt may carry the text the ids came from (the server's chat prompts):
-                # the ids are used, the text is kept as the request's prompt (for on_request hooks).
-                return text, self._check_ids(index, prompt)
+                # vLLM's TokensPrompt may carry the text the ids came from (the server's chat prompts). The ids
+                # run, so the request's text (what on_request hooks read, the output's prompt) is theirs.
+                token_ids = self._check_ids(index, prompt)
+                return self._text_of(token_ids, text), token_ids
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
-            if loaded.tokenizer is None:
-                raise ValueError(
-                    f"prompt {index} is text, but {loaded.config.model} has no tokenizer files; "
-                    "pass token ids instead (a list of ints)"
-                )
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate: tokenizers raise a TypeError on it
-                raise ValueError(
-                    f"prompt {index} is not valid Unicode: character {exc.start} is {prompt[exc.start]!r}, "
-                    f"{exc.reason} (text decoded with errors='surrogateescape'?)"
-                ) from None
-            self.check_text_length(index, prompt)
-            token_ids = list(loaded.tokenizer(prompt)["input_ids"])
-            outside = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
-            if outside:
-                raise ValueError(
-                    f"prompt {index} encodes to token id(s) {outside[:5]} outside the model's vocabulary "
-                    f"[0, {loaded.vocab_size}): the tokenizer of {loaded.config.model} does not match the model "
-                    "(tokens added to the tokenizer that the model has no embedding for?)"
-                )
-            return prompt, token_ids
+            return prompt, self._tokenize(index, prompt)
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise ValueError(
                 f"prompt {index} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
             )
         return None, self._check_ids(index, prompt)
+
+    def _tokenize(self, index: int, prompt: str) -> list[int]:
+        """The token ids of a text prompt, checked."""
+        loaded = self._loaded
+        if not prompt:
+            raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
+        if loaded.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is text, but {loaded.config.model} has no tokenizer files; "
+                "pass token ids instead (a list of ints)"
+            )
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: tokenizers raise a TypeError on it
+            raise ValueError(
+                f"prompt {index} is not valid Unicode: character {exc.start} is {prompt[exc.start]!r}, "
+                f"{exc.reason} (text decoded with errors='surrogateescape'?)"
+            ) from None
+        self.check_text_length(index, prompt)
+        token_ids = list(loaded.tokenizer(prompt)["input_ids"])
+        outside = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
+        if outside:
+            raise ValueError(
+                f"prompt {index} encodes to token id(s) {outside[:5]} outside the model's vocabulary "
+                f"[0, {loaded.vocab_size}): the tokenizer of {loaded.config.model} does not match the model "
+                "(tokens added to the tokenizer that the model has no embedding for?)"
+            )
+        return token_ids
+
+    def _text_of(self, token_ids: list[int], given: str | None = None) -> str | None:
+        """The text ``token_ids`` stand for (``None`` without a tokenizer): ``given`` if they decode to it.
+
+        Special tokens count, as the model reads them; but ``given`` may leave out those the tokenizer adds
+        (the beginning-of-sequence token a text prompt gets: ``{"prompt": t, "prompt_token_ids": ids of t}``).
+        """
+        tokenizer = self._loaded.tokenizer
+        if tokenizer is None:
+            return None
+        try:
+            text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if given is None or text == given:
+                return text
+            bare = tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot decode them: no text to show
+            return None
+        return given if bare == given else text
+
+    def _follow_prompt(self, index: int, request: EngineRequest, text: str | None, token_ids: list[int]) -> None:
+        """Make the request's text and ids agree again after the on_request hooks (``text``, ``token_ids``: before).
+
+        A changed text is tokenized (ids a hook changed too must be that text's); changed ids take the text
+        they decode to; a text set to ``None`` leaves the ids as they are. A ``ValueError`` if that cannot be.
+        """
+        prompt = request.prompt
+        if prompt is not text and prompt != text:
+            if prompt is None:
+                request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
+                return
+            if not isinstance(prompt, str):
+                raise ValueError(f"request.prompt must be text or None, got {type(prompt).__name__}")
+            tokenized, ids = self._tokenize(index, prompt), request.prompt_token_ids
+            if not _same_ids(ids, token_ids) and not _same_ids(ids, tokenized):  # changed too, to other ids
+                raise ValueError(
+                    "request.prompt and request.prompt_token_ids were both changed, and the text does not tokenize "
+                    "to those ids; change one of them (the other follows)"
+                )
+            request.prompt_token_ids = tokenized
+            return
+        request.prompt_token_ids = self._check_ids(index, request.prompt_token_ids)
+        if text is not None and request.prompt_token_ids != token_ids:
+            request.prompt = self._text_of(request.prompt_token_ids)
 
     def _check_ids(self, index: int, ids: Sequence[int]) -> list[int]:
         token_ids = list(ids)
@@ -275,6 +323,14 @@ def _unchanged(now: object, given: object) -> bool:
     try:
         return bool(now == given)
     except Exception:  # noqa: BLE001 - extra_args may hold anything (a tensor's == is not a bool)
+        return False
+
+
+def _same_ids(ids: object, other: list[int]) -> bool:
+    """Whether ``ids`` (what a hook left: a list, a tuple, anything) are the token ids ``other``."""
+    try:
+        return list(ids) == other  # type: ignore[call-overload]
+    except TypeError:
         return False
 
 
