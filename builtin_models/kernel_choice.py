@@ -11,8 +11,16 @@ engine measures instead of guessing.
 
 For each (weight shape, bias or not, row count rounded to a power of two) a
 layer meets, the first call times every kernel that computes the right result
-on the real weight (a few milliseconds), keeps the fastest, and never looks
-again. Few rows are timed as decoding meets them, with the weight coming from
+on the real weight, in two interleaved rounds, keeps the fastest, and never
+looks again. A kernel other than ``F.linear`` must beat it by 3% in every
+round. Calibration has a time budget: 1.5 s per process in all and 0.5 s per
+measurement; past either, the fixed row-count thresholds decide, for this
+process only, and a later process measures what is left. A choice is saved
+only if its timings were steady: both rounds pick the same kernel, and no
+kernel's two rounds differ by more than 25%. Otherwise the machine was busy,
+and the choice serves this process only.
+
+Few rows are timed as decoding meets them, with the weight coming from
 memory rather than from the cache: a step streams every layer's weights, far
 more than the last-level cache holds, so kernels are timed over enough copies
 of the weight to overflow it (timed hot, a 768 x 768 product looked the same
@@ -58,6 +66,7 @@ from pluginhost.envflags import env_flag
 
 __all__ = [
     "CALIBRATION_ENV",
+    "FIXED_THRESHOLDS",
     "F_LINEAR",
     "KERNELS",
     "KERNEL_ENV",
@@ -90,8 +99,18 @@ _MAX_TIMED_ROWS = 2048
 _SWAPPED_MAX_ROWS = 63
 #: Up to this many rows a product is bound by reading its weight, and is timed with the weight cold.
 _COLD_MAX_ROWS = 63
-#: A kernel must beat F.linear by this much to be chosen: timing noise never picks a slower one.
+#: A kernel must beat F.linear by this much (in every round) to be chosen: noise never picks a slower one.
 _MARGIN = 0.97
+#: Seconds of calibration a table (the process's) may spend in all; then the fixed thresholds decide.
+_BUDGET_S = 1.5
+#: Seconds one measurement (one shape and row bucket) may take; past it, the fixed thresholds decide it.
+_MEASUREMENT_CAP_S = 0.5
+#: Each kernel is timed in this many rounds, interleaved; a choice is saved only if the rounds agree.
+_ROUNDS = 2
+#: ... and no kernel's rounds differ by more than this factor (more: the machine was busy, timings disturbed).
+_MAX_SPREAD = 1.25
+#: What ``choices()`` says where the fixed thresholds decide (calibration off, or past its time).
+FIXED_THRESHOLDS = "fixed thresholds"
 #: 2: few rows timed with cold weights (version 1 timed them hot, and chose badly for decoding).
 _CACHE_VERSION = 2
 #: A larger file is not a kernel cache (each choice takes about 30 bytes).
@@ -154,8 +173,9 @@ class KernelTable:
     """The kernel for each (weight shape, bias, row bucket): forced, measured, or the fixed fallback.
 
     ``runners`` maps kernel names to ``(x2d, weight, bias) -> y2d``; ``timer``
-    times a zero-argument function (seconds), and ``cache_file`` (or ``None``)
-    keeps the measurements.
+    times a zero-argument function (seconds), ``clock`` tells the time (for the
+    budget: ``budget_s`` in all, ``measurement_cap_s`` per measurement), and
+    ``cache_file`` (or ``None``) keeps the measurements.
     """
 
     def __init__(
@@ -165,6 +185,9 @@ class KernelTable:
         mode: str = "measure",
         cache_file: Path | None = None,
         timer: Callable[[Callable[[], object]], float] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        budget_s: float = _BUDGET_S,
+        measurement_cap_s: float = _MEASUREMENT_CAP_S,
     ) -> None:
         if mode not in ("measure", "fallback", *KERNELS):
             raise ValueError(f"unknown kernel mode {mode!r}")
@@ -172,7 +195,11 @@ class KernelTable:
         self.mode = mode
         self.cache_file = cache_file
         self._timer = timer or _time
+        self._clock, self.budget_s, self.measurement_cap_s = clock, budget_s, measurement_cap_s
+        self._spent = 0.0  # seconds of calibration so far
         self._choices: dict[Key, str] = {}
+        self._unsaved: set[Key] = set()  # choices for this process only: fixed thresholds, disturbed timings
+        self._budget_logged = self._disturbed_logged = False
         self._lock = threading.Lock()
         self._cache_loaded = False
         self._cache_warned = False
@@ -208,10 +235,12 @@ class KernelTable:
             with self._lock:
                 choice = self._choices.get(key) or self._decide(key, weight, bias, rows)
                 self._choices[key] = choice
+        if choice is FIXED_THRESHOLDS:  # per row count: a threshold may fall inside a bucket
+            return _fallback(weight, bias, rows) if ONEDNN in self.runners else F_LINEAR
         return choice
 
     def choices(self) -> dict[str, str]:
-        """Every choice made so far, as ``"2304x768+bias rows 8-15": "onednn"``."""
+        """Every choice made so far, as ``"2304x768+bias rows 8-15": "onednn"`` (or ``"fixed thresholds"``)."""
         return {_describe(key): kernel for key, kernel in sorted(self._choices.items())}
 
     # -- deciding -----------------------------------------------------------------------
@@ -220,21 +249,52 @@ class KernelTable:
         if self.mode in KERNELS:
             return self.mode if self.mode in self.runners else F_LINEAR
         if self.mode == "fallback":
-            return _fallback(weight, bias, rows) if ONEDNN in self.runners else F_LINEAR
+            return FIXED_THRESHOLDS
         if not self._cache_loaded:
             self._load_cache()
             if key in self._choices:
                 return self._choices[key]
-        choice = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS), _bucket_top(key[3]))
+        if self._spent >= self.budget_s:
+            if not self._budget_logged:
+                self._budget_logged = True
+                logger.info(
+                    "kernel calibration has spent its %.1f s: fixed thresholds for the shapes left, which a later "
+                    "process measures",
+                    self.budget_s,
+                )
+            self._unsaved.add(key)
+            return FIXED_THRESHOLDS
+        start = self._clock()
+        deadline = start + min(self.measurement_cap_s, self.budget_s - self._spent)
+        try:
+            measured = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS), _bucket_top(key[3]), deadline)
+        finally:
+            self._spent += self._clock() - start
+        if measured is None:  # past the cap: a busy machine, or a weight too large to time quickly
+            logger.debug(
+                "linear %s: measuring took over %.2f s; fixed thresholds", _shape(weight), self.measurement_cap_s
+            )
+            self._unsaved.add(key)
+            return FIXED_THRESHOLDS
+        choice, steady = measured
         self._choices[key] = choice
-        self._save_cache()
+        if steady:
+            self._save_cache()
+        else:
+            self._unsaved.add(key)
+            if not self._disturbed_logged:
+                self._disturbed_logged = True
+                logger.info("kernel timings were disturbed (a busy machine?): choices kept for this process only")
         return choice
 
-    def _measure(self, weight: Tensor, bias: Tensor | None, rows: int, most_rows: int) -> str:
-        """Time every kernel that gets the right answer on ``weight``; the fastest (F.linear on a near tie).
+    def _measure(
+        self, weight: Tensor, bias: Tensor | None, rows: int, most_rows: float, deadline: float
+    ) -> tuple[str, bool] | None:
+        """Time every kernel that gets the right answer on ``weight``: the fastest (F.linear on a near tie).
 
         The choice serves up to ``most_rows`` (its bucket's top): a kernel is a candidate, and the weight
-        is cold, only if that holds for every row count of the bucket, whichever one met it first.
+        is cold, only if that holds for every row count of the bucket, whichever one met it first. Returns
+        the choice and whether the timings were steady (worth saving), or ``None`` past ``deadline``.
         """
         generator = torch.Generator().manual_seed(rows)
         x = torch.randn(rows, weight.shape[1], generator=generator)
@@ -242,32 +302,48 @@ class KernelTable:
             weights = _cold_copies(weight) if most_rows <= _COLD_MAX_ROWS else [weight]
             expected = F.linear(x, weight, bias)
             tolerance = 1e-5 * (F.linear(x.abs(), weight.abs()).max().item() + 1)
-            times: dict[str, float] = {}
+            candidates: dict[str, Runner] = {}
             for name, run in self.runners.items():
                 if name == ONEDNN_SWAPPED and most_rows > _SWAPPED_MAX_ROWS:
                     continue
                 try:
-                    y = run(x, weight, bias)
+                    y = run(x, weight, bias)  # also the warm-up: oneDNN builds its primitive for this shape
                     if y.shape != expected.shape or (y - expected).abs().max().item() > tolerance:
                         logger.warning("kernel %s gave a wrong result for a %s weight; not used", name, _shape(weight))
                         continue
                 except RuntimeError as exc:
                     logger.debug("kernel %s cannot run a %s weight: %s", name, _shape(weight), exc)
                     continue
-                times[name] = self._timer(lambda run=run: [run(x, w, bias) for w in weights]) / len(weights)
-        if not times:
-            return F_LINEAR
-        best = min(times, key=times.__getitem__)
-        if F_LINEAR in times and times[best] > _MARGIN * times[F_LINEAR]:
-            best = F_LINEAR
+                candidates[name] = run
+            rounds: list[dict[str, float]] = []
+            for _ in range(_ROUNDS):  # interleaved: a burst of load hits one kernel's round, not all of its time
+                rounds.append({})
+                for name, run in candidates.items():
+                    if self._clock() > deadline:
+                        return None
+                    rounds[-1][name] = self._timer(lambda run=run: [run(x, w, bias) for w in weights]) / len(weights)
+        if not candidates:
+            return F_LINEAR, True
+        times = {name: min(r[name] for r in rounds) for name in candidates}
+        # Never slower than F.linear: another kernel must beat it by the margin in every round.
+        eligible = [
+            name
+            for name in times
+            if name == F_LINEAR or F_LINEAR not in times or all(r[name] <= _MARGIN * r[F_LINEAR] for r in rounds)
+        ]
+        best = min(eligible, key=times.__getitem__)
+        steady = len({_fastest(r) for r in rounds}) == 1 and all(
+            max(r[name] for r in rounds) <= _MAX_SPREAD * times[name] for name in times
+        )
         logger.debug(
-            "linear %s, %d rows: %s (%s)",
+            "linear %s, %d rows: %s%s (%s)",
             _shape(weight),
             rows,
             best,
-            ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in times.items()),
+            "" if steady else ", disturbed: not saved",
+            "; ".join(", ".join(f"{n} {t * 1e6:.0f} us" for n, t in r.items()) for r in rounds),
         )
-        return best
+        return best, steady
 
     # -- the cache ------------------------------------------------------------------------
 
@@ -361,11 +437,16 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def _fastest(times: dict[str, float]) -> str:
+    """The fastest kernel of one round of timings (F.linear unless beaten by the margin)."""
+    best = min(times, key=times.__getitem__)
+    return F_LINEAR if F_LINEAR in times and times[best] > _MARGIN * times[F_LINEAR] else best
+
+
 def _time(fn: Callable[[], object]) -> float:
-    """The best of a few runs after a warm-up: at least 3 runs and about 2 ms."""
-    fn()
+    """The best of a few runs (the kernel ran once already): at least 2 runs and about 1 ms; one round of two."""
     best, spent, runs = float("inf"), 0.0, 0
-    while runs < 3 or (spent < 0.002 and runs < 50):
+    while runs < 2 or (spent < 0.001 and runs < 50):
         start = time.perf_counter()
         fn()
         elapsed = time.perf_counter() - start

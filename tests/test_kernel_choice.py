@@ -70,9 +70,9 @@ def test_the_measured_fastest_kernel_is_chosen_once(tmp_path, seconds, expected)
     timer = FakeTimer(seconds)
     table = make_kernel_table(cache_file=tmp_path / "k.json", timer=timer)
     assert choose(table, 4) == expected
-    assert sorted(timer.calls) == sorted(KERNELS)
-    assert choose(table, 5) == expected and len(timer.calls) == 3  # same rows bucket (4-7): not timed again
-    assert choose(table, 8) == expected and len(timer.calls) == 6  # the next bucket is measured on its own
+    assert timer.calls == 2 * list(KERNELS)  # two interleaved rounds
+    assert choose(table, 5) == expected and len(timer.calls) == 6  # same rows bucket (4-7): not timed again
+    assert choose(table, 8) == expected and len(timer.calls) == 12  # the next bucket is measured on its own
 
 
 @needs_onednn
@@ -135,7 +135,10 @@ def test_few_rows_are_timed_with_the_weight_coming_from_memory(tmp_path):
         seen.setdefault(x.shape[0], set()).add(id(weight))
         return F.linear(x, weight, bias)
 
-    table = KernelTable({F_LINEAR: recording}, timer=lambda fn: (fn(), 1.0)[1])
+    unlimited = float("inf")  # the real clock: a busy machine must not cut the measurement short
+    table = KernelTable(
+        {F_LINEAR: recording}, timer=lambda fn: (fn(), 1.0)[1], budget_s=unlimited, measurement_cap_s=unlimited
+    )
     weight = torch.randn(512, 256)  # 512 KiB
     table.kernel(weight, None, 1), table.kernel(weight, None, 512)
     read_per_pass = len(seen[1]) * weight.numel() * weight.element_size()
@@ -195,7 +198,8 @@ def test_the_fallback_is_the_fixed_thresholds():
 
 def test_engine_kernels_run_through_the_real_measurement(tmp_path):
     """No fake timer: the real kernels are timed and one of them is chosen for each bucket met."""
-    use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json"))
+    unlimited = float("inf")  # a busy machine must not turn this test's measurements into fixed thresholds
+    use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json", budget_s=unlimited, measurement_cap_s=unlimited))
     weight, bias = torch.randn(256, 512), torch.randn(256)
     with torch.inference_mode():
         for rows in (1, 6, 40):
@@ -317,3 +321,96 @@ def test_a_misspelt_switch_is_named_in_a_warning(monkeypatch, caplog, env, mode,
         assert not caplog.records
     else:
         assert [r.levelname for r in caplog.records] == ["WARNING"] and warning in caplog.text
+
+
+class Clock:
+    """A fake clock that the fake timers below advance by the time they report."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RoundsTimer(FakeTimer):
+    """Times a kernel from one table per round (the last one repeating), and advances ``clock``."""
+
+    def __init__(self, *rounds: dict[str, float], clock: Clock | None = None) -> None:
+        super().__init__({})
+        self.rounds, self.clock = rounds, clock
+
+    def __call__(self, fn) -> float:
+        name = next(n for n, run in TABLE_RUNNERS.items() if fn.__defaults__[0] is run)
+        seconds = self.rounds[min(self.calls.count(name), len(self.rounds) - 1)][name]
+        self.calls.append(name)
+        if self.clock is not None:
+            self.clock.now += seconds
+        return seconds
+
+
+@needs_onednn
+def test_calibration_stops_at_its_time_budget_and_the_fixed_thresholds_take_over(tmp_path, caplog):
+    """Under load, calibration took 19.5 s of a 20 s first generation: now it has a budget per process."""
+    clock, cache = Clock(), tmp_path / "k.json"
+    timer = RoundsTimer({F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}, clock=clock)  # 0.7 s a measurement
+    table = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=1.0, measurement_cap_s=5.0)
+    weight = torch.randn(512, 512)
+    assert table.kernel(weight, None, 1) == ONEDNN  # measured: 0.7 s spent
+    # 0.3 s left: cut short after one round, the fixed thresholds decide; 1.05 s spent, over the budget.
+    assert table.kernel(weight, None, 2) == ONEDNN_SWAPPED
+    assert timer.calls == 3 * list(KERNELS)
+    calls = len(timer.calls)
+    with caplog.at_level("INFO", logger="builtin_models.kernel_choice"):
+        # Every later shape: the fixed thresholds, per row count (20 and 30 rows share a bucket, not a kernel).
+        assert table.kernel(weight, None, 20) == ONEDNN_SWAPPED and table.kernel(weight, None, 30) == ONEDNN
+        assert table.kernel(torch.randn(64, 64), None, 1) == F_LINEAR
+    assert len(timer.calls) == calls and "has spent its 1.0 s" in caplog.text
+    assert json.loads(cache.read_text())["choices"] == {"512x512/1": ONEDNN}  # the fixed thresholds are not saved
+    assert table.choices()["512x512 rows 16-31"] == "fixed thresholds"
+
+
+@needs_onednn
+def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_path):
+    clock, cache = Clock(), tmp_path / "k.json"
+    timer = RoundsTimer({F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}, clock=clock)
+    table = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=0.3)
+    weight = torch.randn(512, 512)
+    assert table.kernel(weight, None, 1) == ONEDNN_SWAPPED  # the fixed thresholds' choice, not the measured one
+    assert timer.calls == list(KERNELS)  # 0.35 s after one round: the second one is not started
+    assert not cache.exists()
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    ("rounds", "expected"),
+    [
+        # The winner changes between rounds: the better of the two, for this process only.
+        (
+            ({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}, {F_LINEAR: 3.0, ONEDNN: 2.5, ONEDNN_SWAPPED: 2.0}),
+            ONEDNN,
+        ),
+        # Same winner, but F.linear's two rounds differ 2x: the machine was busy.
+        (
+            ({F_LINEAR: 1.0, ONEDNN: 0.5, ONEDNN_SWAPPED: 2.0}, {F_LINEAR: 2.0, ONEDNN: 0.5, ONEDNN_SWAPPED: 2.0}),
+            ONEDNN,
+        ),
+        # oneDNN beat F.linear in one round only: never slower than F.linear, so F.linear.
+        (
+            ({F_LINEAR: 1.0, ONEDNN: 0.5, ONEDNN_SWAPPED: 2.0}, {F_LINEAR: 1.0, ONEDNN: 1.2, ONEDNN_SWAPPED: 2.0}),
+            F_LINEAR,
+        ),
+    ],
+    ids=["winner-changes", "spread", "one-round-only"],
+)
+def test_disturbed_timings_decide_for_this_process_only(tmp_path, rounds, expected):
+    """Choices measured in noise were saved for good: now only steady timings are remembered."""
+    cache = tmp_path / "k.json"
+    table = make_kernel_table(cache_file=cache, timer=RoundsTimer(*rounds))
+    assert choose(table, 2, bias=False) == expected
+    assert not cache.exists()
+    steady = RoundsTimer(
+        {F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}, {F_LINEAR: 3.1, ONEDNN: 1.1, ONEDNN_SWAPPED: 2.2}
+    )
+    assert choose(make_kernel_table(cache_file=cache, timer=steady), 2, bias=False) == ONEDNN
+    assert json.loads(cache.read_text())["choices"] == {"64x32/2": ONEDNN}  # steady rounds: saved
