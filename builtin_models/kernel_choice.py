@@ -25,7 +25,7 @@ memory rather than from the cache: a step streams every layer's weights, far
 more than the last-level cache holds, so kernels are timed over enough copies
 of the weight to overflow it (timed hot, a 768 x 768 product looked the same
 through MKL and oneDNN on an AVX-512 EPYC; cold, as in decoding, oneDNN took
-80 us and MKL 140). Choices are saved per machine (CPU model, threads, torch version) in
+80 us and MKL 140). Choices are saved per machine (CPU model and vector extensions, threads, torch version) in
 the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
 atomically so concurrent processes never leave a broken file; a file that
 cannot be read is ignored and replaced. Switches:
@@ -138,19 +138,31 @@ def onednn_op() -> Callable[..., Tensor] | None:
     return None
 
 
+#: The CPU flags a kernel's speed depends on: vector and matrix extensions (x86's avx*, amx*, fma; Arm's sve, ...).
+_ISA_FLAG = re.compile(r"(avx|amx|fma|f16c|sse4|asimd|sve|sme(?!p)|i8mm|bf16)")  # not smep: a protection
+
+
 def machine_key() -> str:
-    """What a measurement depends on: CPU model, threads, torch version, architecture."""
-    cpu = None
+    """What a measurement depends on: CPU model and vector extensions, threads, torch version, architecture.
+
+    The model name alone does not tell an AVX2 EPYC from an AVX-512 one, whose kernels rank differently.
+    """
+    cpu, flags = None, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if name == "model name" and cpu is None:
+                cpu = value.strip()
+            elif name in ("flags", "Features") and not flags:  # x86, Arm
+                flags = {flag for flag in value.split() if _ISA_FLAG.match(flag)}
     except OSError:
         pass
     if cpu is None:  # not Linux: platform.processor() may run `uname -p`, so only when needed
         cpu = platform.processor() or platform.machine()
-    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__} | {platform.machine()}"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()  # what torch's kernels use
+    isa = " ".join([capability, *sorted(flags)])
+    return f"{cpu} | {isa} | {torch.get_num_threads()} threads | torch {torch.__version__} | {platform.machine()}"
 
 
 def _bucket(rows: int) -> int:
@@ -175,7 +187,8 @@ class KernelTable:
     ``runners`` maps kernel names to ``(x2d, weight, bias) -> y2d``; ``timer``
     times a zero-argument function (seconds), ``clock`` tells the time (for the
     budget: ``budget_s`` in all, ``measurement_cap_s`` per measurement), and
-    ``cache_file`` (or ``None``) keeps the measurements.
+    ``cache_file`` (or ``None``) keeps the measurements, made on ``machine``
+    (default: :func:`machine_key` now).
     """
 
     def __init__(
@@ -188,12 +201,15 @@ class KernelTable:
         clock: Callable[[], float] = time.perf_counter,
         budget_s: float = _BUDGET_S,
         measurement_cap_s: float = _MEASUREMENT_CAP_S,
+        machine: str | None = None,
     ) -> None:
         if mode not in ("measure", "fallback", *KERNELS):
             raise ValueError(f"unknown kernel mode {mode!r}")
         self.runners = runners
         self.mode = mode
         self.cache_file = cache_file
+        #: The machine the cache file's choices were measured on (a file naming another is ignored).
+        self.machine = machine if machine is not None or cache_file is None else machine_key()
         self._timer = timer or _time
         self._clock, self.budget_s, self.measurement_cap_s = clock, budget_s, measurement_cap_s
         self._spent = 0.0  # seconds of calibration so far
@@ -224,8 +240,9 @@ class KernelTable:
             return cls(runners, mode="fallback")
         from pluginhost.paths import user_cache_dir
 
-        digest = hashlib.sha256(machine_key().encode()).hexdigest()[:16]
-        return cls(runners, cache_file=user_cache_dir() / f"linear-kernels-{digest}.json")
+        machine = machine_key()
+        digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
+        return cls(runners, cache_file=user_cache_dir() / f"linear-kernels-{digest}.json", machine=machine)
 
     def kernel(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
         """The kernel for ``rows`` rows through ``weight``: looked up, or decided now (once)."""
@@ -362,7 +379,7 @@ class KernelTable:
         if self.cache_file is None:
             return {}
         try:
-            return _read_choices(self.cache_file)
+            return _read_choices(self.cache_file, self.machine)
         except (OSError, ValueError) as exc:
             if not self._cache_unreadable_logged:
                 self._cache_unreadable_logged = True
@@ -379,7 +396,7 @@ class KernelTable:
             return
         existing = self._read_cache()  # what other processes saved meanwhile; an unreadable file is replaced
         choices = {_encode(key): kernel for key, kernel in {**existing, **self._choices}.items()}
-        data = {"version": _CACHE_VERSION, "machine": machine_key(), "choices": choices}
+        data = {"version": _CACHE_VERSION, "machine": self.machine, "choices": choices}
         temporary = None
         try:
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -467,7 +484,7 @@ def _encode(key: Key) -> str:
     return f"{out}x{inp}{'+bias' if has_bias else ''}/{b}"
 
 
-def _read_choices(path: Path) -> dict[Key, str]:
+def _read_choices(path: Path, machine: str | None) -> dict[Key, str]:
     """The choices saved in ``path`` ({} if there is no file, or it is another version's): validated, every one.
 
     Only a regular file is read, opened without blocking (a FIFO there would hang the first product), and
@@ -495,6 +512,8 @@ def _read_choices(path: Path) -> dict[Key, str]:
         return {}  # another version's file (an older engine's measurements): replaced on the next save
     if version != _CACHE_VERSION or not isinstance(data.get("choices"), dict):
         raise ValueError(f"it is not a version {_CACHE_VERSION} kernel cache")
+    if data.get("machine") != machine:  # copied from another machine, or a shared home: measured elsewhere
+        raise ValueError(f"it was measured on another machine ({str(data.get('machine'))[:200]})")
     choices = {}
     for text, kernel in data["choices"].items():
         key = _parse(text)

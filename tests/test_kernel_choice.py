@@ -160,6 +160,8 @@ def test_the_machine_key_names_what_a_measurement_depends_on():
     threads = torch.get_num_threads()
     key = machine_key()
     assert f"torch {torch.__version__}" in key and f"{threads} threads" in key
+    # "AMD EPYC" alone named AVX2 and AVX-512 machines alike, whose kernels rank differently.
+    assert f"| {torch.backends.cpu.get_cpu_capability()}" in key
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
         assert machine_key() != key
@@ -414,3 +416,16 @@ def test_disturbed_timings_decide_for_this_process_only(tmp_path, rounds, expect
     )
     assert choose(make_kernel_table(cache_file=cache, timer=steady), 2, bias=False) == ONEDNN
     assert json.loads(cache.read_text())["choices"] == {"64x32/2": ONEDNN}  # steady rounds: saved
+
+
+@needs_onednn
+def test_a_cache_measured_on_another_machine_is_ignored(tmp_path, caplog):
+    """A shared (NFS) home or a copied cache: choices measured on another CPU are not taken."""
+    cache = tmp_path / "kernels.json"
+    other = machine_key().replace("threads", "threads (another machine)")
+    cache.write_text(json.dumps({"version": 2, "machine": other, "choices": {"64x32+bias/2": F_LINEAR}}))
+    table = make_kernel_table(cache_file=cache, timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}))
+    with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
+        assert choose(table, 2) == ONEDNN  # measured here, not read
+    assert "measured on another machine" in caplog.text
+    assert json.loads(cache.read_text())["machine"] == machine_key()
