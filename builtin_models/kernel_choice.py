@@ -336,13 +336,18 @@ class KernelTable:
                     logger.debug("kernel %s cannot run a %s weight: %s", name, _shape(weight), exc)
                     continue
                 candidates[name] = run
+            timer = self._timer
+            if timer is _time and self._clock is time.perf_counter:  # the default: it stops at the deadline too
+                timer = functools.partial(_time, deadline=deadline)
             rounds: list[dict[str, float]] = []
             for _ in range(_ROUNDS):  # interleaved: a burst of load hits one kernel's round, not all of its time
                 rounds.append({})
                 for name, run in candidates.items():
                     if self._clock() > deadline:
                         return None
-                    rounds[-1][name] = self._timer(lambda run=run: [run(x, w, bias) for w in weights]) / len(weights)
+                    rounds[-1][name] = timer(lambda run=run: [run(x, w, bias) for w in weights]) / len(weights)
+        if self._clock() > deadline:  # the last timing was cut short
+            return None
         if not candidates:
             return F_LINEAR, True
         times = {name: min(r[name] for r in rounds) for name in candidates}
@@ -464,10 +469,13 @@ def _fastest(times: dict[str, float]) -> str:
     return F_LINEAR if F_LINEAR in times and times[best] > _MARGIN * times[F_LINEAR] else best
 
 
-def _time(fn: Callable[[], object]) -> float:
-    """The best of a few runs (the kernel ran once already): at least 2 runs and about 1 ms; one round of two."""
+def _time(fn: Callable[[], object], deadline: float = float("inf")) -> float:
+    """The best of a few runs (the kernel ran once already) adding up to about 1 ms; one round of two.
+
+    Past ``deadline`` (``time.perf_counter``), it stops after the run under way.
+    """
     best, spent, runs = float("inf"), 0.0, 0
-    while runs < 2 or (spent < 0.001 and runs < 50):
+    while runs < 1 or (spent < 0.001 and runs < 50 and time.perf_counter() <= deadline):
         start = time.perf_counter()
         fn()
         elapsed = time.perf_counter() - start
