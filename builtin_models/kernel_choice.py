@@ -199,8 +199,8 @@ class KernelTable:
         cache_file: Path | None = None,
         timer: Callable[[Callable[[], object]], float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        budget_s: float = _BUDGET_S,
-        measurement_cap_s: float = _MEASUREMENT_CAP_S,
+        budget_s: float | None = None,
+        measurement_cap_s: float | None = None,
         machine: str | None = None,
     ) -> None:
         if mode not in ("measure", "fallback", *KERNELS):
@@ -211,7 +211,9 @@ class KernelTable:
         #: The machine the cache file's choices were measured on (a file naming another is ignored).
         self.machine = machine if machine is not None or cache_file is None else machine_key()
         self._timer = timer or _time
-        self._clock, self.budget_s, self.measurement_cap_s = clock, budget_s, measurement_cap_s
+        self._clock = clock
+        self.budget_s = _BUDGET_S if budget_s is None else budget_s
+        self.measurement_cap_s = _MEASUREMENT_CAP_S if measurement_cap_s is None else measurement_cap_s
         self._spent = 0.0  # seconds of calibration so far
         self._choices: dict[Key, str] = {}
         self._unsaved: set[Key] = set()  # choices for this process only: fixed thresholds, disturbed timings

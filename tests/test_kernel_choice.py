@@ -36,6 +36,13 @@ def restore_table():
     use_kernel_table(None)
 
 
+@pytest.fixture(autouse=True)
+def no_time_budget(monkeypatch):
+    """A busy machine must not turn a test's measurement into fixed thresholds (budget tests pass their own)."""
+    monkeypatch.setattr(kernel_choice, "_BUDGET_S", float("inf"))
+    monkeypatch.setattr(kernel_choice, "_MEASUREMENT_CAP_S", float("inf"))
+
+
 class FakeTimer:
     """Times a kernel by its name, from a table, and counts the calls."""
 
@@ -122,7 +129,8 @@ def test_an_unwritable_cache_only_costs_the_remembering(tmp_path):
 
 def _write_choices(args) -> None:
     path, n = args
-    table = make_kernel_table(cache_file=path, timer=lambda fn: 1.0)
+    unlimited = float("inf")  # a spawned process: the no_time_budget fixture does not reach it
+    table = make_kernel_table(cache_file=path, timer=lambda fn: 1.0, budget_s=unlimited, measurement_cap_s=unlimited)
     for rows in range(1, 40):
         table.kernel(torch.randn(8 + n, 8), None, rows)
 
@@ -135,10 +143,7 @@ def test_few_rows_are_timed_with_the_weight_coming_from_memory(tmp_path):
         seen.setdefault(x.shape[0], set()).add(id(weight))
         return F.linear(x, weight, bias)
 
-    unlimited = float("inf")  # the real clock: a busy machine must not cut the measurement short
-    table = KernelTable(
-        {F_LINEAR: recording}, timer=lambda fn: (fn(), 1.0)[1], budget_s=unlimited, measurement_cap_s=unlimited
-    )
+    table = KernelTable({F_LINEAR: recording}, timer=lambda fn: (fn(), 1.0)[1])
     weight = torch.randn(512, 256)  # 512 KiB
     table.kernel(weight, None, 1), table.kernel(weight, None, 512)
     read_per_pass = len(seen[1]) * weight.numel() * weight.element_size()
@@ -179,12 +184,12 @@ def test_the_machine_key_names_what_a_measurement_depends_on():
     ],
 )
 def test_the_switches(env, mode):
-    code = "import builtin_models.linear as m; print(m.kernel_table().mode)"
+    code = "import builtin_models.linear as m; t = m.kernel_table(); print(t.mode, t.budget_s, t.measurement_cap_s)"
     clean = {k: v for k, v in os.environ.items() if k not in (PLAIN_LINEAR_ENV, KERNEL_ENV, CALIBRATION_ENV)}
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**clean, **env}
     )
-    assert result.stdout.strip() == mode
+    assert result.stdout.split() == [mode, "1.5", "0.5"]  # the engine's table: a time budget for calibration
 
 
 @needs_onednn
@@ -200,8 +205,7 @@ def test_the_fallback_is_the_fixed_thresholds():
 
 def test_engine_kernels_run_through_the_real_measurement(tmp_path):
     """No fake timer: the real kernels are timed and one of them is chosen for each bucket met."""
-    unlimited = float("inf")  # a busy machine must not turn this test's measurements into fixed thresholds
-    use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json", budget_s=unlimited, measurement_cap_s=unlimited))
+    use_kernel_table(make_kernel_table(cache_file=tmp_path / "k.json"))
     weight, bias = torch.randn(256, 512), torch.randn(256)
     with torch.inference_mode():
         for rows in (1, 6, 40):
