@@ -364,6 +364,22 @@ def test_a_processor_failing_as_a_request_joins_ends_only_that_request(tiny_opt)
     assert survivor.outputs[0].token_ids == [8] * 40  # unaffected, and its target survived the rebuild
 
 
+def test_of_requests_joining_in_one_step_a_processor_failing_on_one_ends_only_that_one(tiny_opt):
+    """update_state takes a step's joiners together: its failure alone does not say whose it was."""
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+    asks = [
+        greedy(3, extra_args={"target_token": 9}),
+        greedy(3, extra_args={"explode_on_join": True}),
+        greedy(3, extra_args={"target_token": 7}),
+    ]
+    requests = [llm.input_processor.make_request(f"r{i}", PROMPTS[i], p) for i, p in enumerate(asks)]
+    llm.engine.submit(requests)  # together: they join in one step
+    llm.engine.run_until(lambda: all(r.finished for r in requests))
+    assert "update_state exploded" in str(requests[1].error)
+    assert [r.error for r in (requests[0], requests[2])] == [None, None]
+    assert [requests[i].output().outputs[0].token_ids for i in (0, 2)] == [[9, 9, 9], [7, 7, 7]]
+
+
 def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_its_own(tiny_opt):
     """The newcomer it fails on is ended; a row moved in the same update must still move in the cache."""
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])

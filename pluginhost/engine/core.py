@@ -335,8 +335,34 @@ class EngineCore:
                 failures.append(_ProcessorFailure(processor, "update_state", exc))
         for failure in failures:
             added = [a[0] for a in plan.batch_update.added] if plan.batch_update is not None else []
+            if len(added) > 1:  # several joined at once: end only those it fails to take alone
+                added = self._joiners_refused(failure.processor, plan, added) or added
             self._processor_failed(failure, plan, added or plan.active_rows)
         return not failures
+
+    def _joiners_refused(self, processor: _LiveProcessor, plan: ScheduledStep, added: list[int]) -> list[int]:
+        """Of the rows that joined this step, those ``processor`` fails on when each joins the others alone.
+
+        ``update_state`` takes a step's joiners together, so its failure does not say whose it was: each is
+        tried again with the rows it kept (a fresh instance each time; only on a failure).
+        """
+        joined = set(added)
+        kept = [
+            (row, seq.params, seq.prompt_token_ids, seq.token_ids)
+            for row, seq in enumerate(plan.rows)
+            if row not in joined and not seq.request.finished
+        ]
+        refused = []
+        for row in added:
+            seq = plan.rows[row]
+            try:
+                processor.rebuild(
+                    self.loaded,
+                    BatchUpdate(len(plan.rows), added=[*kept, (row, seq.params, seq.prompt_token_ids, seq.token_ids)]),
+                )
+            except Exception:  # noqa: BLE001 - a plugin's code may raise anything
+                refused.append(row)
+        return refused
 
     def _nonfinite(self, plan: ScheduledStep, rows: list[int]) -> None:
         """End the requests of ``rows``, whose logits are not numbers; the others run this step again."""

@@ -107,7 +107,8 @@ class StepInputs:
 
     @staticmethod
     def moves_of(step: ScheduledStep) -> tuple[tuple[int, int, int], ...]:
-        return tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves)
+        # A sequence with nothing computed yet (its prefill failed before the forward) has no cache row to move.
+        return tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves if step.rows[dst].num_computed)
 
 
 class ModelRunner:
