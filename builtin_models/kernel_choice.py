@@ -14,8 +14,11 @@ layer meets, the first call times every kernel that computes the right result
 on the real weight, in two interleaved rounds, keeps the fastest, and never
 looks again. A kernel other than ``F.linear`` must beat it by 3% in every
 round. Calibration has a time budget: 1.5 s per process in all and 0.5 s per
-measurement; past either, the fixed row-count thresholds decide, for this
-process only, and a later process measures what is left. A choice is saved
+measurement. Past the process's budget, the fixed row-count thresholds decide,
+for this process only, and a later process measures what is left; a
+measurement past its own cap (a weight too large to time quickly here) is
+left to the fixed thresholds for good, saved as such, or every later process
+would spend its budget on it again. A choice is saved
 only if its timings were steady: both rounds pick the same kernel, and no
 kernel's two rounds differ by more than 25%. Otherwise the machine was busy,
 and the choice serves this process only.
@@ -254,7 +257,7 @@ class KernelTable:
             with self._lock:
                 choice = self._choices.get(key) or self._decide(key, weight, bias, rows)
                 self._choices[key] = choice
-        if choice is FIXED_THRESHOLDS:  # per row count: a threshold may fall inside a bucket
+        if choice == FIXED_THRESHOLDS:  # per row count: a threshold may fall inside a bucket
             return _fallback(weight, bias, rows) if ONEDNN in self.runners else F_LINEAR
         return choice
 
@@ -284,16 +287,27 @@ class KernelTable:
             self._unsaved.add(key)
             return FIXED_THRESHOLDS
         start = self._clock()
+        capped = self.measurement_cap_s <= self.budget_s - self._spent  # else what is left of the budget cuts it
         deadline = start + min(self.measurement_cap_s, self.budget_s - self._spent)
         try:
             measured = self._measure(weight, bias, min(rows, _MAX_TIMED_ROWS), _bucket_top(key[3]), deadline)
         finally:
             self._spent += self._clock() - start
-        if measured is None:  # past the cap: a busy machine, or a weight too large to time quickly
-            logger.debug(
-                "linear %s: measuring took over %.2f s; fixed thresholds", _shape(weight), self.measurement_cap_s
+        if measured is None:
+            if not capped:  # the budget ran out: a later process measures it
+                self._unsaved.add(key)
+                return FIXED_THRESHOLDS
+            # Past its own cap: a weight too large to time quickly here (or a very busy machine). Saved as such,
+            # or every later process would spend its budget on it again, and measure nothing else.
+            logger.info(
+                "linear %s: measuring took over %.2f s; the fixed thresholds decide it from now on (delete %s to "
+                "measure again)",
+                _shape(weight),
+                self.measurement_cap_s,
+                self.cache_file,
             )
-            self._unsaved.add(key)
+            self._choices[key] = FIXED_THRESHOLDS
+            self._save_cache()
             return FIXED_THRESHOLDS
         choice, steady = measured
         self._choices[key] = choice
@@ -378,7 +392,7 @@ class KernelTable:
     def _load_cache(self) -> None:
         self._cache_loaded = True
         for key, kernel in self._read_cache().items():
-            if kernel in self.runners:
+            if kernel in self.runners or kernel == FIXED_THRESHOLDS:
                 self._choices.setdefault(key, kernel)
 
     def _read_cache(self) -> dict[Key, str]:
@@ -402,7 +416,8 @@ class KernelTable:
         if self.cache_file is None:
             return
         existing = self._read_cache()  # what other processes saved meanwhile; an unreadable file is replaced
-        choices = {_encode(key): kernel for key, kernel in {**existing, **self._choices}.items()}
+        mine = {key: kernel for key, kernel in self._choices.items() if key not in self._unsaved}
+        choices = {_encode(key): kernel for key, kernel in {**existing, **mine}.items()}
         data = {"version": _CACHE_VERSION, "machine": self.machine, "choices": choices}
         temporary = None
         try:
@@ -527,9 +542,9 @@ def _read_choices(path: Path, machine: str | None) -> dict[Key, str]:
     choices = {}
     for text, kernel in data["choices"].items():
         key = _parse(text)
-        if key is None or kernel not in KERNELS:
+        if key is None or (kernel not in KERNELS and kernel != FIXED_THRESHOLDS):
             raise ValueError(f"bad entry {text!r}: {kernel!r}"[:200])
-        choices[key] = kernel
+        choices[key] = FIXED_THRESHOLDS if kernel == FIXED_THRESHOLDS else kernel
     return choices
 
 

@@ -384,7 +384,32 @@ def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_pa
     weight = torch.randn(512, 512)
     assert table.kernel(weight, None, 1) == ONEDNN_SWAPPED  # the fixed thresholds' choice, not the measured one
     assert timer.calls == list(KERNELS)  # 0.35 s after one round: the second one is not started
-    assert not cache.exists()
+    # Saved as such: a later process does not spend its budget on it again (every process did, measuring nothing).
+    assert json.loads(cache.read_text())["choices"] == {"512x512/1": "fixed thresholds"}
+    timer = RoundsTimer({F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}, clock=clock)
+    later = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=0.3)
+    assert later.kernel(weight, None, 1) == ONEDNN_SWAPPED and timer.calls == []
+    assert later.choices()["512x512 rows 1"] == "fixed thresholds"
+
+
+@needs_onednn
+def test_a_save_leaves_out_the_choices_meant_for_this_process_only(tmp_path, caplog):
+    """A disturbed choice (or one the budget left to the fixed thresholds) went into the file with the next
+    steady one: the file then named "fixed thresholds", which the next process refused, replacing the file."""
+    clock, cache = Clock(), tmp_path / "k.json"
+    steady = {F_LINEAR: 1.0, ONEDNN: 0.5, ONEDNN_SWAPPED: 2.0}
+    busy = {F_LINEAR: 2.0, ONEDNN: 0.5, ONEDNN_SWAPPED: 2.0}
+    timer = RoundsTimer(steady, busy, steady, steady, clock=clock)  # rounds of the first measurement, then the second
+    table = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=50.0)
+    weight = torch.randn(512, 512)
+    assert table.kernel(weight, None, 1) == ONEDNN  # disturbed: this process only
+    assert table.kernel(weight, None, 2) == ONEDNN  # steady: saved
+    assert json.loads(cache.read_text())["choices"] == {"512x512/2": ONEDNN}
+    timer = RoundsTimer(steady, clock=clock)
+    later = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=50.0)
+    with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
+        assert later.kernel(weight, None, 2) == ONEDNN and timer.calls == []  # read from the file
+    assert "ignoring the kernel cache" not in caplog.text
 
 
 @needs_onednn
