@@ -142,6 +142,29 @@ def run_pluginhost() -> RunPluginhost:
     return run
 
 
+@pytest.fixture
+def signal_as_torch_imports_numpy() -> str:
+    """A program running ``pluginhost ARGS`` that sends itself the signal named by ``$SIGNAL`` (``SIGINT``...)
+    as torch imports numpy, from C (``torch._C``): where an exception a signal's handler raises was swallowed."""
+    return """
+import os, signal, sys
+
+class SignalAsTorchImportsNumpy:
+    sent = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and "torch" in sys.modules and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.Signals[os.environ["SIGNAL"]])
+        return None
+
+sys.meta_path.insert(0, SignalAsTorchImportsNumpy())
+from pluginhost.cli import run
+sys.argv = ["pluginhost", *sys.argv[1:]]
+run()
+"""
+
+
 @pytest.fixture(params=["f_linear", "onednn", "onednn_swapped"])
 def forced_kernel(request):
     """Every product through one kernel, each of ``builtin_models.kernel_choice.KERNELS`` in turn.

@@ -397,32 +397,16 @@ def test_a_plugins_refusal_keeps_its_own_numbers_while_the_engines_prompt_number
     assert code == 2 and "prompt 4096 tokens is the most this service takes" in err and "--prompt 4097" not in err
 
 
-def test_ctrl_c_while_torch_imports_stops_generate_with_130():
+def test_ctrl_c_while_torch_imports_stops_generate_with_130(signal_as_torch_imports_numpy):
     """The first second's Ctrl-C: torch's import swallowed it, and the output was printed (or a bogus error)."""
-    ctrl_c_as_torch_imports_numpy = """
-import os, signal, sys
-
-class CtrlCAsTorchImportsNumpy:
-    sent = False
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "numpy" and "torch" in sys.modules and not self.sent:
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGINT)
-        return None
-
-sys.meta_path.insert(0, CtrlCAsTorchImportsNumpy())
-from pluginhost.cli import run
-sys.argv = ["pluginhost", *sys.argv[1:]]
-run()
-"""
     argv = ["generate", "--prompt", "A plugin is", "--max-tokens", "2", "--no-plugins"]
     result = subprocess.run(
-        [sys.executable, "-c", ctrl_c_as_torch_imports_numpy, *argv],
+        [sys.executable, "-c", signal_as_torch_imports_numpy, *argv],
         capture_output=True,
         text=True,
         timeout=120,
         stdin=subprocess.DEVNULL,
+        env={**os.environ, "SIGNAL": "SIGINT"},
     )
     assert result.returncode == 130, result.stderr
     assert result.stdout == "" and result.stderr == ""

@@ -164,32 +164,12 @@ run()
     assert "Traceback" not in stderr, stderr
 
 
-#: ``pluginhost ARGS`` sending itself the signal named by $SIGNAL as torch imports numpy (from C: ``torch._C``).
-SIGNAL_AS_TORCH_IMPORTS_NUMPY = """
-import os, signal, sys
-
-class SignalAsTorchImportsNumpy:
-    sent = False
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "numpy" and "torch" in sys.modules and not self.sent:
-            self.sent = True
-            os.kill(os.getpid(), signal.Signals[os.environ["SIGNAL"]])
-        return None
-
-sys.meta_path.insert(0, SignalAsTorchImportsNumpy())
-from pluginhost.cli import run
-sys.argv = ["pluginhost", *sys.argv[1:]]
-run()
-"""
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_torch_imports_stops_the_server_before_it_serves(signum):
+def test_a_signal_while_torch_imports_stops_the_server_before_it_serves(signum, signal_as_torch_imports_numpy):
     """Ctrl-C or SIGTERM in the first second: torch's import swallowed it, and the server went on to serve."""
     name = signal.Signals(signum).name
     process = subprocess.Popen(
-        [sys.executable, "-c", SIGNAL_AS_TORCH_IMPORTS_NUMPY, "serve", "--port", "0", "--no-plugins"],
+        [sys.executable, "-c", signal_as_torch_imports_numpy, "serve", "--port", "0", "--no-plugins"],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
