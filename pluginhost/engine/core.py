@@ -39,7 +39,7 @@ from pluginhost.engine.runner import ModelOutputError, ModelRunner
 from pluginhost.engine.sampler import NoTokenLeft, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
-from pluginhost.logits_processors import BatchUpdate, LogitsProcessor, RegisteredProcessor, step_rows
+from pluginhost.logits_processors import AddedRequest, BatchUpdate, LogitsProcessor, RegisteredProcessor, step_rows
 
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
@@ -348,18 +348,12 @@ class EngineCore:
         """
         joined = set(added)
         kept = [
-            (row, seq.params, seq.prompt_token_ids, seq.token_ids)
-            for row, seq in enumerate(plan.rows)
-            if row not in joined and not seq.request.finished
+            _as_added(plan, row) for row, seq in enumerate(plan.rows) if row not in joined and not seq.request.finished
         ]
         refused = []
         for row in added:
-            seq = plan.rows[row]
             try:
-                processor.rebuild(
-                    self.loaded,
-                    BatchUpdate(len(plan.rows), added=[*kept, (row, seq.params, seq.prompt_token_ids, seq.token_ids)]),
-                )
+                processor.rebuild(self.loaded, BatchUpdate(len(plan.rows), added=[*kept, _as_added(plan, row)]))
             except Exception:  # noqa: BLE001 - a plugin's code may raise anything
                 refused.append(row)
         return refused
@@ -425,7 +419,7 @@ class EngineCore:
         for request in ended.values():
             self._end(request, error)
         remaining = [
-            (row, seq.params, seq.prompt_token_ids, seq.token_ids)
+            _as_added(plan, row)
             for row, seq in enumerate(plan.rows)
             if id(seq.request) not in ended and not seq.request.finished
         ]
@@ -680,6 +674,12 @@ def blame(loaded: LoadedModel, exc: Exception) -> BaseException:
 def _traceback_files(tb: TracebackType | None) -> list[str]:
     """The source file of every frame of a traceback, outermost first."""
     return [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+
+
+def _as_added(plan: ScheduledStep, row: int) -> AddedRequest:
+    """Row ``row`` of the step as a processor meets a joining request: what a rebuilt processor is replayed."""
+    seq = plan.rows[row]
+    return (row, seq.params, seq.prompt_token_ids, seq.token_ids)
 
 
 class _LiveProcessor:
