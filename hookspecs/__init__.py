@@ -215,7 +215,10 @@ def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
 
     Must not: import torch here when it can be avoided (prefer importing the
     class inside the hook), or keep per-request state outside the processor.
-    A processor that raises ends the requests it was processing (all those of
+    A ``ValueError`` from ``update_state`` for a request joining the batch
+    refuses that request, as from ``validate_params`` (what only the
+    processor's state can judge: a word its tokenizer cannot spell). Any
+    other exception ends the requests it was processing (all those of
     the step, for ``apply``), with an error naming the plugin; it is then
     rebuilt for the requests still running. One that leaves a request's row
     no token to choose (every logit -inf, or a NaN) ends that request alone,

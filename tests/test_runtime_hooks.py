@@ -311,8 +311,12 @@ class Explodes(TargetToken):
         return super().apply(logits)
 
     def update_state(self, batch_update):
-        if batch_update and any((p.extra_args or {}).get("explode_on_join") for _, p, _, _ in batch_update.added):
-            raise RuntimeError("update_state exploded")
+        for _, params, _, _ in batch_update.added if batch_update else ():
+            how = (params.extra_args or {}).get("explode_on_join")
+            if how == "refuse":  # what it can only judge with its state: a refusal of that request
+                raise ValueError("this request asks for what the processor cannot do")
+            if how:
+                raise RuntimeError("update_state exploded")
         super().update_state(batch_update)
 
     @classmethod
@@ -378,6 +382,53 @@ def test_of_requests_joining_in_one_step_a_processor_failing_on_one_ends_only_th
     assert "update_state exploded" in str(requests[1].error)
     assert [r.error for r in (requests[0], requests[2])] == [None, None]
     assert [requests[i].output().outputs[0].token_ids for i in (0, 2)] == [[9, 9, 9], [7, 7, 7]]
+
+
+def test_a_value_error_as_a_request_joins_refuses_that_request_alone_a_400_and_a_failure_stays_a_failure(tiny_opt):
+    # It was the plugin's failure (a 500 server_error) for what is the request's fault: a word it cannot spell.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+    refuse = greedy(3, extra_args={"explode_on_join": "refuse"})
+    with pytest.raises(
+        RequestRefusedError, match=r"^logits processor Explodes \(plugin 'ExplodingPlugin'\) refused the request: this"
+    ) as info:
+        llm.generate([PROMPTS[0]], refuse)
+    assert (info.value.plugin, info.value.hook) == ("ExplodingPlugin", "register_logits_processors")
+    asks = [
+        greedy(3, extra_args={"target_token": 9}),
+        refuse,
+        greedy(3, extra_args={"explode_on_join": True}),
+        greedy(3, extra_args={"target_token": 7}),
+    ]
+    requests = [llm.input_processor.make_request(f"r{i}", PROMPTS[i], p) for i, p in enumerate(asks)]
+    llm.engine.submit(requests)  # together: they join in one step, and each is judged alone
+    llm.engine.run_until(lambda: all(r.finished for r in requests))
+    assert isinstance(requests[1].error, RequestRefusedError)
+    assert isinstance(requests[2].error, PluginHookError) and not isinstance(requests[2].error, ValueError)
+    assert "failed in update_state: RuntimeError: update_state exploded" in str(requests[2].error)  # its own
+    assert [requests[i].output().outputs[0].token_ids for i in (0, 3)] == [[9, 9, 9], [7, 7, 7]]
+    assert llm.engine.scheduler.num_running == 0
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[ExplodingPlugin()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3, "extra_args": {"explode_on_join": "refuse"}}
+            refused = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "(plugin 'ExplodingPlugin') refused the request: this request asks" in error["message"]
+            streamed = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT)
+            events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+            assert events[-1]["error"]["type"] == "invalid_request_error", events
+            failed = httpx.post(
+                f"{base}/v1/completions", json={**body, "extra_args": {"explode_on_join": 1}}, timeout=TIMEOUT
+            )
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+            del body["extra_args"]
+            served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+    finally:
+        engine.shutdown()
 
 
 def test_a_processor_failing_as_the_batch_is_compacted_leaves_every_moved_row_its_own(tiny_opt):

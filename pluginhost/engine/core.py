@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -38,7 +38,14 @@ from pluginhost.engine.request import EngineRequest, Sequence
 from pluginhost.engine.runner import ModelOutputError, ModelRunner
 from pluginhost.engine.sampler import NoTokenLeft, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
-from pluginhost.errors import EngineOverloadedError, KVCacheMemoryError, ModelRunError, PluginHookError, PluginhostError
+from pluginhost.errors import (
+    EngineOverloadedError,
+    KVCacheMemoryError,
+    ModelRunError,
+    PluginHookError,
+    PluginhostError,
+    RequestRefusedError,
+)
 from pluginhost.logits_processors import AddedRequest, BatchUpdate, LogitsProcessor, RegisteredProcessor, step_rows
 
 if TYPE_CHECKING:
@@ -335,13 +342,17 @@ class EngineCore:
                 failures.append(_ProcessorFailure(processor, "update_state", exc))
         for failure in failures:
             added = [a[0] for a in plan.batch_update.added] if plan.batch_update is not None else []
+            causes = {added[0]: failure.cause} if len(added) == 1 else {}  # one joiner: the failure is its own
             if len(added) > 1:  # several joined at once: end only those it fails to take alone
-                added = self._joiners_refused(failure.processor, plan, added) or added
-            self._processor_failed(failure, plan, added or plan.active_rows)
+                causes = self._joiners_refused(failure.processor, plan, added)
+            self._processor_failed(failure, plan, list(causes) or added or plan.active_rows, causes)
         return not failures
 
-    def _joiners_refused(self, processor: _LiveProcessor, plan: ScheduledStep, added: list[int]) -> list[int]:
-        """Of the rows that joined this step, those ``processor`` fails on when each joins the others alone.
+    def _joiners_refused(
+        self, processor: _LiveProcessor, plan: ScheduledStep, added: list[int]
+    ) -> dict[int, BaseException]:
+        """Of the rows that joined this step, those ``processor`` fails on when each joins the others alone,
+        with what it raised for each.
 
         ``update_state`` takes a step's joiners together, so its failure does not say whose it was: each is
         tried again with the rows it kept (a fresh instance each time; only on a failure).
@@ -350,12 +361,12 @@ class EngineCore:
         kept = [
             _as_added(plan, row) for row, seq in enumerate(plan.rows) if row not in joined and not seq.request.finished
         ]
-        refused = []
+        refused = {}
         for row in added:
             try:
                 processor.rebuild(self.loaded, BatchUpdate(len(plan.rows), added=[*kept, _as_added(plan, row)]))
-            except Exception:  # noqa: BLE001 - a plugin's code may raise anything
-                refused.append(row)
+            except Exception as exc:  # noqa: BLE001 - a plugin's code may raise anything
+                refused[row] = exc
         return refused
 
     def _nonfinite(self, plan: ScheduledStep, rows: list[int]) -> None:
@@ -404,20 +415,51 @@ class EngineCore:
             logger.error("%s", error)
             self._end(request, error)
 
-    def _processor_failed(self, failure: _ProcessorFailure, plan: ScheduledStep, rows: list[int]) -> None:
-        """End the requests of ``rows`` with an error naming the plugin; rebuild the processor for the rest."""
+    def _processor_failed(
+        self,
+        failure: _ProcessorFailure,
+        plan: ScheduledStep,
+        rows: list[int],
+        joiners: Mapping[int, BaseException] | None = None,
+    ) -> None:
+        """End the requests of ``rows`` with an error naming the plugin; rebuild the processor for the rest.
+
+        ``joiners``: what ``update_state`` raised for each row that joined, tried alone. A ``ValueError`` there
+        refuses that request, as one from ``validate_params`` does (a ``RequestRefusedError``: a server's 400):
+        what the processor can only judge with its state (a word its tokenizer cannot spell). Anything else is
+        the plugin's failure, told with what it raised for that request.
+        """
         processor, entry = failure.processor, failure.processor.entry
-        error = PluginHookError(
-            f"{entry.describe()} failed in {failure.method}: {type(failure.cause).__name__}: {failure.cause}. "
-            f"The requests it was processing were ended; the others go on. {entry.registered_by.remedy()}",
-            plugin=entry.registered_by.name,
-            hook="register_logits_processors",
-        )
-        error.__cause__ = failure.cause
-        logger.error("%s", error)
-        ended = {id(plan.rows[r].request): plan.rows[r].request for r in rows}
-        for request in ended.values():
-            self._end(request, error)
+        failed: dict[int, PluginHookError] = {}  # by id of the cause: each failure is logged once
+
+        def failure_of(cause: BaseException) -> PluginHookError:
+            if id(cause) not in failed:
+                error = failed[id(cause)] = PluginHookError(
+                    f"{entry.describe()} failed in {failure.method}: {type(cause).__name__}: {cause}. The requests "
+                    f"it was processing were ended; the others go on. {entry.registered_by.remedy()}",
+                    plugin=entry.registered_by.name,
+                    hook="register_logits_processors",
+                )
+                error.__cause__ = cause
+                logger.error("%s", error)
+            return failed[id(cause)]
+
+        ended = {}
+        for row in rows:
+            request = ended[id(plan.rows[row].request)] = plan.rows[row].request
+            if request.error is not None:  # n > 1: another of its samples ended it
+                continue
+            cause = (joiners or {}).get(row)
+            if isinstance(cause, ValueError):
+                refused = RequestRefusedError(
+                    f"{entry.describe()} refused the request: {cause}",
+                    plugin=entry.registered_by.name,
+                    hook="register_logits_processors",
+                )
+                logger.info("%s: %s", request.request_id, refused)
+                self._end(request, refused)
+            else:
+                self._end(request, failure_of(cause or failure.cause))
         remaining = [
             _as_added(plan, row)
             for row, seq in enumerate(plan.rows)
@@ -431,7 +473,7 @@ class EngineCore:
             )
             for row, *_ in remaining:
                 if not plan.rows[row].request.finished:
-                    self._end(plan.rows[row].request, error)
+                    self._end(plan.rows[row].request, failure_of(failure.cause))
             try:
                 processor.rebuild(self.loaded, None)
             except Exception:  # noqa: BLE001, S110 - its stand-in fails each later step, naming it, and tries again

@@ -842,6 +842,8 @@ class _Shape:
         try:
             async for index, output in _merged(streams):
                 last[index] = output
+        except RequestRefusedError as exc:  # a logits processor refused a request as it joined the batch
+            raise bad_request(str(exc)) from None
         except PluginhostError as exc:  # the model failed, or a plugin in the engine did
             raise APIError(_status(exc), str(exc), type="server_error", code=_error_code(exc)) from None
         finally:
@@ -933,7 +935,9 @@ class _Shape:
                         chunk["usage"] = None
                     yield chunk
         except Exception as exc:  # noqa: BLE001 - the answer has begun: whatever failed is told in the stream
-            if isinstance(exc, PluginhostError):  # the model failed, or a plugin in the engine did
+            if isinstance(exc, RequestRefusedError):  # a logits processor refused it as it joined the batch
+                error = ErrorBody(message=str(exc), type="invalid_request_error")
+            elif isinstance(exc, PluginhostError):  # the model failed, or a plugin in the engine did
                 error = ErrorBody(message=str(exc), type="server_error", code=_error_code(exc))
             else:
                 logger.exception("internal error while streaming %s", self.request_id)

@@ -208,8 +208,8 @@ class BannedWordsLogitsProcessor(LogitsProcessor):
                 tokenizer = load_tokenizer(self._model_dir)
             except ConfigError as exc:
                 raise RuntimeError(f"banned_words needs the model's tokenizer, and it does not load: {exc}") from None
-            if tokenizer is None:
-                raise RuntimeError(
+            if tokenizer is None:  # this model cannot serve the option: a refusal of the request (a 400)
+                raise ValueError(
                     f"banned_words needs the model's tokenizer to turn words into tokens, and {self._model_dir} has "
                     f"none (none of {', '.join(TOKENIZER_FILES)}): nothing can be banned on this model. Send the "
                     "request without extra_args.banned_words, or add the model's tokenizer files"
