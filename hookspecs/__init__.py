@@ -292,7 +292,9 @@ def on_output(request: EngineRequest, output: RequestOutput) -> None:
     the change shows in the final output, and the server's stream sends
     what follows the text it sent, as the changed text has it. An exception
     ends this request with an error naming the plugin; other requests are
-    not affected.
+    not affected. A ``PermissionError`` withholds the output by policy (a
+    content filter): the request is refused, a ``RequestRefusedError`` (the
+    server's 400), not a fault of the plugin's.
 
     Example::
 

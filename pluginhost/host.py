@@ -703,8 +703,9 @@ class PluginHost:
         a plugin's ``sys.exit()`` too) becomes a ``PluginHookError`` naming the
         plugin and the hook, followed by ``consequence``. An ``on_request``
         implementation raising ``ValueError`` (or ``PermissionError``, a refusal
-        by policy) refuses the request: a ``RequestRefusedError``, which is a
-        ``ValueError``.
+        by policy) refuses the request, and so does an ``on_output`` one raising
+        ``PermissionError`` (a policy withholding the output): a
+        ``RequestRefusedError``, which is a ``ValueError``.
         """
         return self._dispatch(getattr(self.plugin_manager.hook, hook), hook, consequence, kwargs)
 
@@ -749,6 +750,12 @@ class PluginHost:
             # A refusal of the request (a PermissionError: by policy), told to its caller (a 400, as any ValueError
             # there); the engine and the server go on. Not a fault of the plugin's to fix or disable.
             return RequestRefusedError(f"{plugin.describe()} refused the request: {exc}", plugin=plugin.name, hook=hook)
+        if hook == "on_output" and isinstance(exc, PermissionError):
+            # A policy withholding what was generated (a content filter): the request's refusal, a 400 as in
+            # on_request, not a fault of the plugin's (a 500). A ValueError here is a fault: the request was valid.
+            return RequestRefusedError(
+                f"{plugin.describe()} refused the request's output: {exc}", plugin=plugin.name, hook=hook
+            )
         if isinstance(exc, PermissionError):  # a policy said no, as it should: not a fault to fix or disable
             message = f"{plugin.describe()} refused, in its {hook} hook: {exc}. {consequence}".strip()
             return PluginHookError(message, plugin=plugin.name, hook=hook)

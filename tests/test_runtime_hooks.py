@@ -591,6 +591,11 @@ class Policy:
         if (request.params.extra_args or {}).get("forbidden"):
             raise PermissionError("this site does not answer that")
 
+    @hookimpl
+    def on_output(self, request, output):
+        if (request.params.extra_args or {}).get("withhold"):
+            raise PermissionError("this answer is withheld")
+
 
 def test_a_permission_error_in_on_request_refuses_the_request_by_policy_a_400_and_the_server_keeps_serving(tiny_opt):
     # It said "refused, in its on_request hook" but was the plugin's failure: a 500 server_error for the client.
@@ -613,6 +618,35 @@ def test_a_permission_error_in_on_request_refuses_the_request_by_policy_a_400_an
             error = refused.json()["error"]
             assert error["type"] == "invalid_request_error"
             assert error["message"] == "plugin 'Policy' refused the request: this site does not answer that"
+            served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+    finally:
+        engine.shutdown()
+
+
+def test_a_permission_error_in_on_output_withholds_the_output_as_a_refusal_a_400_and_the_server_keeps_serving(
+    tiny_opt,
+):
+    # It said "refused, in its on_output hook" and was a 500 server_error, as if the plugin were broken.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Policy()])
+    with pytest.raises(
+        RequestRefusedError, match=r"^plugin 'Policy' refused the request's output: this answer is withheld$"
+    ) as info:
+        llm.generate([PROMPTS[0]], greedy(3, extra_args={"withhold": True}))
+    assert (info.value.plugin, info.value.hook) == ("Policy", "on_output")
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Policy()])
+    try:
+        with running_server(build_app(engine, served_model_name="policy")) as base:
+            body = {"model": "policy", "prompt": [2, 5, 9], "max_tokens": 3}
+            withheld = {**body, "extra_args": {"withhold": 1}}
+            refused = httpx.post(f"{base}/v1/completions", json=withheld, timeout=TIMEOUT)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"] == "plugin 'Policy' refused the request's output: this answer is withheld"
+            streamed = httpx.post(f"{base}/v1/completions", json={**withheld, "stream": True}, timeout=TIMEOUT)
+            events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+            assert events[-1]["error"]["type"] == "invalid_request_error", events
             served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
             assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
     finally:
