@@ -433,6 +433,21 @@ def test_a_character_cut_short_by_the_end_is_left_out_not_shown_as_half(llm, kin
             assert detokenizer.text.rstrip() == tokenizer.decode(ids[:-3]).rstrip()  # U+FFFD was once per byte
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])
+def test_a_prompt_ending_inside_a_character_loses_no_generated_text(llm, kind):
+    # An answer cut off inside a character, sent back as ids to go on: with byte fallback each byte of the
+    # prompt's tail decoded to a U+FFFD, and the finished character took the place of that many generated ones.
+    tokenizer = llm.tokenizer if kind == "byte-level" else byte_fallback_tokenizer()
+    ids = tokenizer("a snow \u2603 a snow", add_special_tokens=False)["input_ids"]
+    start = next(i for i, t in enumerate(ids) if "\ufffd" in tokenizer.decode([t]))  # the snowman's first byte
+    for cut in (1, 2):  # the prompt ends one or two bytes into the snowman
+        detokenizer = IncrementalDetokenizer(tokenizer, ids[: start + cut])
+        for token in ids[start + cut :]:
+            detokenizer.push(token)
+        detokenizer.flush()
+        assert detokenizer.text == "\u2603 a snow"  # the character the prompt began, then every generated one
+
+
 # -- n samples ----------------------------------------------------------------------------
 
 

@@ -872,6 +872,39 @@ def test_an_engine_error_mid_stream_ends_it_with_an_error_chunk_then_done(url, c
     assert client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=2).choices[0].finish_reason
 
 
+def test_tokens_the_model_gives_no_chance_have_logprob_minus_9999_in_strict_json(url, engine, monkeypatch):
+    # A model masking part of its vocabulary (logits -inf): log-probabilities -inf, which JSON cannot hold. The
+    # whole answer was a 500, and a stream carried the bare token -Infinity, which strict parsers refuse.
+    runner, real = engine.engine.runner, engine.engine.runner.execute
+
+    def masked(step):
+        logits = real(step).clone()  # the step's own is an inference tensor
+        logits[:, :100] = logits[:, 103:] = float("-inf")  # only tokens 100-102 may come
+        return logits
+
+    monkeypatch.setattr(runner, "execute", masked)
+
+    def strict(text: str) -> dict:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+
+    for path, asks in (
+        ("completions", {"prompt": PROMPTS[0], "logprobs": 5}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 5}),
+    ):
+        body = {"model": "demo", "max_tokens": 3, "temperature": 0, **asks}
+        whole = httpx.post(f"{url}/v1/{path}", json=body, timeout=TIMEOUT)
+        assert whole.status_code == 200, whole.text
+        logprobs = strict(whole.text)["choices"][0]["logprobs"]
+        if path == "completions":
+            tops = [sorted(top.values()) for top in logprobs["top_logprobs"]]
+        else:
+            tops = [sorted(t["logprob"] for t in entry["top_logprobs"]) for entry in logprobs["content"]]
+        assert all(top[:2] == [-9999.0, -9999.0] and -9999.0 < top[2] <= 0 for top in tops), tops
+        streamed = httpx.post(f"{url}/v1/{path}", json={**body, "stream": True}, timeout=TIMEOUT).text
+        events = [strict(e.removeprefix("data: ")) for e in streamed.split("\n\n") if e.startswith("data: {")]
+        assert events and all("error" not in e for e in events)
+
+
 def test_a_long_streamed_answers_logprobs_are_the_whole_answers_for_no_more_decoding(url, engine, monkeypatch):
     """Each chunk decodes its own tokens only: the stream's text_offset goes on from the chunk before.
 

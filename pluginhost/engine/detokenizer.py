@@ -39,9 +39,12 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        # Decoded window: ids[prefix:read] is text already emitted (context included).
+        # Decoded window: ids[prefix:read] is text already emitted (context included). A prompt that ends inside
+        # a character (an answer cut off by max_tokens, sent back as ids) leaves its start unread: the tokens
+        # that finish it make the character the first of the text, and no generated character is lost to the
+        # U+FFFDs its bytes decoded to (one per byte with SentencePiece's byte fallback).
         self._prefix = 0
-        self._read = len(self._ids)
+        self._read = len(self._ids) - self._unfinished_tail()
         self._stop = tuple(stop)
         self.text = ""
 
@@ -84,6 +87,18 @@ class IncrementalDetokenizer:
                 delta = delta[:-1]
             self.text += delta
         self._prefix = self._read = len(self._ids)
+
+    def _unfinished_tail(self) -> int:
+        """How many of the context's last tokens hold nothing but the start of a character it does not finish."""
+        if not self._ids or not self._decode(self._ids).endswith(_INCOMPLETE):
+            return 0
+        special = set(getattr(self._tokenizer, "all_special_ids", ()))  # decoding skips them
+        pieces = [b"" if token in special else token_bytes(self._tokenizer, token) for token in self._ids]
+        cut, tail = _cut_off_bytes(b"".join(pieces)), 0
+        while cut and tail < len(pieces) and len(pieces[-1 - tail]) <= cut:
+            cut -= len(pieces[-1 - tail])
+            tail += 1
+        return tail
 
     def _find_stop(self, new_chars: int) -> str | None:
         """The stop string that starts earliest among those the new characters complete; cut the text there."""

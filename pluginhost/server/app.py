@@ -762,6 +762,15 @@ def _finish_reasons(request: EngineRequest) -> list[str]:
     return [s.finish_reason or "abort" for s in request.sequences]
 
 
+#: What an answer says for a token the model gave no chance (log-probability -inf), as vLLM's server does: JSON has
+#: no infinity (a strict parser refuses ``-Infinity``, and the whole answer failed with a 500).
+LEAST_LOGPROB = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, LEAST_LOGPROB)
+
+
 def _usage_info(prompt: int, completion: int) -> dict[str, int]:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
 
@@ -1001,8 +1010,8 @@ class _Completions(_Shape):
         for token, step in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
             text = self.token_text(token)
             tokens.append(text)
-            token_logprobs.append(step[token])
-            top.append({self.token_text(t): v for t, v in step.items()})
+            token_logprobs.append(_json_logprob(step[token]))
+            top.append({self.token_text(t): _json_logprob(v) for t, v in step.items()})
             offsets.append(offset)
             offset += len(text)
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -1055,10 +1064,11 @@ class _Chat(_Shape):
             content.append(
                 {
                     "token": self.token_text(token),
-                    "logprob": step[token],
+                    "logprob": _json_logprob(step[token]),
                     "bytes": self.token_bytes(token),
                     "top_logprobs": [
-                        {"token": self.token_text(t), "logprob": v, "bytes": self.token_bytes(t)} for t, v in ranked
+                        {"token": self.token_text(t), "logprob": _json_logprob(v), "bytes": self.token_bytes(t)}
+                        for t, v in ranked
                     ],
                 }
             )
