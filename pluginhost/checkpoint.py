@@ -403,8 +403,14 @@ def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(_too_big(path, exc)) from None
         detail = _plain(exc) or type(exc).__name__
         raise CheckpointError(f"Cannot read {path}: it is not a valid PyTorch checkpoint ({detail}).") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path} does not hold a flat dictionary of tensors (a state dict).")
+    # weights_only also allows other keys than names (an int, a tuple): no state dict either.
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointError(
+            f"{path} does not hold a flat dictionary of tensors (a state dict, tensor names to tensors): is it a "
+            "model's weights? Save them with torch.save(model.state_dict(), ...), or as safetensors."
+        )
     for name in list(state):  # popped as handed over: a legacy file's tensors (read whole) go as they are copied
         yield name, state.pop(name)
 

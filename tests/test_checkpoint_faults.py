@@ -83,6 +83,12 @@ def truncated_bin(d: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:4000])
 
 
+def bin_with_a_key_that_is_no_name(d: Path) -> None:
+    """A state dict keyed by an int besides the names (torch.load's weights_only allows it)."""
+    weights = as_bin(d)
+    torch.save({**torch.load(weights), 7: torch.zeros(1)}, weights)
+
+
 def bin_shards_with_index(d: Path, extra: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The weights as two ``.bin`` shards and their index (plus ``extra`` index entries); the tensors."""
     tensors = load_file(str(d / "model.safetensors"))
@@ -235,6 +241,7 @@ FAULTS = {
     "corrupt safetensors": (garbage, "it is not a valid safetensors file"),
     "corrupt .bin": (garbage_bin, "pytorch_model.bin: it is not a valid PyTorch checkpoint"),
     "truncated .bin": (truncated_bin, "pytorch_model.bin: it is not a valid PyTorch checkpoint"),
+    "a .bin keyed by an int": (bin_with_a_key_that_is_no_name, "does not hold a flat dictionary of tensors"),
     "missing config.json": (remove_config, "config.json is missing"),
     "config.json a directory": (config_is_a_directory, "config.json is a directory"),
     "config.json a link loop": (config_is_a_link_loop, "config.json is a broken symbolic link (or a loop of them)"),
