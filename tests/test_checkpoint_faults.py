@@ -507,3 +507,19 @@ def test_an_index_reads_only_its_shards(broken_copy):
         {"base_model.model.q_proj.lora_A.weight": torch.zeros(4, 32)}, str(broken_copy / "adapter_model.safetensors")
     )
     assert greedy_tokens(broken_copy) == expected
+
+
+def test_a_tensor_parallel_rank_reads_whole_tensors_larger_than_its_share_of_the_model(tmp_path):
+    """A rank's model holds a share of the weights, the checkpoint whole tensors: a 4096x32 fc1, more than rank 0
+    of 4 holds in all, was refused as 'more than the whole model'. Rank 0 of 4 built in this process alone."""
+    from types import SimpleNamespace
+
+    from pluginhost.engine.loader import load_model
+    from pluginhost.host import PluginHost
+    from pluginhost.testing import make_tiny_opt
+
+    model_dir = make_tiny_opt(tmp_path / "wide", tokenizer=False, num_hidden_layers=1, ffn_dim=4096)
+    rank_0_of_4 = SimpleNamespace(ranks=SimpleNamespace(rank=0, world_size=4), reach=lambda *args: None)
+    settings = {"model": str(model_dir), "dtype": "float32", "tensor_parallel_size": 4}
+    loaded = load_model(PluginHost(load_installed=False), settings, agreement=rank_0_of_4)
+    assert tuple(loaded.model.decoder.layers[0].fc1.weight.shape) == (1024, 32)  # its quarter of the whole (4096, 32)

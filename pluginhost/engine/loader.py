@@ -115,14 +115,15 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     host.call("pre_load", config=config, model_class=model_class)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
+    # The whole model's size, before a rank keeps its share of it: the checkpoint's tensors are whole.
+    whole = _numel(model)
     collectives = None
     if ranks is not None:
         from builtin_models.tp import shard_model
 
         collectives = shard_model(model, ranks.rank, ranks.world_size)
-    size = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     weights = checkpoint.tensors(
-        dtype=dtype, device=device, max_numel=size, refuse_nonfinite=config.refuse_nonfinite_weights
+        dtype=dtype, device=device, max_numel=whole, refuse_nonfinite=config.refuse_nonfinite_weights
     )
     loaded = model.load_weights(weights)
     if ranks is not None:
@@ -220,6 +221,11 @@ def _construct(model_class: type, registration: Registration, hf_config: Any, dt
             f"Constructing {registration.implementation}(config) for architecture {registration.architecture!r} "
             f"(registered by {registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _numel(model: nn.Module) -> int:
+    """How many elements ``model``'s parameters and buffers hold (on the meta device: nothing allocated)."""
+    return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
 
 
 def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
