@@ -20,11 +20,13 @@ Files are only ever read.
 
 Before anything is read, every tensor is placed: it must come from exactly one
 file (the one the index names, when there is an index), no tensor may be
-larger than the whole model, and the whole must fit in the
-memory available. Weight files must lie inside the model directory (a
-Hugging Face cache snapshot's links into its ``blobs`` folder are fine);
-``allow_external`` lets an index or a link point elsewhere. Weights that are
-not finite are reported by name (or refused).
+larger than the whole model, and the weights must fit where they go: in host
+memory on the CPU; on a GPU in its free memory, host memory then holding only
+the tensor in passing (a tensor-parallel rank keeps its share of the weights,
+and the ranks on one machine share its host memory). Weight files must lie
+inside the model directory (a Hugging Face cache snapshot's links into its
+``blobs`` folder are fine); ``allow_external`` lets an index or a link point
+elsewhere. Weights that are not finite are reported by name (or refused).
 
 Progress goes to a tqdm bar on stderr for checkpoints over 256 MiB; tqdm hides
 it when stderr is not a terminal, and ``TQDM_DISABLE=1`` hides it always.
@@ -81,6 +83,8 @@ class Checkpoint:
         dtype: torch.dtype,
         device: torch.device,
         max_numel: int | None = None,
+        share: float = 1.0,
+        sharers: int = 1,
         refuse_nonfinite: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``.
@@ -89,11 +93,15 @@ class Checkpoint:
         tensor cannot be this model's and is refused before anything is read. (Not the
         largest parameter: an old checkpoint's stale buffer, a causal mask the model
         skips, may be larger than any parameter of a small model.)
+
+        ``share``: the part of the weights kept on ``device`` (a tensor-parallel rank's share of the model);
+        ``sharers``: the processes on this machine loading at once (its tensor-parallel ranks), which share its
+        host memory. Both only size the memory check.
         """
         from tqdm.auto import tqdm
 
         if self.format == "safetensors":
-            plan = self._place_safetensors(max_numel, dtype)
+            plan = self._place_safetensors(max_numel, dtype, device, share, sharers)
             reads = (pair for path in self.files for pair in _read_safetensors(path, plan[path]))
         else:
             reads = self._read_bins(max_numel)
@@ -136,13 +144,15 @@ class Checkpoint:
                 shown,
             )
 
-    def _place_safetensors(self, max_numel: int | None, dtype: torch.dtype) -> dict[Path, list[str]]:
+    def _place_safetensors(
+        self, max_numel: int | None, dtype: torch.dtype, device: torch.device, share: float, sharers: int
+    ) -> dict[Path, list[str]]:
         """Which tensors to read from which file, every tensor from exactly one place; checked before reading."""
         from safetensors import SafetensorError, safe_open
 
         where: dict[str, Path] = {}
         plan: dict[Path, list[str]] = {}
-        total_bytes = 0
+        total_bytes = largest = 0  # in memory, as converted; the largest tensor, as read or converted
         for path in self.files:
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
@@ -175,10 +185,13 @@ class Checkpoint:
                 where[name] = path
                 kept.append(name)
                 kind = entries[name]["dtype"]
-                total_bytes += numel * (dtype.itemsize if kind.startswith(("F", "BF")) else _STORED_BYTES.get(kind, 8))
+                stored = _STORED_BYTES.get(kind, 8)
+                converted = dtype.itemsize if kind.startswith(("F", "BF")) else stored
+                total_bytes += numel * converted
+                largest = max(largest, numel * max(stored, converted))
             plan[path] = kept
         self._check_all_held(where)
-        _check_memory(total_bytes)
+        _check_memory(math.ceil(total_bytes * share), largest, device, sharers)
         return plan
 
     def _check_all_held(self, held: Mapping[str, Path]) -> None:
@@ -214,18 +227,53 @@ class Checkpoint:
         self._check_all_held(seen)
 
 
-#: Bytes per element of safetensors' non-floating dtypes (floating ones are converted to the engine's dtype).
-_STORED_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+#: Bytes per element of safetensors' dtypes as stored (floating ones are then converted to the engine's dtype).
+_STORED_BYTES = {
+    **{"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1},
+    **{"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1},
+}
 
 
-def _check_memory(needed: int) -> None:
-    """Refuse a checkpoint that cannot fit in the memory available, before reading it."""
+def _check_memory(kept: int, largest: int, device: torch.device, sharers: int = 1) -> None:
+    """Refuse weights that cannot fit where they go, before reading them.
+
+    ``kept``: the bytes of the weights kept on ``device``; ``largest``: the largest tensor's, in passing (read,
+    converted, cut into a rank's share) on top of them. On a GPU the weights need its free memory, and host
+    memory holds only the tensor in passing; elsewhere they need host memory. ``sharers`` processes on this
+    machine (tensor-parallel ranks) need the host's at once.
+    """
+    if device.type == "cuda":
+        free = _free_device_memory(device)
+        if free is not None and kept + largest > free:
+            raise CheckpointError(
+                f"The weights need {_gib(kept + largest)} GiB on {device} and only {_gib(free)} GiB of its memory is "
+                "free. Free it (other processes on the GPU), use a smaller dtype (--dtype bfloat16), split the "
+                "model over more GPUs (--tensor-parallel-size) or use a smaller model."
+            )
+        needed = largest * sharers
+        what = f"On their way to {device}, the weights pass through host memory one tensor at a time: that needs"
+    else:
+        needed = (kept + largest) * sharers
+        what = "The weights need"
     available = _available_memory()
     if available is not None and needed > available:
+        ranks = f" ({sharers} tensor-parallel ranks on this machine)" if sharers > 1 else ""
         raise CheckpointError(
-            f"The weights need {needed / 2**30:.1f} GiB in memory and only {available / 2**30:.1f} GiB is "
-            "available. Free memory, use a smaller dtype (--dtype bfloat16) or a smaller model."
+            f"{what} {_gib(needed)} GiB{ranks} in memory and only {_gib(available)} GiB is available. Free memory, "
+            "use a smaller dtype (--dtype bfloat16) or a smaller model."
         )
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f}"
+
+
+def _free_device_memory(device: torch.device) -> int | None:
+    """The free memory of a CUDA ``device``, in bytes (``None`` when it cannot be asked)."""
+    try:
+        return int(torch.cuda.mem_get_info(device)[0])
+    except (RuntimeError, AssertionError, ValueError):  # no driver, or torch built without CUDA
+        return None
 
 
 def _available_memory() -> int | None:

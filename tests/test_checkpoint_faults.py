@@ -509,17 +509,75 @@ def test_an_index_reads_only_its_shards(broken_copy):
     assert greedy_tokens(broken_copy) == expected
 
 
-def test_a_tensor_parallel_rank_reads_whole_tensors_larger_than_its_share_of_the_model(tmp_path):
-    """A rank's model holds a share of the weights, the checkpoint whole tensors: a 4096x32 fc1, more than rank 0
-    of 4 holds in all, was refused as 'more than the whole model'. Rank 0 of 4 built in this process alone."""
+@pytest.fixture
+def wide_opt(tmp_path) -> Path:
+    """One layer with a 4096x32 fc1: a whole tensor larger than rank 0 of 4's share of the model (87,384 elements)."""
+    from pluginhost.testing import make_tiny_opt
+
+    return make_tiny_opt(tmp_path / "wide", tokenizer=False, num_hidden_layers=1, ffn_dim=4096)
+
+
+def build_rank_0_of_4(model_dir: Path):  # noqa: ANN201 - a LoadedModel
+    """Rank 0 of a 4-way tensor-parallel engine, built in this process alone (no other rank, nothing to agree)."""
     from types import SimpleNamespace
 
     from pluginhost.engine.loader import load_model
     from pluginhost.host import PluginHost
-    from pluginhost.testing import make_tiny_opt
 
-    model_dir = make_tiny_opt(tmp_path / "wide", tokenizer=False, num_hidden_layers=1, ffn_dim=4096)
-    rank_0_of_4 = SimpleNamespace(ranks=SimpleNamespace(rank=0, world_size=4), reach=lambda *args: None)
+    rank_0_of_4 = SimpleNamespace(ranks=SimpleNamespace(rank=0, world_size=4, processes={}), reach=lambda *args: None)
     settings = {"model": str(model_dir), "dtype": "float32", "tensor_parallel_size": 4}
-    loaded = load_model(PluginHost(load_installed=False), settings, agreement=rank_0_of_4)
+    return load_model(PluginHost(load_installed=False), settings, agreement=rank_0_of_4)
+
+
+def test_a_tensor_parallel_rank_reads_whole_tensors_larger_than_its_share_of_the_model(wide_opt):
+    """A rank's model holds a share of the weights, the checkpoint whole tensors: fc1 was refused as 'more than
+    the whole model' (rank 0's share)."""
+    loaded = build_rank_0_of_4(wide_opt)
     assert tuple(loaded.model.decoder.layers[0].fc1.weight.shape) == (1024, 32)  # its quarter of the whole (4096, 32)
+
+
+def checkpoint_bytes(model_dir: Path) -> tuple[int, int]:
+    """The float32 checkpoint's bytes, and its largest tensor's."""
+    sizes = [t.numel() * 4 for t in load_file(str(model_dir / "model.safetensors")).values()]
+    return sum(sizes), max(sizes)
+
+
+def test_a_tensor_parallel_rank_needs_host_memory_for_its_share_and_its_machines_other_ranks_for_theirs(
+    wide_opt, monkeypatch
+):
+    """The whole checkpoint was counted against each rank's host memory, even a rank alone on its machine
+    (torchrun over several machines); the ranks of one machine share its memory, so their shares add up."""
+    import pluginhost.checkpoint
+
+    total, largest = checkpoint_bytes(wide_opt)
+    # Rank 0's share (87,384 of 299,424 elements) and the tensor it cuts it from fit; the whole checkpoint does not.
+    monkeypatch.setattr(pluginhost.checkpoint, "_available_memory", lambda: total * 7 // 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert build_rank_0_of_4(wide_opt).model.decoder.layers[0].fc1.weight.shape[0] == 1024
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(PluginhostError, match=r"The weights need .* GiB \(4 tensor-parallel ranks on this machine\)"):
+        build_rank_0_of_4(wide_opt)
+
+
+def test_weights_for_a_gpu_need_its_free_memory_and_host_memory_only_for_a_tensor_in_passing(tiny_opt, monkeypatch):
+    """The whole checkpoint was counted against host memory, though a GPU's weights pass through it one at a time;
+    the GPU's own memory was not asked. (No GPU needed: the check runs before any tensor is read.)"""
+    import pluginhost.checkpoint as checkpoint
+
+    gib, cuda = 2**30, torch.device("cuda", 0)
+    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 3 * gib)
+    # Through the reader: refused for the GPU's memory before anything is read (or sent to a GPU there is not).
+    total, _ = checkpoint_bytes(tiny_opt)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 2, 140 * gib))  # (free, total)
+    with pytest.raises(PluginhostError, match=r"on cuda:0 and only 0.0 GiB of its memory is free"):
+        next(checkpoint.find_checkpoint(tiny_opt).tensors(dtype=torch.float32, device=cuda))
+    # The arithmetic, in GiB.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 140 * gib))
+    checkpoint._check_memory(10 * gib, gib, cuda)  # 11 GiB on the GPU, 1 GiB at a time through the host
+    with pytest.raises(PluginhostError, match=r"The weights need 11.0 GiB in memory and only 3.0 GiB"):
+        checkpoint._check_memory(10 * gib, gib, torch.device("cpu"))
+    with pytest.raises(PluginhostError, match=r"pass through host memory one tensor at a time: that needs 4.0 GiB \("):
+        checkpoint._check_memory(10 * gib, gib, cuda, sharers=4)  # four ranks' tensors in passing at once
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (9 * gib, 140 * gib))
+    with pytest.raises(PluginhostError, match=r"need 11.0 GiB on cuda:0 and only 9.0 GiB of its memory is free"):
+        checkpoint._check_memory(10 * gib, gib, cuda)

@@ -29,7 +29,7 @@ from pluginhost.registry import Registration
 from pluginhost.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from pluginhost.engine.parallel import Agreement
+    from pluginhost.engine.parallel import Agreement, Ranks
 
 __all__ = ["LoadedModel", "load_model", "validated_config"]
 
@@ -123,7 +123,12 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
 
         collectives = shard_model(model, ranks.rank, ranks.world_size)
     weights = checkpoint.tensors(
-        dtype=dtype, device=device, max_numel=whole, refuse_nonfinite=config.refuse_nonfinite_weights
+        dtype=dtype,
+        device=device,
+        max_numel=whole,
+        share=_numel(model) / whole if whole else 1.0,
+        sharers=_ranks_on_this_machine(ranks),
+        refuse_nonfinite=config.refuse_nonfinite_weights,
     )
     loaded = model.load_weights(weights)
     if ranks is not None:
@@ -226,6 +231,13 @@ def _construct(model_class: type, registration: Registration, hf_config: Any, dt
 def _numel(model: nn.Module) -> int:
     """How many elements ``model``'s parameters and buffers hold (on the meta device: nothing allocated)."""
     return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+
+
+def _ranks_on_this_machine(ranks: Ranks | None) -> int:
+    """How many processes of the engine share this machine's memory (as ``DistributedRunner`` counts them)."""
+    if ranks is None:
+        return 1
+    return ranks.world_size if ranks.processes else int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
 
 
 def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
