@@ -19,8 +19,8 @@ the mapping (by its conversion, or on its own when it needs none).
 Files are only ever read.
 
 Before anything is read, every tensor is placed: it must come from exactly one
-file (the one the index names, when there is an index), no tensor may be
-larger than the whole model, and the weights must fit where they go: in host
+file (the one the index names, when there is an index), no large tensor may
+be larger than the whole model, and the weights must fit where they go: in host
 memory on the CPU; on a GPU in its free memory, host memory then holding only
 the tensor in passing (a tensor-parallel rank keeps its share of the weights,
 and the ranks on one machine share its host memory). Weight files must lie
@@ -89,10 +89,12 @@ class Checkpoint:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``.
 
-        ``max_numel``: the model's size in elements (parameters and buffers); a larger
-        tensor cannot be this model's and is refused before anything is read. (Not the
-        largest parameter: an old checkpoint's stale buffer, a causal mask the model
-        skips, may be larger than any parameter of a small model.)
+        ``max_numel``: the whole model's size in elements (parameters and buffers); a larger
+        tensor cannot be this model's and, when large too (over ``_LEFT_TO_THE_MODEL``
+        elements), is refused before anything is read. A smaller one is left to the model,
+        which skips it or refuses it as not fitting: old checkpoints carry stale buffers the
+        models skip, causal masks of (n_positions, n_positions) that may be larger than a
+        whole small model (GPT-2's ``attn.bias``).
 
         ``share``: the part of the weights kept on ``device`` (a tensor-parallel rank's share of the model);
         ``sharers``: the processes on this machine loading at once (its tensor-parallel ranks), which share its
@@ -177,7 +179,7 @@ class Checkpoint:
                         "place. Remove the stray file (or add an index naming the right one)."
                     )
                 numel = math.prod(entries[name]["shape"])
-                if max_numel is not None and numel > max_numel:
+                if _not_this_models(numel, max_numel):
                     raise CheckpointError(
                         f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole model "
                         f"({max_numel:,}): it is not this model's. Is it the right checkpoint?"
@@ -217,14 +219,25 @@ class Checkpoint:
                     )
                 if self.index is not None and self.index.get(name) != path:
                     raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
-                if max_numel is not None and tensor.numel() > max_numel:
+                if _not_this_models(tensor.numel(), max_numel):
                     raise CheckpointError(
                         f"Tensor {name} in {path.name} has {tensor.numel():,} elements, more than the whole "
-                        f"model ({max_numel:,}): it is not this model's."
+                        f"model ({max_numel:,}): it is not this model's. Is it the right checkpoint?"
                     )
                 seen[name] = path
                 yield name, tensor
         self._check_all_held(seen)
+
+
+#: Elements up to which a tensor larger than the whole model is left to the model (64 MiB in float32): a
+#: stale causal mask it skips, (n_positions, n_positions) of up to 4096 positions, can be larger than a small
+#: model; another model's weights, the fault the size check is for, hold larger tensors.
+_LEFT_TO_THE_MODEL = 2**24
+
+
+def _not_this_models(numel: int, max_numel: int | None) -> bool:
+    """Whether a tensor of ``numel`` elements is refused before reading, for a model of ``max_numel``."""
+    return max_numel is not None and numel > max(max_numel, _LEFT_TO_THE_MODEL)
 
 
 #: Bytes per element of safetensors' dtypes as stored (floating ones are then converted to the engine's dtype).

@@ -163,3 +163,37 @@ def test_a_bin_cut_short_or_garbled_anywhere_is_one_checkpoint_error(tmp_path, l
             dict(find_checkpoint(tmp_path).tensors(dtype=torch.float32, device=CPU))
         except CheckpointError:
             pass  # or it loads: a flipped byte inside a tensor's data is just another value
+
+
+def greedy_tokens(model_dir: Path) -> list[int]:
+    from pluginhost import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_installed_plugins=False, dtype="float32")
+    return llm.generate([[2, 5, 9, 11]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.uint8], ids=["transformers 2 (float32)", "3 (uint8)"])
+def test_an_old_gpt2_checkpoints_causal_masks_larger_than_a_small_model_are_skipped_as_the_model_skips_them(
+    tmp_path, mask_dtype
+):
+    """transformers < 4.2x saved GPT-2's causal mask, attn.bias, (1, 1, n_positions, n_positions): for a small model
+    (sshleifer/tiny-gpt2) more than the whole model, refused as 'not this model's' before the model could skip it."""
+    from pluginhost.errors import PluginhostError
+    from pluginhost.testing import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "gpt2", "gpt2", n_positions=1024)  # 214,784 elements in all
+    expected = greedy_tokens(model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    for layer in range(2):
+        tensors[f"transformer.h.{layer}.attn.bias"] = torch.tril(torch.ones(1024, 1024, dtype=mask_dtype))[None, None]
+        tensors[f"transformer.h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(tensors, model_dir / "pytorch_model.bin")
+    assert greedy_tokens(model_dir) == expected
+    # As large a tensor that the model does not skip is still refused, by name.
+    tensors["transformer.h.0.attn.mask"] = tensors.pop("transformer.h.0.attn.bias")
+    torch.save(tensors, model_dir / "pytorch_model.bin")
+    with pytest.raises(
+        PluginhostError, match=r"unexpected tensors \(not in GPT2LMHeadModel\): transformer.h.0.attn.mask"
+    ):
+        greedy_tokens(model_dir)
