@@ -22,6 +22,8 @@ import functools
 import logging
 import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -83,6 +85,9 @@ class AsyncLLM(EngineFrontend):
         model for one, would wait for it forever).
         """
         self._stopping = threading.Event()
+        #: Ids given to requests being prepared (how many of each), and those of them aborted meanwhile.
+        self._preparing: Counter[str] = Counter()
+        self._aborted_early: set[str] = set()
         # One thread, on purpose: requests are queued in the order they came, and ``on_request`` hooks are
         # called one at a time (a plugin may keep state without a lock). More threads would not make one long
         # prompt wait less, only let others pass it, while competing with the engine thread for the cores;
@@ -134,8 +139,10 @@ class AsyncLLM(EngineFrontend):
                 continue
             try:
                 self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug in one step
+            except BaseException as exc:  # noqa: BLE001 - the loop must outlive a bug in one step, a sys.exit() too
                 logger.exception("the engine loop failed a step; its requests end with the error")
+                if not isinstance(exc, Exception):  # a plugin's sys.exit(): the thread would end, every stream hang
+                    exc = RuntimeError(f"the engine loop failed a step: {type(exc).__name__}: {exc}")
                 self.engine.fail_all(exc)
 
     async def generate(
@@ -201,6 +208,8 @@ class AsyncLLM(EngineFrontend):
             self._maker(stream, prompt, params, request_id, index, exact_max_tokens, arrival_time)
             for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
         ]
+        given = [request_id for _, _, request_id in requests if request_id is not None]
+        self._preparing.update(given)  # an abort of these ids meanwhile must not be lost
         try:
             prepared = await self.off_loop(lambda: [m() for m in make])  # one hop, in order
         except asyncio.CancelledError:
@@ -208,12 +217,22 @@ class AsyncLLM(EngineFrontend):
             if self._stopping.is_set() and task is not None and not task.cancelling():  # shutdown dropped it
                 raise RuntimeError("this AsyncLLM was shut down") from None
             raise
+        finally:
+            self._preparing.subtract(given)
+            aborted = {i for i in given if i in self._aborted_early}
+            for request_id in given:
+                if self._preparing[request_id] <= 0:
+                    del self._preparing[request_id]
+                    self._aborted_early.discard(request_id)
         self._check_open()  # shut down while they were prepared
         for stream, request, engine_picked in zip(streams, prepared, picked, strict=True):
             stream.request = request
             if engine_picked and self.engine.is_running(request.request_id):  # a caller took it meanwhile
                 request.request_id = self._new_request_id()
         self.engine.submit(prepared)
+        for stream in streams:
+            if stream.request.request_id in aborted:  # aborted while it was prepared: it ends at the next step
+                stream.abort()
         return streams
 
     def add_request(
@@ -271,8 +290,11 @@ class AsyncLLM(EngineFrontend):
     def abort(self, request_id: str) -> None:
         """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``.
 
-        The id is free at once: a new request may take it before the old one's stream has ended.
+        Also a request still being prepared (tokenized, checked) under that id: it is queued, then ended at
+        the next step. The id is free at once: a new request may take it before the old one's stream has ended.
         """
+        if request_id in self._preparing:
+            self._aborted_early.add(request_id)
         self.engine.abort([request_id])
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -288,20 +310,23 @@ class AsyncLLM(EngineFrontend):
             self._stopping.set()
             self.close()
             return
-        self.engine.abort_all()
+        deadline = time.monotonic() + timeout  # one for the whole shutdown, not one per wait
+        self.engine.abort_all(close=True)  # a request submitted from now on is refused, not left running
         self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
         self._stopping.set()
         self._inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self.close()
 
 
 class RequestStream:
     """The outputs of one submitted request, as they arrive: ``async for output in stream``.
 
-    Cumulative outputs; a consumer that falls behind gets the latest. The
-    iteration ends after the finished output, and raises the error that ended
-    the request, if one did. ``abort()`` ends it early (idempotent).
+    Cumulative outputs; a consumer that falls behind gets the latest (only the latest is kept, as
+    vLLM's output collector keeps it: a client that stops reading holds one output, not every one
+    so far). The iteration ends after the finished output, and raises the error that ended the
+    request, if one did; nothing delivered after either is shown. ``abort()`` ends it early
+    (idempotent).
     """
 
     request: EngineRequest
@@ -309,7 +334,8 @@ class RequestStream:
     def __init__(self, engine: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
         self._engine = engine
         self._loop = loop
-        self._outputs: asyncio.Queue[tuple[RequestOutput | None, BaseException | None]] = asyncio.Queue()
+        self._latest: tuple[RequestOutput | None, BaseException | None] | None = None
+        self._ready = asyncio.Event()
         self._done = False
 
     @property
@@ -317,11 +343,19 @@ class RequestStream:
         return self.request.request_id
 
     def deliver(self, output: RequestOutput | None, error: BaseException | None) -> None:
-        """Called by the engine loop's thread."""
+        """Called by the thread that stepped the engine."""
         try:
-            self._loop.call_soon_threadsafe(self._outputs.put_nowait, (output, error))
+            self._loop.call_soon_threadsafe(self._keep, output, error)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _keep(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        """In the event loop: the newest output replaces the one not yet read, unless that one ended the stream."""
+        kept = self._latest
+        if kept is not None and (kept[1] is not None or (kept[0] is not None and kept[0].finished)):
+            return
+        self._latest = (output, error)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -329,9 +363,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        output, error = await self._outputs.get()
-        while not self._outputs.empty() and error is None:  # behind: only the latest output matters
-            output, error = self._outputs.get_nowait()
+        while self._latest is None:
+            self._ready.clear()
+            await self._ready.wait()
+        (output, error), self._latest = self._latest, None
         if error is not None:
             self._done = True
             raise error

@@ -116,6 +116,8 @@ class EngineCore:
         self._preempted = 0
         #: Sequences taken from the inbox and not yet queued (under the inbox lock): ``_check_room`` counts them.
         self._in_transit = 0
+        #: Set by ``abort_all(close=True)`` (a shutdown): no request is taken any more.
+        self._closed = False
 
     @property
     def stopped(self) -> Exception | None:
@@ -136,6 +138,8 @@ class EngineCore:
         """
         requests = list(requests)
         with self._inbox_lock:
+            if self._closed:
+                raise RuntimeError("this engine was shut down: it takes no more requests")
             ids = [r.request_id for r in requests]
             taken = sorted({i for i in ids if i in self._live} | {i for i in ids if ids.count(i) > 1})
             if taken:
@@ -195,9 +199,14 @@ class EngineCore:
                 self._abort_locked(request)
                 self._work.notify_all()
 
-    def abort_all(self) -> None:
-        """End every request at the next step."""
+    def abort_all(self, *, close: bool = False) -> None:
+        """End every request at the next step; ``close``: and take no more (``submit`` then raises ``RuntimeError``).
+
+        Both at once, under the inbox lock: a request submitted while a shutdown begins is either aborted with the
+        others or refused, never taken after them and left running.
+        """
         with self._inbox_lock:
+            self._closed = self._closed or close
             for request in list(self._live.values()):
                 self._abort_locked(request)
             self._work.notify_all()
@@ -264,7 +273,9 @@ class EngineCore:
             except NoTokenLeft as emptied:
                 self._processors_emptied(plan, emptied)
                 return True
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a plugin's sys.exit() in a forward hook is its failure too
                 self._fail(plan, blame(self.loaded, exc))
                 return True
             self._lift_row_cap()
@@ -283,13 +294,15 @@ class EngineCore:
                 num_preempted=self._preempted,
             )
             self._preempted = 0
+            # Under the step lock: another thread's step (shutdown's, handing out aborts) must not hand a request's
+            # last output out before this step hands out an earlier one.
+            for callback, output, error in deliveries:
+                callback(output, error)
         finally:
             if self.scheduler.num_running == 0 and self.scheduler.max_num_seqs < self.loaded.config.max_num_seqs:
                 self.runner.lift_row_cap()  # a cap set for memory holds no more once nothing runs: an idle
                 self._lift_row_cap()  # engine takes a whole batch again, at once
             self._step_lock.release()
-        for callback, output, error in deliveries:
-            callback(output, error)
         for listener in self.stats_listeners:
             listener(stats)
         if self._hooked["record_stats"]:
@@ -679,12 +692,13 @@ class EngineCore:
                 del self._live[request.request_id]
 
 
-def blame(loaded: LoadedModel, exc: Exception) -> BaseException:
+def blame(loaded: LoadedModel, exc: BaseException) -> Exception:
     """A failure in the model's code, or in code a plugin installed, as a ``ModelRunError`` naming it.
 
     The innermost frame that is the model's or a plugin's decides: a plugin's forward hook or patched
     method raising inside the model's forward is the plugin's fault. The engine's own errors stay as
-    they are (and are logged as internal).
+    they are (and are logged as internal); one that is no ``Exception`` (``SystemExit``) becomes a
+    ``RuntimeError``, which a request's caller can be given.
     """
     if isinstance(exc, PluginhostError):  # already says what failed (a rank of a tensor-parallel engine)
         return exc
@@ -708,7 +722,9 @@ def blame(loaded: LoadedModel, exc: Exception) -> BaseException:
             break
     else:
         logger.error("internal error in an engine step", exc_info=exc)
-        return exc
+        if isinstance(exc, Exception):
+            return exc
+        error = RuntimeError(f"internal error in an engine step: {what}")
     error.__cause__ = exc
     return error
 

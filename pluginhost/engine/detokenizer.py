@@ -44,7 +44,8 @@ class IncrementalDetokenizer:
         # that finish it make the character the first of the text, and no generated character is lost to the
         # U+FFFDs its bytes decoded to (one per byte with SentencePiece's byte fallback).
         self._prefix = 0
-        self._read = len(self._ids) - self._unfinished_tail()
+        self._read = len(self._ids)
+        self._tail_checked = False  # at the first push: in the engine's thread, not where requests are prepared
         self._stop = tuple(stop)
         self.text = ""
 
@@ -55,6 +56,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int, *, check_stop: bool = True) -> str | None:
         """Add a generated token; return the stop string it completed, if any (``check_stop``)."""
+        if not self._tail_checked:
+            self._read -= self._unfinished_tail()
+            self._tail_checked = True
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])

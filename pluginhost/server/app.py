@@ -799,29 +799,41 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as they come; leaving early aborts them all."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    """(prompt index, output) from every stream as they come; leaving early aborts them all.
+
+    Only each stream's latest output waits to be taken (each holds everything so far): a client that reads
+    slowly, or not at all, makes the server hold one output per prompt, not every one so far.
+    """
+    latest: dict[int, RequestOutput] = {}
+    failures: list[BaseException] = []
+    ended = 0
+    changed = asyncio.Event()
 
     async def pump(index: int, stream: RequestStream) -> None:
+        nonlocal ended
         try:
             async for output in stream:
-                await queue.put((index, output, None))
+                latest[index] = output
+                changed.set()
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((index, None, exc))
-            return
-        await queue.put((index, None, None))
+            failures.append(exc)
+        finally:
+            ended += 1
+            changed.set()
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, output, error = await queue.get()
-            if error is not None:
-                raise error
-            if output is None:
-                remaining -= 1
-                continue
-            yield index, output
+        while True:
+            if failures:
+                raise failures[0]
+            if latest:
+                index = min(latest)
+                yield index, latest.pop(index)
+            elif ended == len(tasks):
+                return
+            else:
+                changed.clear()
+                await changed.wait()
     finally:
         for task in tasks:
             task.cancel()
