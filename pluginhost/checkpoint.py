@@ -26,7 +26,8 @@ the tensor in passing (a tensor-parallel rank keeps its share of the weights,
 and the ranks on one machine share its host memory). Weight files must lie
 inside the model directory (a Hugging Face cache snapshot's links into its
 ``blobs`` folder are fine); ``allow_external`` lets an index or a link point
-elsewhere. Weights that are not finite are reported by name (or refused).
+elsewhere. Weights that are not finite are reported by name (or refused),
+once the model has taken what it keeps: a stale buffer it skips does not count.
 
 Progress goes to a tqdm bar on stderr for checkpoints over 256 MiB; tqdm hides
 it when stderr is not a terminal, and ``TQDM_DISABLE=1`` hides it always.
@@ -40,18 +41,19 @@ import math
 import pickle
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from torch import nn
 
 from pluginhost.envflags import env_flag
 from pluginhost.errors import CheckpointError, ConfigError
 from pluginhost.model_dir import read_json
 
-__all__ = ["Checkpoint", "find_checkpoint"]
+__all__ = ["Checkpoint", "find_checkpoint", "report_nonfinite"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ class Checkpoint:
         max_numel: int | None = None,
         share: float = 1.0,
         sharers: int = 1,
-        refuse_nonfinite: bool = False,
+        nonfinite: list[str] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs; floating-point tensors converted to ``dtype``, all moved to ``device``.
 
@@ -99,6 +101,10 @@ class Checkpoint:
         ``share``: the part of the weights kept on ``device`` (a tensor-parallel rank's share of the model);
         ``sharers``: the processes on this machine loading at once (its tensor-parallel ranks), which share its
         host memory. Both only size the memory check.
+
+        ``nonfinite``: where to list the floating-point tensors that are not finite (inf or nan) in ``dtype``, for
+        the caller to judge once the model has taken what it keeps (:func:`report_nonfinite`); without it, they
+        are warned about here, once all are read.
         """
         from tqdm.auto import tqdm
 
@@ -112,7 +118,7 @@ class Checkpoint:
         total = self.nbytes
         # TQDM_DISABLE is tqdm's own switch, but tqdm ignores it when disable= is passed, as here.
         quiet = total < _PROGRESS_MIN_BYTES or env_flag("TQDM_DISABLE", strict=False)
-        nonfinite: list[str] = []
+        found: list[str] = [] if nonfinite is None else nonfinite
         # disable=None: tqdm shows the bar only when stderr is a terminal.
         with tqdm(
             total=total,
@@ -128,23 +134,12 @@ class Checkpoint:
                     tensor = _convert(name, tensor, device, dtype, copy=copy)
                     # Checked in the engine's dtype: a value too large for it (fp32 -> fp16) counts too.
                     if not bool(torch.isfinite(tensor).all()):
-                        if refuse_nonfinite:
-                            raise CheckpointError(
-                                f"Tensor {name} holds values that are not finite (inf or nan) in {dtype}: refused "
-                                "(refuse_nonfinite_weights is on)."
-                            )
-                        nonfinite.append(name)
+                        found.append(name)
                 else:
                     tensor = _convert(name, tensor, device, None, copy=copy)
                 yield name, tensor
-        if nonfinite:
-            shown = ", ".join(nonfinite[:_NONFINITE_SHOWN]) + (" ..." if len(nonfinite) > _NONFINITE_SHOWN else "")
-            logger.warning(
-                "%d weight tensor(s) hold values that are not finite (inf or nan): %s. Generation from them is "
-                "garbage; is the checkpoint corrupt? (refuse_nonfinite_weights=True refuses such a checkpoint)",
-                len(nonfinite),
-                shown,
-            )
+        if found and nonfinite is None:
+            logger.warning("%s", _nonfinite(found, dtype, "of the checkpoint"))
 
     def _place_safetensors(
         self, max_numel: int | None, dtype: torch.dtype, device: torch.device, share: float, sharers: int
@@ -245,6 +240,49 @@ _STORED_BYTES = {
     **{"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1},
     **{"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1},
 }
+
+
+def report_nonfinite(model: nn.Module, read: Sequence[str], *, dtype: torch.dtype, refuse: bool) -> None:
+    """Warn about the tensors of ``model`` that hold values not finite, or refuse them, once it has loaded.
+
+    ``read``: the checkpoint's tensors that were not finite as read (``Checkpoint.tensors``' ``nonfinite``); the
+    model is looked at only when there are some. Only what it keeps counts (its parameters and persistent
+    buffers): old checkpoints carry stale buffers the models skip, such as GPT-NeoX's ``attention.masked_bias``
+    (-1e9: -inf in float16).
+    """
+    if not read:
+        return
+    kept: list[str] = []
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.is_floating_point() and not tensor.is_meta and id(tensor) not in seen:
+            seen.add(id(tensor))  # a tied tensor once
+            if not bool(torch.isfinite(tensor).all()):
+                kept.append(name)
+    if not kept:
+        logger.info(
+            "Not finite in %s, but the model does not keep them (stale buffers it skips, or another rank's share): %s",
+            dtype,
+            ", ".join(read),
+        )
+        return
+    if refuse:
+        raise CheckpointError(_nonfinite(kept, dtype, "the model loaded", refused=True))
+    logger.warning("%s", _nonfinite(kept, dtype, "the model loaded"))
+
+
+def _nonfinite(names: Sequence[str], dtype: torch.dtype, whose: str, *, refused: bool = False) -> str:
+    """The warning (or refusal) naming tensors that are not finite."""
+    shown = ", ".join(names[:_NONFINITE_SHOWN]) + (" ..." if len(names) > _NONFINITE_SHOWN else "")
+    found = f"{len(names)} tensor(s) {whose} hold values that are not finite (inf or nan) in {dtype}: {shown}"
+    # Checked in the engine's dtype: a value beyond float16's range was finite as saved.
+    hint = " Or values beyond float16's range (65504): use dtype bfloat16 or float32." if dtype == torch.float16 else ""
+    if refused:
+        return f"{found}: refused (refuse_nonfinite_weights is on). Is the checkpoint corrupt?{hint}"
+    return (
+        f"{found}. Generation from them is garbage: is the checkpoint corrupt?{hint} "
+        "(refuse_nonfinite_weights=True refuses such a checkpoint)"
+    )
 
 
 def _check_memory(kept: int, largest: int, device: torch.device, sharers: int = 1) -> None:

@@ -392,9 +392,37 @@ def test_non_finite_weights_are_named_in_a_warning_or_refused(broken_copy, caplo
     edit_tensors(broken_copy, lambda t: t["model.decoder.layers.0.fc2.bias"].__setitem__(3, float("inf")))
     with caplog.at_level("WARNING", logger="pluginhost"):
         LLM(str(broken_copy), load_installed_plugins=False)
-    assert "not finite" in caplog.text and "model.decoder.layers.0.fc2.bias" in caplog.text
-    with pytest.raises(PluginhostError, match="model.decoder.layers.0.fc2.bias holds values that are not finite"):
+    # Named as the model names them: the model's tensors are what is judged (see the test below).
+    assert "1 tensor(s) the model loaded hold values that are not finite" in caplog.text
+    assert "decoder.layers.0.fc2.bias" in caplog.text
+    with pytest.raises(
+        PluginhostError, match=r"not finite \(inf or nan\) in torch.float32: decoder.layers.0.fc2.bias: re"
+    ):
         LLM(str(broken_copy), load_installed_plugins=False, refuse_nonfinite_weights=True)
+
+
+def test_a_stale_buffer_the_model_skips_is_no_fault_even_when_it_is_not_finite(tmp_path, caplog):
+    """Old GPT-NeoX (Pythia) checkpoints hold attention.masked_bias, -1e9: -inf once saved in float16. The model
+    skips it, yet it was warned about as garbage, and refuse_nonfinite_weights refused a good checkpoint."""
+    from pluginhost.testing import make_tiny_model
+
+    model_dir = make_tiny_model(
+        tmp_path / "neox", "gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2
+    )
+    stale = {f"gpt_neox.layers.{i}.attention.masked_bias": torch.tensor(-1e9).half() for i in range(2)}
+    edit_tensors(model_dir, lambda t: t.update(stale))
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        LLM(str(model_dir), load_installed_plugins=False, dtype="float32")
+        LLM(str(model_dir), load_installed_plugins=False, dtype="float32", refuse_nonfinite_weights=True)
+    assert "not finite" not in caplog.text
+    # A weight the model keeps is still named (and refused when asked), the stale buffer beside it not.
+    edit_tensors(model_dir, lambda t: t["gpt_neox.layers.1.mlp.dense_h_to_4h.bias"].__setitem__(0, float("nan")))
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        LLM(str(model_dir), load_installed_plugins=False, dtype="float32")
+    assert "1 tensor(s) the model loaded hold values that are not finite" in caplog.text
+    assert "gpt_neox.layers.1.mlp.dense_h_to_4h.bias" in caplog.text and "masked_bias" not in caplog.text
+    with pytest.raises(PluginhostError, match=r"dense_h_to_4h.bias: refused \(refuse_nonfinite_weights is on\)"):
+        LLM(str(model_dir), load_installed_plugins=False, dtype="float32", refuse_nonfinite_weights=True)
 
 
 def test_weights_outside_the_directory_load_when_allowed(broken_copy):

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from builtin_models.weights import check_all_loaded
 from pluginhost.build import check_combination, plan_build
-from pluginhost.checkpoint import find_checkpoint
+from pluginhost.checkpoint import find_checkpoint, report_nonfinite
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
 from pluginhost.errors import ConfigError, ModelClassError
@@ -122,13 +122,14 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         from builtin_models.tp import shard_model
 
         collectives = shard_model(model, ranks.rank, ranks.world_size)
+    nonfinite: list[str] = []  # the checkpoint's tensors that are not finite, judged once the model has loaded
     weights = checkpoint.tensors(
         dtype=dtype,
         device=device,
         max_numel=whole,
         share=_numel(model) / whole if whole else 1.0,
         sharers=_ranks_on_this_machine(ranks),
-        refuse_nonfinite=config.refuse_nonfinite_weights,
+        nonfinite=nonfinite,
     )
     loaded = model.load_weights(weights)
     if ranks is not None:
@@ -136,6 +137,8 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
 
         unshard_tied(model)
     _check_loaded(model, loaded, plan.model_dir)
+    # Only what the model keeps counts: a stale buffer it skipped is no fault.
+    report_nonfinite(model, nonfinite, dtype=dtype, refuse=config.refuse_nonfinite_weights)
     model.eval().requires_grad_(False)
     host.call("post_load", config=config, model=model)
     check_combination(config)  # a post_load may still have set a field
