@@ -21,12 +21,17 @@ Which one runs is measured on first use for each (weight shape, bias, dtype,
 device, row count rounded to a power of two), among the kernels that give the
 right result here (below 8 rows, memory-bound, ``int8pack`` is taken untimed),
 and kept for the process; ``PLUGINHOST_INT8_KERNEL=int8pack|dequant_bf16|dequant``
-forces one.
+forces one. On CPU, ``int8pack`` is no candidate at all (never run, not even to
+test it) for a weight whose ``in_features`` is not a multiple of its vector step
+(8 elements; 16 where torch dispatches to AVX-512): that kernel reads each row in
+whole steps with aligned loads and no remainder, so it returns garbage for one
+row and mostly segfaults from two (torch 2.13), which no try/except can catch.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import os
 import threading
@@ -70,6 +75,8 @@ _CHECKED_CHANNELS = 256
 _UNTIMED_ROWS = 7
 #: Another kernel must beat ``int8pack`` by this much to be chosen instead.
 _MARGIN = 0.9
+#: Inputs go to ``_weight_int8pack_mm`` contiguous and aligned to this many bytes (its CPU kernel's aligned loads).
+_INT8PACK_ALIGNMENT = 64
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,10 +160,37 @@ def _finish(y: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
     return y.to(dtype)
 
 
+@functools.cache
+def _int8pack_cpu_step() -> int:
+    """The input size's step in ``_weight_int8pack_mm``'s CPU kernel: 16 bfloat16 with AVX-512, else 8.
+
+    The kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp) walks each row of the input and of the weight in
+    whole vector steps, with aligned loads and no remainder loop. An input size that is not a multiple of the
+    step reads past the rows (and misaligns every row after the first): torch 2.13 on AVX2 gives garbage (NaN,
+    inf, 1e30) for one row and, from two rows, a segfault (now and then garbage instead), whatever the output
+    size. AVX2 and NEON step 8 elements, AVX-512 16 (read from the source: not run here); the scalar fallback
+    takes any size, and 8 is asked of it too.
+    """
+    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability().upper() else 8
+
+
+def _int8pack_takes(q: Tensor) -> bool:
+    """Whether ``int8pack`` can run on weight ``q`` safely: it exists, and on CPU, ``in_features`` is whole steps.
+
+    Checked before the kernel is ever run (even to test it), since what it does otherwise is a segfault, which
+    kills the process. CUDA's kernel is a plain loop over the input size: any size.
+    """
+    if _int8pack_op is None:
+        return False
+    return q.device.type != "cpu" or q.shape[1] % _int8pack_cpu_step() == 0
+
+
 def _run_int8pack(x2d: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     xb = x2d.to(torch.bfloat16)
-    if xb.stride(-1) != 1:
-        xb = xb.contiguous()
+    if not xb.is_contiguous() or xb.data_ptr() % _INT8PACK_ALIGNMENT:
+        # A view (of a bfloat16 input, which .to returns as it is) may start anywhere: the CPU kernel's aligned
+        # loads segfault on a start off 16 (AVX2) or 32 (AVX-512) bytes. A fresh tensor starts 64-byte aligned.
+        xb = xb.clone(memory_format=torch.contiguous_format)
     return _finish(_int8pack_op(xb, q, scales), bias, x2d.dtype)  # (rows, out)
 
 
@@ -223,7 +257,7 @@ class _KernelTable:
         return {_describe(key): kernel for key, kernel in sorted(self._choices.items(), key=lambda kv: str(kv[0]))}
 
     def _decide(self, q: Tensor, scales: Tensor, bias: Tensor | None, x: Tensor, rows: int) -> str:
-        candidates = [k for k in KERNELS if k != INT8PACK or _int8pack_op is not None]
+        candidates = [k for k in KERNELS if k != INT8PACK or _int8pack_takes(q)]
         if self.forced is not None:
             if self.forced in candidates and self._correct(self.forced, q, scales, bias, x, rows):
                 return self.forced
