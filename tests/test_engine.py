@@ -1501,3 +1501,22 @@ def test_room_for_fewer_rows_than_the_cache_grows_by_still_serves_everyone(
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, rows, 256))
     assert [o.token_ids for o in llm.generate(jobs, params)] == expected  # no refusal loops for ever
     assert llm.engine.runner.cache_shape == (rows, 256)
+
+
+def test_generate_counts_its_requests_as_they_end_instead_of_looking_at_each_after_every_step(llm, monkeypatch):
+    # Every request was looked at twice after every step: 20,000 prompts spent a quarter of the call doing so.
+    from pluginhost.engine.request import EngineRequest
+
+    looked = {"n": 0}
+    finished = EngineRequest.finished
+
+    def counted(request) -> bool:
+        looked["n"] += 1
+        return finished.fget(request)
+
+    monkeypatch.setattr(EngineRequest, "finished", property(counted))
+    prompts = [[2, 5 + i % 50, 6] for i in range(400)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 400
+    # The engine looks at the requests a step changes; the call at each of its own once, at the end.
+    assert looked["n"] < 10 * len(prompts), looked["n"]

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -141,7 +142,7 @@ class EngineCore:
             if self._closed:
                 raise RuntimeError("this engine was shut down: it takes no more requests")
             ids = [r.request_id for r in requests]
-            taken = sorted({i for i in ids if i in self._live} | {i for i in ids if ids.count(i) > 1})
+            taken = sorted({i for i in ids if i in self._live} | {i for i, k in Counter(ids).items() if k > 1})
             if taken:
                 raise ValueError(
                     f"request id(s) {', '.join(map(repr, taken[:5]))} already running; give each request its own id "
@@ -572,6 +573,8 @@ class EngineCore:
                     if not sequence.finished:
                         sequence.finish_reason = "abort"
                     self.scheduler.free(sequence)
+                if request.on_end is not None:
+                    request.on_end()
                 if request.on_output is not None:
                     request.on_output(request.output(), None)
 
@@ -684,12 +687,14 @@ class EngineCore:
             request.on_output(None, error)
 
     def _forget(self, request: EngineRequest) -> None:
-        """The request has ended: its id is free (unless a newer request has it already)."""
+        """The request has ended (finished or failed): its id is free (unless a newer request has it already)."""
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
         with self._inbox_lock:
             if self._live.get(request.request_id) is request:
                 del self._live[request.request_id]
+        if request.on_end is not None:
+            request.on_end()
 
 
 def blame(loaded: LoadedModel, exc: BaseException) -> Exception:

@@ -130,6 +130,9 @@ class EngineRequest:
     on_output: OutputCallback | None = None
     #: Whether ``on_output`` gets text that may still be cut by a stop string (streaming) or not.
     streaming: bool = False
+    #: Called once, by the thread that steps the engine, when the request has ended (finished, aborted or failed):
+    #: a caller waiting for many requests counts them instead of looking at each after every step.
+    on_end: Callable[[], None] | None = None
     #: When the request arrived (``time.monotonic()``): when it was made, unless the caller says (a server: when
     #: the HTTP request came in, so latencies count the wait to be tokenized).
     arrival_time: float = field(default_factory=time.monotonic)
