@@ -113,20 +113,20 @@ class Shard:
                 shape = list(piece.shape)
                 shape[self.dim] = missing
                 piece = torch.cat([piece, piece.new_zeros(shape)], dim=self.dim)
-            return piece.contiguous()
+            return _own(piece)
         parts = self.parts or (size,)
         if sum(parts) != size or any(p % self._chunks(i) for i, p in enumerate(parts)):
             return tensor  # not this model's tensor: the shape check reports it
         pieces = tensor.split(list(parts), dim=self.dim)
         mine = [self._mine(piece, self.dim, self._chunks(i)) for i, piece in enumerate(pieces)]
-        return torch.cat(mine, dim=self.dim) if len(mine) > 1 else mine[0].contiguous()
+        return torch.cat(mine, dim=self.dim) if len(mine) > 1 else _own(mine[0])
 
     def take_part(self, tensor: torch.Tensor, part: int) -> torch.Tensor:
         """This rank's slice of part ``part`` of a stacked parameter (its rows, cut into that part's chunks)."""
         size, chunks = tensor.shape[0] if tensor.dim() else 0, self._chunks(part)
         if self.dim != 0 or size % chunks:
             return tensor  # the shape check reports it
-        return self._mine(tensor, 0, chunks).contiguous()
+        return _own(self._mine(tensor, 0, chunks))
 
     def _chunks(self, part: int) -> int:
         return self.chunks[part] if self.chunks is not None else self.world
@@ -135,6 +135,12 @@ class Shard:
         """This rank's chunk of ``piece`` cut into ``chunks`` along ``dim`` (shared by ``world // chunks`` ranks)."""
         length = piece.shape[dim] // chunks
         return piece.narrow(dim, self.rank * chunks // self.world * length, length)
+
+
+def _own(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` in memory of its own: a slice of rows is contiguous already, and ``contiguous()`` would keep the
+    whole tensor alive behind it (every rank holding the whole checkpoint tensor for its share)."""
+    return piece.clone(memory_format=torch.contiguous_format)
 
 
 def assign_weights(
@@ -146,8 +152,9 @@ def assign_weights(
 
     ``rename`` maps a checkpoint name to a parameter name, to a :class:`Stacked`
     part of one, or to ``None`` to skip that tensor on purpose. Unexpected
-    names and tensors that do not fit (shape, or floating point for an integer
-    parameter and back) are collected and raised together as one
+    names, tensors that do not fit (shape, or floating point for an integer
+    parameter and back) and two tensors loading one parameter (two spellings
+    of its name) are collected and raised together as one
     ``CheckpointError``, which also names the stacked parameters with parts
     absent. The names of the loaded parameters are returned, so the caller can
     report missing ones: a stacked parameter is loaded when all its parts are.
@@ -159,6 +166,8 @@ def assign_weights(
     stacked_parts: dict[str, tuple[Stacked, set[int]]] = {}  # parameter -> its parts the checkpoint holds
     unexpected: list[str] = []
     mismatched: list[str] = []
+    twice: list[str] = []
+    filled: dict[tuple[str, int | None], str] = {}  # (parameter, stacked part) -> the checkpoint name that filled it
     for checkpoint_name, tensor in weights:
         target = rename(checkpoint_name)
         if target is None:
@@ -168,6 +177,12 @@ def assign_weights(
         if param is None:
             unexpected.append(checkpoint_name)
             continue
+        slot = (name, target.part if isinstance(target, Stacked) else None)
+        if slot in filled:  # two spellings of one name ("model.decoder.X" and "decoder.X"): the last would win
+            what = name if slot[1] is None else f"the {target.parts[target.part]} part of {name}"  # type: ignore[union-attr]
+            twice.append(f"{filled[slot]} and {checkpoint_name} both load {what}")
+            continue
+        filled[slot] = checkpoint_name
         shard = shards.get(name)
         if shard is not None:
             tensor = shard.take_part(tensor, target.part) if isinstance(target, Stacked) else shard.take(tensor)
@@ -202,6 +217,8 @@ def assign_weights(
         problems.append(f"unexpected tensors (not in {type(model).__name__}): {', '.join(sorted(unexpected))}")
     if mismatched:
         problems.append(f"tensors that do not fit: {'; '.join(mismatched)}")
+    if twice:
+        problems.append(f"tensors loading the same parameter: {'; '.join(twice)} (keep one of each)")
     if problems:  # raised anyway: the stacked parameters with parts missing are named too
         if incomplete:
             problems.append(f"parameters with parts missing: {'; '.join(incomplete)}")

@@ -158,6 +158,12 @@ def stray_copy_of_a_tensor(d: Path) -> None:
     save_file({"model.decoder.final_layer_norm.weight": torch.zeros(32)}, str(d / "stray.safetensors"))
 
 
+def one_tensor_under_two_spellings(d: Path) -> None:
+    """The real weights, and a stray file holding one of them under its other spelling (no "model." prefix)."""
+    (d / "model.safetensors").rename(d / "weights.safetensors")
+    save_file({"decoder.layers.0.fc1.weight": torch.zeros(64, 32)}, str(d / "stray.safetensors"))
+
+
 def tensor_in_two_shards(d: Path) -> None:
     tensors = load_file(str(d / "model.safetensors"))
     first = dict(list(tensors.items())[:5])
@@ -252,6 +258,10 @@ FAULTS = {
     "index naming a missing shard": (bad_index, "lists shard(s) that are missing: model-00002.safetensors"),
     "weights that are a FIFO": (fifo_weights, "is not a regular file (a FIFO, socket or device)"),
     "a tensor in two files": (stray_copy_of_a_tensor, "is in both stray.safetensors and weights.safetensors"),
+    "one tensor under two spellings": (  # the file read last won, silently: zeros in place of the weights
+        one_tensor_under_two_spellings,
+        "decoder.layers.0.fc1.weight and model.decoder.layers.0.fc1.weight both load decoder.layers.0.fc1.weight",
+    ),
     "a tensor in two shards": (tensor_in_two_shards, "but the index places it in model-00001-of-00002.safetensors"),
     "a .bin index naming a tensor no shard holds": (
         bin_index_naming_an_absent_tensor,

@@ -94,6 +94,11 @@ def test_two_ranks_generate_what_one_process_does(tiny_models, model):
     two = LLM(path, load_installed_plugins=False, dtype="float32", tensor_parallel_size=2)
     try:
         assert two.rank == 0 and two.config.tensor_parallel_size == 2
+        # Each rank holds its share alone: a slice of the checkpoint's rows kept the whole tensor alive behind it.
+        held = {name: p for name, p in two.engine.loaded.model.named_parameters()}
+        assert {n: p.untyped_storage().nbytes() for n, p in held.items()} == {
+            n: p.numel() * p.element_size() for n, p in held.items()
+        }
         # Each rank holds half of a split layer: rank 0's share is visible here.
         assert_same(expected[0], two.generate(PROMPTS, GREEDY))
         assert_same(expected[1], two.generate(PROMPTS, SEEDED))
