@@ -34,7 +34,7 @@ from pluginhost.config import EngineConfig
 from pluginhost.errors import ConfigError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
-from pluginhost.model_dir import apply_overrides, generation_eos_ids, load_hf_config, model_directory
+from pluginhost.model_dir import apply_overrides, generation_eos_ids, load_hf_config, model_directory, text_config
 from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ def _position_limit(hf_config: Any) -> int | None:
     length by their factor; ``llama3`` and ``longrope`` configs already give the
     stretched length.
     """
+    hf_config = text_config(hf_config)  # a multimodal checkpoint's language model
     limit = getattr(hf_config, "max_position_embeddings", None)
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if limit is None or not isinstance(rope, dict):
@@ -142,7 +143,8 @@ def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
             raise ConfigError("The model config has no max_position_embeddings; set max_model_len.")
         return int(limit)
     if limit is not None and config.max_model_len > limit:
-        stretched = ", stretched by its RoPE scaling" if getattr(hf_config, "rope_parameters", None) else ""
+        rope = getattr(text_config(hf_config), "rope_parameters", None)
+        stretched = ", stretched by its RoPE scaling" if rope else ""
         raise ConfigError(
             f"max_model_len={config.max_model_len} is more than the model's {limit} positions "
             f"(max_position_embeddings{stretched}); lower it."

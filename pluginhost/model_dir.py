@@ -34,6 +34,7 @@ __all__ = [
     "model_directory",
     "read_config_json",
     "read_json",
+    "text_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,19 +187,44 @@ SIZE_LIMITS = {
 }
 
 
+def text_config(hf_config: Any) -> Any:  # noqa: ANN401 - a transformers config, or a plugin's
+    """The language model's config: a multimodal checkpoint's ``text_config`` (Gemma 3's
+    ``*ForConditionalGeneration``), which holds the sizes (vocabulary, positions, end-of-sequence); else itself."""
+    get = getattr(hf_config, "get_text_config", None)
+    if get is None:
+        return hf_config
+    try:
+        return get(decoder=True)
+    except Exception:  # noqa: BLE001 - a config class of a plugin's that does not follow transformers'
+        return hf_config
+
+
 def check_model_config(hf_config: PretrainedConfig) -> None:
-    """Refuse sizes no model has (wrong types, zero or negative, absurdly large) before anything is built."""
+    """Refuse sizes no model has (wrong types, zero or negative, absurdly large) before anything is built.
+
+    The language model's sizes (``text_config``'s in a multimodal checkpoint); a size given per layer (Gemma 3n's
+    ``intermediate_size``) is checked layer by layer.
+    """
     problems = []
+    config = text_config(hf_config)
     for name, limit in SIZE_LIMITS.items():
-        value = getattr(hf_config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - transformers refuses to read some per-layer sizes globally (Gemma 4)
+            continue
         if value is None and name in ("n_inner", "head_dim", "num_key_value_heads"):
             continue  # optional: derived from the others
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            problems.append(f"{name} is {value!r}, not a whole number")
-        elif not 0 < value <= limit:
-            problems.append(f"{name} is {value}, outside 1..{limit}")
+        values = value if isinstance(value, list | tuple) and value else [value]
+        for item in values:
+            if not isinstance(item, int) or isinstance(item, bool):
+                each = " for each layer" if values is value else ""
+                problems.append(f"{name} is {value!r}, not a whole number{each}")
+                break
+            if not 0 < item <= limit:
+                problems.append(f"{name} is {value}, outside 1..{limit}")
+                break
     if problems:
         raise ConfigError(
             f"The model config does not describe a model that can be built: {'; '.join(problems)}. "

@@ -434,3 +434,60 @@ def test_a_cache_that_disagrees_with_the_uncached_forward_is_switched_off(neox_d
     monkeypatch.undo()
     reference = hf_model(neox_dir)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(6))] == [hf_generate(reference, p, 6) for p in PROMPTS]
+
+
+# -- configs laid out otherwise: a multimodal checkpoint's language model, sizes per layer ----------------------
+
+
+def _multimodal_gemma3(path: Path) -> Path:
+    """Gemma 3's image-text checkpoint: the language model's sizes are in ``text_config`` only."""
+    torch.manual_seed(3)
+    text = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    text |= {"num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 128}
+    text |= {"sliding_window": 5, "sliding_window_pattern": 2}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision | {"image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=380,
+        boi_token_index=381,
+        eoi_token_index=382,
+    )
+    transformers.Gemma3ForConditionalGeneration(config).eval().save_pretrained(path)
+    return path
+
+
+def _per_layer_sizes(path: Path, model_type: str) -> Path:
+    """Gemma 3n gives intermediate_size per layer; Gemma 4 has per-layer sizes transformers will not read globally."""
+    fields = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    fields |= {"num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 128}
+    fields |= {"sliding_window": 5}
+    if model_type == "gemma3n_text":
+        fields |= {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": [64] * 4}
+        fields |= {"layer_types": ["sliding_attention", "full_attention"] * 2, "vocab_size_per_layer_input": VOCAB}
+        fields |= {"hidden_size_per_layer_input": 8, "laurel_rank": 4, "altup_num_inputs": 2}
+        fields |= {"activation_sparsity_pattern": [0.0] * 4}
+    torch.manual_seed(4)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gemma3 image-text", "gemma3n_text", "gemma4_text"])
+def test_configs_whose_sizes_are_in_text_config_or_per_layer_run_as_transformers_runs_them(
+    tmp_path, kind, assert_decoding_matches
+):
+    # The image-text checkpoint failed with a bare AttributeError (no vocab_size at the top) or "no
+    # max_position_embeddings"; Gemma 3n was refused ("intermediate_size is [64, 64, 64, 64], not a whole number"),
+    # and Gemma 4 failed with transformers' own error, reading a per-layer size.
+    if kind == "gemma3 image-text":
+        path = _multimodal_gemma3(tmp_path)
+        reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    else:
+        path = _per_layer_sizes(tmp_path, kind)
+        reference = hf_model(path)
+    llm = fallback(path)
+    assert llm.engine.loaded.vocab_size == VOCAB and llm.engine.loaded.max_model_len == 128
+    outs = llm.generate(PROMPTS, greedy(8, logprobs=5))
+    assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")

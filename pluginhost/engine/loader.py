@@ -25,6 +25,7 @@ from pluginhost.device import dtype_name, resolve_device, resolve_dtype
 from pluginhost.errors import ConfigError, ModelClassError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.logits_processors import RegisteredProcessor
+from pluginhost.model_dir import text_config
 from pluginhost.registry import Registration
 from pluginhost.tokenizer import load_tokenizer
 
@@ -167,7 +168,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         device=device,
         dtype=dtype,
         max_model_len=config.max_model_len,  # type: ignore[arg-type]  # settled above
-        vocab_size=int(plan.hf_config.vocab_size),
+        vocab_size=int(text_config(plan.hf_config).vocab_size),
         eos_ids=_eos_ids(plan.hf_config, tokenizer) | plan.generation_eos_ids,
         code_files=_code_files(model),
         logits_processors=plan.logits_processors,
@@ -275,8 +276,9 @@ def _code_files(model: nn.Module) -> frozenset[str]:
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
+    for config in {id(c): c for c in (hf_config, text_config(hf_config))}.values():  # a multimodal one's, and its LM's
+        eos = getattr(config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)
