@@ -123,14 +123,19 @@ def _transformers_class(config: Any) -> type[PreTrainedModel]:
     from pluginhost.build import transformers_causal_lms
 
     known = transformers_causal_lms()
-    for name in getattr(config, "architectures", None) or []:
-        if name in known:
-            cls = getattr(transformers, name, None)
-            if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-                return cls
+    names = [name for name in getattr(config, "architectures", None) or [] if name in known]
+    named = [getattr(transformers, name, None) for name in names]
+    named = [cls for cls in named if isinstance(cls, type) and issubclass(cls, PreTrainedModel)]
+    # A named class made for another config is not what transformers builds: "MistralForCausalLM" over a config
+    # with layer_types is a MinistralConfig, which AutoModelForCausalLM builds as MinistralForCausalLM.
+    for cls in named:
+        if getattr(cls, "config_class", None) is type(config):
+            return cls
     try:  # e.g. the architecture is "TransformersForCausalLM" itself: go by the config's model_type
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
+        if named:
+            return named[0]
         raise ModelClassError(
             f"transformers has no causal LM for this checkpoint: none of its architectures "
             f"({', '.join(getattr(config, 'architectures', None) or []) or 'none'}) is a transformers causal-LM "

@@ -152,6 +152,8 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = data.get("model_type")
+    if model_type == "mistral" and "layer_types" in data and "ministral" in CONFIG_MAPPING:
+        model_type = "ministral"  # AutoConfig's own rule: alternating windows per layer, as transformers builds it
     try:
         if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
             config = CONFIG_MAPPING[model_type].from_dict(data)

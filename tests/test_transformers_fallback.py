@@ -491,3 +491,22 @@ def test_configs_whose_sizes_are_in_text_config_or_per_layer_run_as_transformers
     assert llm.engine.loaded.vocab_size == VOCAB and llm.engine.loaded.max_model_len == 128
     outs = llm.generate(PROMPTS, greedy(8, logprobs=5))
     assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_mistral_config_with_layer_types_is_the_ministral_transformers_builds(
+    tmp_path, impl, assert_decoding_matches
+):
+    # AutoConfig reads model_type "mistral" with layer_types as "ministral" (windows on some layers only); forced
+    # through the fallback it was built as MistralForCausalLM, every layer windowed, and ran uncached: 6.9 off.
+    from pluginhost.testing import make_tiny_model
+
+    layers = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]}
+    path = make_tiny_model(tmp_path, "mistral", seed=1, **layers)
+    reference = hf_model(path)
+    assert type(reference).__name__ == "MinistralForCausalLM"
+    llm = fallback(path, model_impl=impl)
+    if impl == "transformers":
+        assert type(llm.model.hf_model) is type(reference) and llm.engine.runner.cached
+    outs = llm.generate(PROMPTS, greedy(8, logprobs=5))
+    assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
