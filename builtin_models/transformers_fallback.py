@@ -451,6 +451,7 @@ class TransformersForCausalLM(nn.Module):
                 "needs a decoder it can call for hidden states."
             )
         self._decoder_name = name
+        self._check_causal(ids, logits)
         ours = self._head(hidden)  # not compute_logits: a subclass may change the logits on purpose
         drift = _relative_error(ours, logits)
         if drift > _SELF_CHECK_TOLERANCE.get(logits.dtype, _SELF_CHECK_HALF_TOLERANCE):
@@ -462,6 +463,25 @@ class TransformersForCausalLM(nn.Module):
         if not self.cache_supported:
             # The engine's runner takes a model without a callable setup_caches as one to recompute every step.
             self.setup_caches = None
+
+    def _check_causal(self, ids: Tensor, logits: Tensor) -> None:
+        """Refuse a model whose tokens attend to later ones (BERT's LM head with ``is_decoder`` false): generating
+        with it, each request's tokens would depend on the padding of the requests batched with it."""
+        prefix = self.hf_model(input_ids=ids[:, :-1], use_cache=False).logits  # (2, n - 1, V)
+        drift = _relative_error(prefix, logits[:, :-1])
+        if drift <= _SELF_CHECK_TOLERANCE.get(logits.dtype, _SELF_CHECK_HALF_TOLERANCE):
+            return
+        hint = ""
+        if getattr(self.text_config, "is_decoder", None) is False:
+            hint = (
+                " Its config has is_decoder false: if it is meant to generate, set it true "
+                """(--hf-overrides '{"is_decoder": true}', or is_decoder in config.json)."""
+            )
+        raise ModelClassError(
+            f"{type(self.hf_model).__name__} is not a causal language model as configured: its logits for a token "
+            f"change with the tokens after it (relative error {drift:.2g}), so it attends both ways and cannot "
+            f"generate token by token.{hint}"
+        )
 
     def _probe_length(self) -> int:
         """How many positions the cache probe runs: 4, or more than a window of ``_OWN_MASK_WINDOWS``.

@@ -26,7 +26,7 @@ from builtin_models.opt import OPTForCausalLM as NativeOPT
 from builtin_models.transformers_fallback import TransformersForCausalLM
 from pluginhost import LLM, AsyncLLM, SamplingParams
 from pluginhost.cli import main
-from pluginhost.errors import CheckpointError, UnknownArchitectureError
+from pluginhost.errors import CheckpointError, ModelClassError, UnknownArchitectureError
 from pluginhost.testing import RegistersModel, make_tiny_opt
 
 TOLERANCE = 1e-4
@@ -510,3 +510,14 @@ def test_a_mistral_config_with_layer_types_is_the_ministral_transformers_builds(
         assert type(llm.model.hf_model) is type(reference) and llm.engine.runner.cached
     outs = llm.generate(PROMPTS, greedy(8, logprobs=5))
     assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
+
+
+def test_a_model_attending_both_ways_is_refused_naming_is_decoder_and_runs_once_it_is_a_decoder(tmp_path):
+    # BERT's LM head with is_decoder false was served without a cache: each request's tokens changed with the
+    # padding of the requests batched with it.
+    path = make_tiny(tmp_path, "BertConfig", "BertLMHeadModel", intermediate_size=64, is_decoder=False)
+    with pytest.raises(ModelClassError, match=r"BertLMHeadModel is not a causal language model as configured.*is_dec"):
+        fallback(path)
+    llm = fallback(path, hf_overrides={"is_decoder": True})
+    alone = [llm.generate([p], greedy(4))[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(4))] == alone
