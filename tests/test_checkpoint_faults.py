@@ -560,9 +560,11 @@ def build_rank_0_of_4(model_dir: Path):  # noqa: ANN201 - a LoadedModel
     from types import SimpleNamespace
 
     from pluginhost.engine.loader import load_model
+    from pluginhost.engine.parallel import Ranks
     from pluginhost.host import PluginHost
 
-    rank_0_of_4 = SimpleNamespace(ranks=SimpleNamespace(rank=0, world_size=4, processes={}), reach=lambda *args: None)
+    ranks = Ranks(0, 4, processes={}, control=None, timeout_s=60, threads_before=None)
+    rank_0_of_4 = SimpleNamespace(ranks=ranks, reach=lambda *args: None)
     settings = {"model": str(model_dir), "dtype": "float32", "tensor_parallel_size": 4}
     return load_model(PluginHost(load_installed=False), settings, agreement=rank_0_of_4)
 

@@ -30,7 +30,7 @@ from pluginhost.registry import Registration
 from pluginhost.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from pluginhost.engine.parallel import Agreement, Ranks
+    from pluginhost.engine.parallel import Agreement
 
 __all__ = ["LoadedModel", "load_model", "validated_config"]
 
@@ -129,7 +129,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         device=device,
         max_numel=whole,
         share=_numel(model) / whole if whole else 1.0,
-        sharers=_ranks_on_this_machine(ranks),
+        sharers=1 if ranks is None else ranks.on_this_machine,
         nonfinite=nonfinite,
     )
     loaded = model.load_weights(weights)
@@ -235,13 +235,6 @@ def _construct(model_class: type, registration: Registration, hf_config: Any, dt
 def _numel(model: nn.Module) -> int:
     """How many elements ``model``'s parameters and buffers hold (on the meta device: nothing allocated)."""
     return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
-
-
-def _ranks_on_this_machine(ranks: Ranks | None) -> int:
-    """How many processes of the engine share this machine's memory (as ``DistributedRunner`` counts them)."""
-    if ranks is None:
-        return 1
-    return ranks.world_size if ranks.processes else int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
 
 
 def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:

@@ -137,6 +137,11 @@ class Ranks:
         #: Spawned ranks' reasons for failing in a step (``RankSpec.reasons``); ``None`` under torchrun.
         self.reasons = reasons
 
+    @property
+    def on_this_machine(self) -> int:
+        """How many ranks share this machine's memory: all spawned ones; under torchrun, ``LOCAL_WORLD_SIZE``."""
+        return self.world_size if self.processes else int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
     def check_alive(self) -> None:
         """Raise ``TensorParallelError`` when a spawned rank has died (or an earlier failure broke the engine)."""
         if self.broken is not None:
@@ -824,8 +829,7 @@ class DistributedRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
         if self.device.type == "cpu":  # every rank on this machine holds a cache like this one's
-            local = ranks.world_size if ranks.processes else int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-            self.memory_sharers = local
+            self.memory_sharers = ranks.on_this_machine
 
     @property
     def stopped(self) -> TensorParallelError | None:
