@@ -77,12 +77,8 @@ class IncrementalDetokenizer:
         SentencePiece's byte fallback). vLLM leaves it out too; the tokens stay in ``token_ids``.
         """
         pending = self._ids[self._read :]
-        special = set(getattr(self._tokenizer, "all_special_ids", ()) if pending else ())  # decoding skips them
-        pieces = [b"" if token in special else token_bytes(self._tokenizer, token) for token in pending]
-        cut = _cut_off_bytes(b"".join(pieces))
-        while pending and cut and len(pieces[-1]) <= cut:  # tokens inside the cut-off character, or skipped
-            cut -= len(pieces.pop())
-            pending.pop()
+        inside, cut = _cut_off_character(self._tokenizer, pending)
+        pending = pending[: len(pending) - inside]
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix : self._read + len(pending)])
         if len(after) > len(before):
@@ -96,13 +92,7 @@ class IncrementalDetokenizer:
         """How many of the context's last tokens hold nothing but the start of a character it does not finish."""
         if not self._ids or not self._decode(self._ids).endswith(_INCOMPLETE):
             return 0
-        special = set(getattr(self._tokenizer, "all_special_ids", ()))  # decoding skips them
-        pieces = [b"" if token in special else token_bytes(self._tokenizer, token) for token in self._ids]
-        cut, tail = _cut_off_bytes(b"".join(pieces)), 0
-        while cut and tail < len(pieces) and len(pieces[-1 - tail]) <= cut:
-            cut -= len(pieces[-1 - tail])
-            tail += 1
-        return tail
+        return _cut_off_character(self._tokenizer, self._ids)[0]
 
     def _find_stop(self, new_chars: int) -> str | None:
         """The stop string that starts earliest among those the new characters complete; cut the text there."""
@@ -119,6 +109,19 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _cut_off_character(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[int, int]:
+    """A character the bytes of ``ids`` start without finishing: how many of the last ids hold nothing but its
+    bytes (or are skipped in decoding, as special tokens are), and how many of its bytes are left in the id
+    before them (a token holding text, then the character's start). ``(0, 0)``: none."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) if ids else ())  # decoding skips them
+    pieces = [b"" if token in special else token_bytes(tokenizer, token) for token in ids]
+    cut, inside = _cut_off_bytes(b"".join(pieces)), 0
+    while cut and inside < len(pieces) and len(pieces[-1 - inside]) <= cut:
+        cut -= len(pieces[-1 - inside])
+        inside += 1
+    return inside, cut
 
 
 def _cut_off_bytes(data: bytes) -> int:
