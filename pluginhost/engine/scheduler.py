@@ -23,7 +23,7 @@ and, admitted again, is prefilled with its prompt and the tokens it had.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -61,7 +61,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
-        self.waiting: deque[Sequence] = deque()
+        #: The queue, in order: an ordered dict (of ``None`` values) so that a waiting sequence anywhere in it
+        #: leaves in constant time (aborting 16,000 in reverse order took 4.2 s with a deque's ``remove``).
+        self.waiting: OrderedDict[Sequence, None] = OrderedDict()
         self._rows: list[Sequence | None] = []
         self._free: list[int] = []  # rows freed since the last step, sorted
         self._added: list[AddedRequest] = []
@@ -85,13 +87,14 @@ class Scheduler:
 
     def add(self, sequences: Iterable[Sequence]) -> None:
         """Queue sequences (``EngineCore.submit`` has decided that the queue takes them)."""
-        self.waiting.extend(sequences)
+        self.waiting.update(dict.fromkeys(sequences))
 
     def hold_back(self, sequence: Sequence) -> None:
         """Put a sequence admitted but not yet prefilled (or, through ``preempt``, a running one) back at the head of
         the queue; its row is freed."""
         self.free(sequence)
-        self.waiting.appendleft(sequence)
+        self.waiting[sequence] = None
+        self.waiting.move_to_end(sequence, last=False)
 
     def preempt(self, sequence: Sequence) -> None:
         """Take a running sequence out of the cache, to wait at the head of the queue and be prefilled again.
@@ -109,10 +112,7 @@ class Scheduler:
     def free(self, sequence: Sequence) -> None:
         """Take a finished (or aborted) sequence out of its row, or out of the queue."""
         if sequence.row is None:
-            try:
-                self.waiting.remove(sequence)
-            except ValueError:
-                pass
+            self.waiting.pop(sequence, None)
             return
         self._paused = False
         row, sequence.row = sequence.row, None
@@ -149,12 +149,12 @@ class Scheduler:
         """Move waiting sequences into free rows (lowest first), then onto the end."""
         admitted = longest = 0
         while self.waiting and self.num_running < self.max_num_seqs:
-            sequence = self.waiting[0]
+            sequence = next(iter(self.waiting))
             length = len(sequence.prefill_token_ids)
             padded = (admitted + 1) * max(longest, length)
             if admitted and padded > self.max_num_batched_tokens:
                 break
-            self.waiting.popleft()
+            del self.waiting[sequence]
             longest = max(longest, length)
             if self._free:
                 row = self._free.pop(0)
