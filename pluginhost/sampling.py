@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -42,7 +43,8 @@ class SamplingParams:
       output are divided by it when positive, multiplied when negative
       (transformers' ``repetition_penalty``); 1 is off.
     * ``seed``: the request's own random stream: the same seed gives the same
-      output, whatever else is in the batch. ``None`` uses the engine's stream.
+      output, whatever else is in the batch. ``None`` uses the engine's stream,
+      and so does -1 (read as ``None``, as vLLM does: clients send it for "random").
     * ``logprobs``: ``None``, or k >= 0: each generated step reports the
       log-probabilities (of the model's distribution, before penalties,
       temperature and filtering) of the chosen token and of the k most likely.
@@ -87,6 +89,13 @@ class SamplingParams:
             if not ok:
                 raise InvalidParameterError(f"SamplingParams: {message}", param=param)
 
+        # NumPy's scalars (``np.arange``, a DataFrame's column) are numbers too: checked and kept as Python's.
+        for name in _NUMERIC_FIELDS:
+            setattr(self, name, _plain(getattr(self, name)))
+        if isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
+        if self.seed == -1:
+            self.seed = None
         check("n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
             "max_tokens",
@@ -195,9 +204,42 @@ def _copied(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
         return dict(extra_args)
 
 
+#: The fields holding a number, which ``_plain`` turns into Python's own.
+_NUMERIC_FIELDS = (
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
+)
+
+
+def _plain(value: object) -> object:
+    """A number of another type (NumPy's ``int64``, ``float32``) as Python's ``int`` or ``float``; else ``value``."""
+    if isinstance(value, bool | int | float) or not isinstance(value, numbers.Number):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400) is no finite float either
+        return False

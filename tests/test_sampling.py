@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import OPTForCausalLM as HFOPTForCausalLM
@@ -482,6 +483,24 @@ def test_unseeded_samples_are_reproducible_from_the_engine_seed(tiny_opt):
     assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
 
 
+def test_seed_minus_one_means_no_seed_as_in_vllm(llm):
+    """Clients send ``"seed": -1`` for "random": it was a fixed seed, and every such request wrote the same text."""
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=8, ignore_eos=True)
+    assert params.seed is None
+    texts = {tuple(llm.generate([PROMPTS[0]], params)[0].token_ids) for _ in range(4)}
+    assert len(texts) > 1
+
+
+def test_numpy_numbers_are_taken_as_python_numbers(llm):
+    params = SamplingParams(
+        temperature=np.float32(0.0), top_k=np.int64(5), max_tokens=np.int64(4), stop_token_ids=[np.int64(3)]
+    )
+    assert (type(params.temperature), type(params.top_k), type(params.max_tokens)) == (float, int, int)
+    assert params.stop_token_ids == [3] and type(params.stop_token_ids[0]) is int
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, top_k=5, max_tokens=4, stop_token_ids=[3]))
+    assert llm.generate([PROMPTS[0]], params)[0].token_ids == greedy[0].token_ids
+
+
 # -- bad values ---------------------------------------------------------------------------
 
 
@@ -497,6 +516,8 @@ def test_unseeded_samples_are_reproducible_from_the_engine_seed(tiny_opt):
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"extra_args": ["a"]}, "extra_args must be a dict or None"),
+        ({"temperature": 10**400}, "temperature must be >= 0 and finite"),  # no float holds it: was an OverflowError
+        ({"top_k": np.float64(2.5)}, "top_k must be an integer"),
     ],
 )
 def test_bad_values_are_one_clear_value_error_and_the_engine_stays_usable(llm, kwargs, message):
