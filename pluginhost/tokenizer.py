@@ -15,7 +15,14 @@ from pluginhost.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer", "most_chars_per_token", "token_bytes"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "has_tokenizer_files",
+    "load_tokenizer",
+    "most_chars_per_token",
+    "token_bytes",
+    "token_text",
+]
 
 #: The files whose presence means a model directory has a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -56,14 +63,35 @@ def _names_own_code(model_dir: Path) -> bool:
     return isinstance(config, dict) and bool(config.get("auto_map"))
 
 
+#: SentencePiece's drawing of a space, at the start of a word's piece (``▁the``).
+_SPACE_MARK = "\u2581"
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """The text one token stands for where it stands in a text: the pieces of a logprobs answer add up to its text.
+
+    Decoding a token alone is not quite that with a SentencePiece tokenizer (Llama 2, Mistral): its decoder drops
+    the space that begins a text, so ``▁quick`` alone decodes to ``quick``. The spaces its piece begins with, and
+    the decoded text lacks, are put back, as vLLM does.
+    """
+    text = tokenizer.decode([token_id])
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith(_SPACE_MARK):
+        marks = len(piece) - len(piece.lstrip(_SPACE_MARK))
+        missing = marks - (len(text) - len(text.lstrip(" ")))
+        if missing > 0:
+            text = " " * missing + text
+    return text
+
+
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
-    """The UTF-8 bytes one token stands for, also when it holds only part of a character.
+    """The UTF-8 bytes one token stands for (``token_text``'s), also when it holds only part of a character.
 
     Decoded alone, such a token is U+FFFD; its bytes then come from its piece: a byte-level BPE
     piece (GPT-2, OPT, Llama 3: each byte drawn as one character) or a SentencePiece byte
     (``<0xE2>``). A piece of neither kind gives the decoded text's bytes.
     """
-    text = tokenizer.decode([token_id])
+    text = token_text(tokenizer, token_id)
     if "\ufffd" not in text:
         return text.encode()
     piece = tokenizer.convert_ids_to_tokens(token_id)

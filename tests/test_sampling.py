@@ -21,6 +21,8 @@ from pluginhost.engine import sampler
 from pluginhost.engine.detokenizer import IncrementalDetokenizer
 from pluginhost.engine.sampler import NoTokenLeft, SamplingState
 from pluginhost.testing import RegistersModel
+from pluginhost.testing.models import byte_fallback_tokenizer
+from pluginhost.testing.scripted import scripted_opt
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
 
@@ -323,19 +325,8 @@ def test_rows_the_processors_leave_no_token_are_named_with_the_processor_that_em
 # -- stop strings -------------------------------------------------------------------------
 
 
-class Scripted(OPTForCausalLM):
-    """Writes ``SCRIPT`` whatever the weights say: the token after position p is ``script[p + 1]``."""
-
-    script: list[int] = []
-
-    def forward(self, input_ids, positions, *args, **kwargs):
-        hidden = super().forward(input_ids, positions, *args, **kwargs)  # (B, T, W): the cache is still used
-        return positions[..., None].to(hidden.dtype).expand(hidden.shape).contiguous()
-
-    def compute_logits(self, hidden_states):
-        following = (hidden_states[..., 0].long() + 1) % len(self.script)
-        logits = torch.full((*hidden_states.shape[:-1], self.config.vocab_size), -1e9)
-        return logits.scatter_(-1, torch.tensor(self.script)[following][..., None], 0.0)
+#: Writes ``Scripted.script`` (set by the ``scripted`` fixture) whatever the weights say.
+Scripted = scripted_opt([])
 
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world!"
@@ -403,21 +394,6 @@ def test_incremental_text_never_shows_half_characters(llm, text):
         assert "\ufffd" not in detokenizer.text
     detokenizer.flush()
     assert detokenizer.text == text and seen[-1] == text
-
-
-def byte_fallback_tokenizer():  # noqa: ANN201 - a transformers tokenizer
-    """A SentencePiece-style tokenizer with byte fallback (Llama 2's, Mistral's): bytes as <0xE2> pieces."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["\u2581", "\u2581snow", "\u2581a"])})
-    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    model.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    model.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])

@@ -22,6 +22,9 @@ from fastapi import WebSocket
 from pluginhost import LLM, AsyncLLM, SamplingParams
 from pluginhost.demo import ensure_demo_model
 from pluginhost.server.app import build_app
+from pluginhost.testing import RegistersModel, make_tiny_opt
+from pluginhost.testing.models import byte_fallback_tokenizer
+from pluginhost.testing.scripted import scripted_opt
 from pluginhost.testing.server import running_server, wait_until
 
 TIMEOUT = 60
@@ -770,23 +773,58 @@ def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(client):
 
 
 def test_token_bytes_of_byte_level_and_sentencepiece_pieces(offline):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from pluginhost.tokenizer import token_bytes
+    from pluginhost.tokenizer import token_bytes, token_text
 
     byte_level = offline.get_tokenizer()  # the demo model's (GPT-2's byte alphabet)
     ids = byte_level("héllo → 世界", add_special_tokens=False)["input_ids"]
     assert b"".join(token_bytes(byte_level, i) for i in ids) == "héllo → 世界".encode()
     assert any(byte_level.decode([i]) == "\ufffd" for i in ids)  # some of them split a character
 
-    vocab = {"<unk>": 0, "▁": 1, "a": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    model.pre_tokenizer = pre_tokenizers.Metaspace()
-    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=model)  # Llama 2's way: <0xE2> for a byte
-    ids = sentencepiece("a→", add_special_tokens=False)["input_ids"]
-    assert [token_bytes(sentencepiece, i) for i in ids] == [b" ", b"a", b"\xe2", b"\x86", b"\x92"]
+    sentencepiece = byte_fallback_tokenizer()  # Llama 2's way: <0xE2> for a byte, ▁ for a space
+    ids = sentencepiece.convert_tokens_to_ids(["▁a", "▁snow", "▁", "<0xE2>", "<0x86>", "<0x92>"])
+    assert sentencepiece.decode(ids) == "a snow →"
+    assert [token_bytes(sentencepiece, i) for i in ids] == [b" a", b" snow", b" ", b"\xe2", b"\x86", b"\x92"]
+    # Decoded alone, "▁snow" is "snow" (the decoder drops a text's first space): the pieces did not add up.
+    assert [token_text(sentencepiece, i) for i in ids[:3]] == [" a", " snow", " "]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_url(tmp_path_factory):
+    """A server whose model writes " snow a snow a" after "a" through a SentencePiece tokenizer (Llama 2's)."""
+    path = make_tiny_opt(tmp_path_factory.mktemp("sentencepiece"), tokenizer=False, vocab_size=262)
+    tokenizer = byte_fallback_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+    script = [1, *tokenizer.convert_tokens_to_ids(["▁a", "▁snow"] * 3)]
+    model = RegistersModel("OPTForCausalLM", scripted_opt(script))
+    engine = AsyncLLM(str(path), load_installed_plugins=False, plugins=[model])
+    try:
+        with running_server(build_app(engine, served_model_name="sp")) as base:
+            yield base
+    finally:
+        engine.shutdown()
+
+
+def test_sentencepiece_logprob_tokens_add_up_to_the_text(sentencepiece_url):
+    # Each token decoded alone lost its space ("▁snow" is "snow" at the start of a text): the tokens of a
+    # completion did not add up to its text, text_offset pointed at other characters, and chat's bytes had no spaces.
+    body = {"model": "sp", "max_tokens": 4, "temperature": 0, "logprobs": 1, "prompt": "a"}
+    answer = httpx.post(f"{sentencepiece_url}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    logprobs = answer["logprobs"]
+    assert answer["text"] == " snow a snow a" == "".join(logprobs["tokens"])
+    assert logprobs["text_offset"] == [0, 5, 7, 12]
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[" snow"], [" a"], [" snow"], [" a"]]
+    chat = {
+        "model": "sp",
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [{"role": "user", "content": "a"}],
+    }
+    message = httpx.post(f"{sentencepiece_url}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()["choices"][0]
+    content = message["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == message["message"]["content"]
+    assert b"".join(bytes(t["bytes"]) for t in content) == message["message"]["content"].encode()
 
 
 JSON = {"content-type": "application/json"}

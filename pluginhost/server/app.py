@@ -68,7 +68,7 @@ from pluginhost.server.protocol import (
     now,
     random_id,
 )
-from pluginhost.tokenizer import token_bytes
+from pluginhost.tokenizer import token_bytes, token_text
 
 __all__ = ["APIError", "BUILTIN_ROUTES", "MAX_BODY_BYTES", "bad_request", "build_app"]
 
@@ -893,7 +893,7 @@ class _Shape:
     def token_text(self, token: int) -> str:
         text = self._texts.get(token)
         if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+            text = self._texts[token] = token_text(self.tokenizer, token) if self.tokenizer is not None else str(token)
         return text
 
     def token_bytes(self, token: int) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_OPT", "make_byte_tokenizer", "make_tiny_model", "make_tiny_opt"]
+__all__ = ["TINY_OPT", "byte_fallback_tokenizer", "make_byte_tokenizer", "make_tiny_model", "make_tiny_opt"]
 
 #: A pre-LayerNorm OPT (like opt-125m), small enough for a test to build in a second.
 TINY_OPT: dict[str, Any] = {
@@ -62,6 +62,25 @@ def make_byte_tokenizer(path: Path | str, vocab_size: int = 320) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(path)
     return path
+
+
+def byte_fallback_tokenizer():  # noqa: ANN201 - a transformers tokenizer, imported only when called
+    """A SentencePiece-style tokenizer with byte fallback (Llama 2's, Mistral's), 262 tokens, built in memory.
+
+    Spaces are drawn ``▁`` and begin a word's piece (``▁snow``, ``▁a``), the decoder drops the space that
+    begins a text, and any other character is spelt in UTF-8 bytes (``<0xE2>``), ids 3 to 258.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["\u2581", "\u2581snow", "\u2581a"])})
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    model.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def make_tiny_opt(
