@@ -276,7 +276,8 @@ def test_a_port_out_of_range_is_one_clear_error(port):
 
 
 def test_served_name_and_api_key(tiny_opt):
-    with serving("--model", str(tiny_opt), env={"PLUGINHOST_API_KEY": "k1"}) as (process, url):
+    # A key read from a secret file ends with a newline: it was kept, and no client could send it (401 for all).
+    with serving("--model", str(tiny_opt), env={"PLUGINHOST_API_KEY": "k1\n"}) as (process, url):
         assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT).status_code == 401
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=TIMEOUT).json()
         assert [m["id"] for m in models["data"]] == [tiny_opt.name]  # the directory's name
@@ -300,17 +301,21 @@ def test_served_name_and_api_key(tiny_opt):
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
         (["--dtype", "float8"], "--dtype"),
         (["--api-key", ""], "--api-key is empty (an unset shell variable?), which would serve without a key"),
+        # A secret not filled in: it served with no key, saying nothing.
+        ({"PLUGINHOST_API_KEY": " "}, "$PLUGINHOST_API_KEY is empty (an unset shell variable?), which would serve"),
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
         (["--shutdown-timeout", "-5"], "--shutdown-timeout must be a number of seconds >= 0, got -5"),
         (["--max-model-len", "100000000"], "error: --max-model-len 100000000 is more than the model's 256 positions"),
     ],
 )
 def test_bad_settings_exit_2_before_serving(args, message):
+    env = {**os.environ, **args} if isinstance(args, dict) else None  # settings from the environment
     result = subprocess.run(
-        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--no-plugins", *args],
+        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--no-plugins", *([] if env else args)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
+        env=env,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -338,6 +339,26 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise _StoppedBeforeServing
 
 
+def _api_key(flag: str | None) -> str | None:
+    """The key ``serve`` requires: ``--api-key``, else ``$PLUGINHOST_API_KEY``, else none.
+
+    The key is stripped: a secret file's trailing newline would make it a key no client can send (HTTP strips
+    the spaces around a header's value). A blank one, from an unset shell variable or a secret not filled in,
+    is refused: it would serve without a key, and say nothing.
+    """
+    source, key = (
+        ("--api-key", flag) if flag is not None else ("$PLUGINHOST_API_KEY", os.environ.get("PLUGINHOST_API_KEY"))
+    )
+    if key is None:
+        return None
+    if not key.strip():
+        raise UsageError(
+            f"{source} is empty (an unset shell variable?), which would serve without a key: give the key, or "
+            f"leave {source} out to serve without one"
+        )
+    return key.strip()
+
+
 def serve(args: argparse.Namespace, out: ResultStream) -> int:
     """``pluginhost serve``: load the model, then serve it until SIGINT or SIGTERM, and exit 0 either way.
 
@@ -373,7 +394,6 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
 
     ``None`` on a torchrun rank other than 0, which has served rank 0's steps by then.
     """
-    import os
     from pathlib import Path
 
     try:
@@ -391,14 +411,9 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
     settings, demo = _settings_or_demo(args)
     _engine_config(settings)  # before the port is taken and the served name read from the path
     served = args.served_model_name or ("demo" if demo else Path(settings["model"]).resolve().name)
-    if args.api_key is not None and not args.api_key.strip():
-        raise UsageError(
-            "--api-key is empty (an unset shell variable?), which would serve without a key: give the key, or "
-            "leave the flag out to serve without one"
-        )
+    api_key = _api_key(args.api_key)
     if not 0 <= args.shutdown_timeout < float("inf"):  # NaN fails too
         raise UsageError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
-    api_key = args.api_key or os.environ.get("PLUGINHOST_API_KEY") or None
     _check_launcher(settings)
     from pluginhost.engine.memory import keep_freed_memory
 

@@ -128,7 +128,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def build_app(
     engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
 ) -> FastAPI:
-    """The API for ``engine``, serving it as ``served_model_name``; bodies over ``max_body_bytes`` are a 413."""
+    """The API for ``engine``, serving it as ``served_model_name``; bodies over ``max_body_bytes`` are a 413.
+
+    With ``api_key``, every route needs ``Authorization: Bearer KEY``; a blank key is a ``ValueError``.
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"api_key is blank ({api_key!r}): give the key, or None to serve without one")
     from pluginhost import __version__
 
     app = FastAPI(title="pluginhost", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -245,7 +250,8 @@ def _key_matches(headers: Headers, expected: bytes) -> bool:
 
 
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
-    expected = api_key.encode() if api_key else None
+    # Stripped as the key a client sends is: spaces around it (a secret file's newline) made it one none could send.
+    expected = api_key.strip().encode() if api_key else None
     if expected is not None:  # an HTTP middleware never sees a WebSocket (a plugin's route may be one)
         app.add_middleware(_KeyOnWebSockets, expected=expected)
 
