@@ -153,12 +153,19 @@ def pre_load(config: EngineConfig, model_class: type[torch.nn.Module]) -> None:
     applied and the architecture is resolved to ``model_class``, and before
     the model is constructed.
 
-    May: inspect ``config`` and ``model_class``; raise an exception to refuse
-    the build (its message reaches the user, naming this plugin; a
-    ``PermissionError`` reads as a refusal by policy, anything else as the
-    plugin's failure).
+    May: inspect ``config`` and ``model_class``; adjust the settings the
+    engine acts on later (``max_num_seqs``, ``max_model_len`` within the
+    model's positions, ``seed``...: checked again afterwards); raise an
+    exception to refuse the build (its message reaches the user, naming this
+    plugin; a ``PermissionError`` reads as a refusal by policy, anything else
+    as the plugin's failure).
 
-    Must not: construct the model or allocate device memory.
+    Must not: construct the model or allocate device memory; change a setting
+    the engine has already acted on (``model``, ``model_architecture_override``,
+    ``model_impl``, ``hf_overrides``, ``dtype``, ``device``,
+    ``tensor_parallel_size``, ``allow_external_weights``): the build is refused,
+    naming the plugin, since the engine would be built as before. Those are set
+    in ``modify_config``.
 
     Example::
 
@@ -177,7 +184,9 @@ def post_load(config: EngineConfig, model: torch.nn.Module) -> None:
     is in eval mode on its device, before the first forward pass.
 
     May: patch ``model`` in place (register forward hooks, replace
-    submodules, check parameters); raise to refuse the model.
+    submodules, check parameters); raise to refuse the model. Settings are
+    as in ``pre_load``: those the build has acted on (there, and now
+    ``refuse_nonfinite_weights``) are refused if changed.
 
     Must not: replace the object (the engine keeps the one it built), move it
     to another device, or change the dtype it computes in (storing weights

@@ -106,8 +106,18 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     return BuildPlan(config, model_dir, hf_config, registry, registration, processors, generation_eos)
 
 
-def check_combination(config: EngineConfig) -> None:
-    """Settings valid alone that the engine cannot run together (checked again after the plugins' changes)."""
+def check_combination(config: EngineConfig, hf_config: Any = None) -> None:
+    """Settings valid alone that the engine cannot run together, or (given ``hf_config``) with the model.
+
+    Checked again after each build hook that may change them (``pre_load``, ``post_load``).
+    """
+    if hf_config is not None:
+        if config.max_model_len is None:
+            raise ConfigError(
+                f"max_model_len was set to None by {config.provenance['max_model_len']} after the engine had settled "
+                "it from the model: give a number, or leave it as it was"
+            )
+        _max_model_len(config, hf_config)
     if config.compile_decode and config.tensor_parallel_size > 1:
         raise ConfigError(
             f"compile_decode cannot be combined with tensor parallelism (tensor_parallel_size is "

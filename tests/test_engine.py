@@ -982,6 +982,27 @@ def test_pre_load_sees_the_device_dtype_and_length_the_engine_decided(tiny_opt):
     assert llm.config.provenance["device"] == "default"  # decided from the default "auto", not set by anyone
 
 
+def test_max_model_len_a_build_hook_sets_is_the_engines_and_checked_against_the_model(tiny_opt):
+    # Raised past the model's positions in pre_load, it was taken unchecked: every long request then failed.
+    class Length:
+        value = 4096
+
+        @hookimpl
+        def pre_load(self, config):
+            config.max_model_len = self.value
+
+    with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions"):
+        LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Length()])
+    lowered = Length()
+    lowered.value = 16
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[lowered])
+    assert llm.config.max_model_len == 16
+    with pytest.raises(
+        ValueError, match="prompt 0 has 20 tokens, which leaves no room to generate within max_model_len=16"
+    ):
+        llm.generate([[2] * 20], SamplingParams(max_tokens=2))
+
+
 @pytest.mark.parametrize(
     ("model_type", "overrides", "message"),
     [

@@ -22,6 +22,11 @@ from pluginhost.errors import PluginhostError
 HEADER = "from pluginhost import hookimpl\n"
 MODEL_CLASSES = """
 import torch
+from builtin_models.opt import OPTForCausalLM
+
+class LoadsWrongNames(OPTForCausalLM):  # a ported model's name mapping gone wrong
+    def load_weights(self, weights):
+        raise KeyError('model.decoder.embed_positions.weight')
 
 class NotAModule:
     pass
@@ -86,6 +91,21 @@ FAULTS = {
     ),
     "target without compute_logits": Fault(
         registers("NoComputeLogits", MODEL_CLASSES), "does not implement compute_logits"
+    ),
+    # Reported as pluginhost's own bug ("internal error ... please report it", exit 1), naming no plugin.
+    "load_weights raises": Fault(
+        registers("LoadsWrongNames", MODEL_CLASSES),
+        "faulty:LoadsWrongNames.load_weights for architecture 'OPTForCausalLM' (registered by plugin 'faulty' "
+        "(distribution faulty-dist 0.3.1)) failed: KeyError: 'model.decoder.embed_positions.weight'",
+    ),
+    # Both were taken, and the engine built as before: float32, while its config said bfloat16.
+    "pre_load changes a setting already acted on": Fault(
+        HEADER + "@hookimpl\ndef pre_load(config):\n    config.dtype = 'bfloat16'\n",
+        "changed dtype in pre_load ('float32' -> 'bfloat16'), after the engine had acted on it",
+    ),
+    "post_load changes hf_overrides in place": Fault(
+        HEADER + "@hookimpl\ndef post_load(config):\n    config.hf_overrides['vocab_size'] = 8\n",
+        "changed hf_overrides in post_load ({} -> {'vocab_size': 8})",
     ),
     "modify_config assigns an invalid value": Fault(
         HEADER + "@hookimpl\ndef modify_config(config):\n    config.max_model_len = -5\n",

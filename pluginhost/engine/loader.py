@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -18,15 +19,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from builtin_models.weights import check_all_loaded
-from pluginhost.build import check_combination, plan_build
+from pluginhost.build import BuildPlan, check_combination, plan_build
 from pluginhost.checkpoint import find_checkpoint, report_nonfinite
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
-from pluginhost.errors import ConfigError, ModelClassError
+from pluginhost.errors import ConfigError, ModelClassError, PluginhostError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import text_config
-from pluginhost.registry import Registration
+from pluginhost.registry import Registration, builtin_ref
 from pluginhost.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -113,7 +114,9 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
     dtype = resolve_dtype(config.dtype, plan.hf_config, device)
     config.settle(device=str(device), dtype=dtype_name(dtype))
+    used = _used_settings(config, _USED_BEFORE_PRE_LOAD)
     host.call("pre_load", config=config, model_class=model_class)
+    _check_changes(config, used, "pre_load", plan, host)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
     # The whole model's size, before a rank keeps its share of it: the checkpoint's tensors are whole.
@@ -132,7 +135,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         sharers=1 if ranks is None else ranks.on_this_machine,
         nonfinite=nonfinite,
     )
-    loaded = model.load_weights(weights)
+    loaded = _load_weights(model, weights, plan.registration)
     if ranks is not None:
         from builtin_models.tp import unshard_tied
 
@@ -141,8 +144,9 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     # Only what the model keeps counts: a stale buffer it skipped is no fault.
     report_nonfinite(model, nonfinite, dtype=dtype, refuse=config.refuse_nonfinite_weights)
     model.eval().requires_grad_(False)
+    used = _used_settings(config, _USED_BEFORE_POST_LOAD)
     host.call("post_load", config=config, model=model)
-    check_combination(config)  # a post_load may still have set a field
+    _check_changes(config, used, "post_load", plan, host)
     config.fix()
     if collectives is not None:
         from builtin_models.tp import keep_collectives
@@ -230,6 +234,61 @@ def _construct(model_class: type, registration: Registration, hf_config: Any, dt
             f"Constructing {registration.implementation}(config) for architecture {registration.architecture!r} "
             f"(registered by {registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _load_weights(model: nn.Module, weights: Any, registration: Registration) -> object:  # noqa: ANN401 - tensors
+    """``model.load_weights(weights)``; a plugin's model failing there is named, as its constructor would be."""
+    try:
+        return model.load_weights(weights)
+    except PluginhostError:  # the checkpoint's or the weight checks' own message, which says what is wrong
+        raise
+    except Exception as exc:
+        if registration.registered_by == builtin_ref():  # a builtin's failure is pluginhost's bug: reported as one
+            raise
+        raise ModelClassError(
+            f"{registration.implementation}.load_weights for architecture {registration.architecture!r} "
+            f"(registered by {registration.registered_by.describe()}) failed: {type(exc).__name__}: {exc}. "
+            f"{registration.registered_by.remedy()}"
+        ) from exc
+
+
+#: Settings the build has acted on by the time ``pre_load`` runs: a plugin changing one there would leave the
+#: engine as built and the config describing another (``modify_config`` is where they are set).
+_USED_BEFORE_PRE_LOAD = (
+    "model",
+    "model_architecture_override",
+    "model_impl",
+    "hf_overrides",
+    "dtype",
+    "device",
+    "tensor_parallel_size",
+    "allow_external_weights",
+)
+#: And by the time ``post_load`` runs: the weights are read.
+_USED_BEFORE_POST_LOAD = (*_USED_BEFORE_PRE_LOAD, "refuse_nonfinite_weights")
+
+
+def _used_settings(config: EngineConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: copy.deepcopy(getattr(config, name)) for name in names}  # hf_overrides may change in place
+
+
+def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: BuildPlan, host: PluginHost) -> None:
+    """Refuse a change ``hook`` made to a setting already acted on; check the others again (``max_model_len``)."""
+    for name, value in used.items():
+        if getattr(config, name) == value:
+            continue
+        setter = config.provenance[name].removeprefix("plugin:")
+        implementers = host.implementers(hook)
+        plugin = next((ref for ref in implementers if ref.name == setter), None)
+        if plugin is None and len(implementers) == 1:  # a dict changed in place: its provenance is as it was
+            plugin = implementers[0]
+        who = plugin.describe() if plugin else f"one of {', '.join(ref.name for ref in implementers)}"
+        raise ConfigError(
+            f"{who} changed {name} in {hook} ({value!r} -> {getattr(config, name)!r}), after the engine had acted "
+            f"on it: the engine would be built as before, and its config would say otherwise. Set {name} in "
+            f"modify_config, which runs before anything is resolved. {plugin.remedy() if plugin else ''}".rstrip()
+        )
+    check_combination(config, plan.hf_config)
 
 
 def _numel(model: nn.Module) -> int:
