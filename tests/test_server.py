@@ -793,7 +793,9 @@ def sentencepiece_url(tmp_path_factory):
     """A server whose model writes " snow a snow a" after "a" through a SentencePiece tokenizer (Llama 2's)."""
     path = make_tiny_opt(tmp_path_factory.mktemp("sentencepiece"), tokenizer=False, vocab_size=262)
     tokenizer = byte_fallback_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.name %}{{ m.name }}: {% endif %}{{ m.content }}{% endfor %}"
+    )
     tokenizer.save_pretrained(path)
     script = [1, *tokenizer.convert_tokens_to_ids(["▁a", "▁snow"] * 3)]
     model = RegistersModel("OPTForCausalLM", scripted_opt(script))
@@ -825,6 +827,18 @@ def test_sentencepiece_logprob_tokens_add_up_to_the_text(sentencepiece_url):
     content = message["logprobs"]["content"]
     assert "".join(t["token"] for t in content) == message["message"]["content"]
     assert b"".join(bytes(t["bytes"]) for t in content) == message["message"]["content"].encode()
+
+
+def test_a_chat_messages_name_reaches_the_chat_template(sentencepiece_url):
+    # It was accepted and dropped: a template printing speakers' names rendered another prompt than vLLM's.
+    def prompt_tokens(message: dict) -> int:
+        chat = {"model": "sp", "max_tokens": 1, "messages": [message]}
+        return httpx.post(f"{sentencepiece_url}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()["usage"][
+            "prompt_tokens"
+        ]
+
+    named = prompt_tokens({"role": "user", "name": "a", "content": "a"})  # the template renders "a: a"
+    assert named == prompt_tokens({"role": "user", "content": "a: a"}) > prompt_tokens({"role": "user", "content": "a"})
 
 
 JSON = {"content-type": "application/json"}

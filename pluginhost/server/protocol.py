@@ -405,4 +405,8 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.template_role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template reads them (a speaker's ``name`` too, as vLLM passes it)."""
+        return [
+            {"role": m.template_role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in self.messages
+        ]
