@@ -32,8 +32,22 @@ __all__ = [
     "current_plugin",
     "end_dispatch",
     "importing_plugin",
+    "process_independent_name",
     "start_dispatch",
 ]
+
+#: The name a process started by ``multiprocessing``'s spawn (a tensor-parallel rank) gives the script it imports.
+SPAWNED_MAIN = "__mp_main__"
+
+
+def process_independent_name(module: str) -> str:
+    """``module``, with the script named ``__main__`` in every process.
+
+    The process running a script knows it as ``__main__``; a spawned process (a tensor-parallel
+    rank) imports the same script as ``__mp_main__``. Whatever the script registers or passes
+    must be named alike on every rank, or the ranks' comparison sees two sources for one thing.
+    """
+    return "__main__" if module == SPAWNED_MAIN else module
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import pluggy
 
 import hookspecs
-from pluginhost.attribution import HookOwners, PluginRef, acting_as, end_dispatch, start_dispatch
+from pluginhost.attribution import (
+    HookOwners,
+    PluginRef,
+    acting_as,
+    end_dispatch,
+    process_independent_name,
+    start_dispatch,
+)
 from pluginhost.discovery import InstalledPlugin, discover_installed
 from pluginhost.envflags import env_flag
 from pluginhost.errors import (
@@ -1134,11 +1141,17 @@ def _import_by_name(name: str) -> object:
 
 
 def _in_process_name(plugin: object) -> str:
-    """A module's name, ``module:function`` for a function, else the object's class name."""
+    """A module's name, ``module:function`` for a function, else the object's class name.
+
+    The same on every tensor-parallel rank: the script is ``__main__`` there too (``process_independent_name``).
+    """
     if inspect.isroutine(plugin):
         qualname = getattr(plugin, "__qualname__", None) or repr(plugin)
-        return f"{getattr(plugin, '__module__', None) or '?'}:{qualname}"
-    return getattr(plugin, "__name__", None) or type(plugin).__name__
+        return f"{process_independent_name(getattr(plugin, '__module__', None) or '?')}:{qualname}"
+    name = getattr(plugin, "__name__", None)
+    if inspect.ismodule(plugin) and name:
+        return process_independent_name(name)
+    return name or type(plugin).__name__
 
 
 def _required_parameters(function: Any) -> list[str]:

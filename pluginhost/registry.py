@@ -47,7 +47,7 @@ from importlib import metadata
 from types import MappingProxyType
 
 from hookspecs import ENTRY_POINT_GROUP
-from pluginhost.attribution import PluginRef, current_plugin, importing_plugin
+from pluginhost.attribution import PluginRef, current_plugin, importing_plugin, process_independent_name
 from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
 
 __all__ = [
@@ -162,7 +162,8 @@ def _caller_ref(*, running: PluginRef | None = None) -> PluginRef | None:
     frame = sys._getframe(1)
     caller = None
     while frame is not None:
-        module = frame.f_globals.get("__name__", "")
+        # The script's own registrations are __main__'s on every rank (a spawned one imports it as __mp_main__).
+        module = process_independent_name(frame.f_globals.get("__name__", ""))
         if module == BUILTIN_PLUGIN or module.startswith(f"{BUILTIN_PLUGIN}."):  # the builtins' own registrations
             return builtin_ref()
         if not module.startswith("pluginhost.") and module != "pluginhost":
@@ -182,8 +183,7 @@ def _target_of(model: type | str) -> str:
         return f"{module.strip()}:{qualname.strip()}"
     if inspect.isclass(model):
         # A class of the script is __main__'s in every process: a spawned one imports it as __mp_main__.
-        module = "__main__" if model.__module__ == "__mp_main__" else model.__module__
-        return f"{module}:{model.__qualname__}"
+        return f"{process_independent_name(model.__module__)}:{model.__qualname__}"
     raise ValueError(f"expected a class or a 'package.module:ClassName' string, got {type(model).__name__}")
 
 

@@ -506,3 +506,49 @@ def test_generate_takes_vllms_use_tqdm(tiny_opt):
     with pytest.raises(KeyError, match="no_such_setting"):  # a bar that cannot be made: nothing was submitted
         llm.generate([[2, 5]], params, use_tqdm=lambda **kwargs: tqdm(**kwargs, no_such_setting=1))
     assert len(llm.engine._live) == before
+
+
+# -- a vLLM program with tensor parallelism ---------------------------------------------------
+
+TP_PROGRAM = """
+import sys
+from builtin_models.opt import OPTForCausalLM
+from pluginhost import LLM, ModelRegistry, SamplingParams
+
+class DirectOPT(OPTForCausalLM):
+    pass
+
+class PluginOPT(OPTForCausalLM):
+    pass
+
+ModelRegistry.register_model("DirectOPT", DirectOPT)  # the program's own registration, at the top level
+
+def register():  # docs/writing-plugins.md's register(), passed in-process
+    if "PluginOPT" not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model("PluginOPT", PluginOPT)
+
+if __name__ == "__main__":
+    for architecture, size in [("PluginOPT", 1), ("PluginOPT", 2), ("DirectOPT", 2)]:
+        llm = LLM(sys.argv[1], plugins=[register], load_installed_plugins=False, tensor_parallel_size=size,
+                  model_architecture_override=architecture)
+        tokens = llm.generate([[2, 5, 6]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+        print(architecture, size, type(llm.model).__name__, tokens)
+        llm.close()
+"""
+
+
+def test_a_programs_own_registrations_build_a_tensor_parallel_engine(tmp_path, tiny_opt):
+    """A spawned rank imports the script as __mp_main__: its registrations are still the script's (__main__'s)."""
+    script = tmp_path / "generate.py"
+    script.write_text(TP_PROGRAM)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tiny_opt)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr  # was: "The ranks did not load the same plugins, architectures ..."
+    lines = [line.split(" ", 3) for line in result.stdout.splitlines()]
+    assert [line[:3] for line in lines] == [
+        ["PluginOPT", "1", "PluginOPT"],
+        ["PluginOPT", "2", "PluginOPT"],
+        ["DirectOPT", "2", "DirectOPT"],
+    ]
+    assert lines[0][3] == lines[1][3] == lines[2][3]  # the same tokens as one process
