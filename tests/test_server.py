@@ -1035,6 +1035,26 @@ def test_metrics_count_what_was_served(url, client):
     assert 'pluginhost_num_preemptions_total{model_name="demo"}' in after
 
 
+def test_metrics_count_as_waiting_the_requests_accepted_during_a_step(url, engine):
+    # Accepted while a step runs, a request waits in the engine's inbox until the next: the gauge showed 0 waiting
+    # during a long step, while the queue's bound (the 503) counted them.
+    waiting = 'pluginhost_num_requests_waiting{model_name="demo"}'
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 2}
+    senders = [
+        threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body, "timeout": TIMEOUT})
+        for _ in range(3)
+    ]
+    with engine.engine._step_lock:  # a step that lasts
+        for sender in senders:
+            sender.start()
+        assert wait_until(lambda: engine.engine.queue_counts()[1] == 3, TIMEOUT)
+        scraped = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        assert f"{waiting} 3.0" in scraped.splitlines()
+    for sender in senders:
+        sender.join(TIMEOUT)
+    assert wait_until(lambda: engine.engine.queue_counts() == (0, 0), TIMEOUT)
+
+
 def test_metrics_count_each_sample_with_its_own_finish_reason(url):
     """One count per choice, labelled by its own reason, as vLLM counts (one per request, the first's reason)."""
     success = 'pluginhost_request_success_total{finish_reason="%s",model_name="demo"}'

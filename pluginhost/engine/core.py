@@ -165,8 +165,7 @@ class EngineCore:
         memory cannot give are not counted as free.
         """
         scheduler = self.scheduler
-        inbox = sum(len(r.sequences) for what, r in self._inbox if what == "add")
-        not_admitted = scheduler.num_waiting + self._in_transit + inbox
+        not_admitted = self._not_admitted()
         free_rows = max(0, scheduler.max_num_seqs - scheduler.num_running)
         most = scheduler.max_waiting + free_rows
         if not_admitted + wanted > most:
@@ -176,6 +175,18 @@ class EngineCore:
                 f"{scheduler.max_waiting} waiting); try again later, or raise max_waiting_seqs (--max-waiting-seqs) "
                 "or max_num_seqs (--max-num-seqs)"
             )
+
+    def _not_admitted(self) -> int:
+        """Sequences accepted and not yet in a row (under the inbox lock): waiting, on their way to the queue
+        (``_in_transit``), or in the inbox since the last step began."""
+        inbox = sum(len(r.sequences) for what, r in self._inbox if what == "add")
+        return self.scheduler.num_waiting + self._in_transit + inbox
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences now, waiting as the queue's bound counts it: a request accepted during a
+        long step waits too (the scheduler's count alone showed 0 while the server was refusing requests as full)."""
+        with self._inbox_lock:
+            return self.scheduler.num_running, self._not_admitted()
 
     def is_running(self, request_id: str) -> bool:
         """Whether a request under this id has been submitted and has not ended (nor been aborted)."""

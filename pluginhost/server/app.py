@@ -178,8 +178,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        scheduler = engine.engine.scheduler
-        metrics.record_queue(scheduler.num_running, scheduler.num_waiting)
+        metrics.record_queue(*engine.engine.queue_counts())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     engine.plugin_host.register_routes(app, engine, BUILTIN_ROUTES)  # plugins' routes, after the builtin ones
