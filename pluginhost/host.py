@@ -1081,6 +1081,15 @@ def _importable_name(index: int, plugin: object) -> str:
                 '"__main__":` block, which the other processes of a tensor-parallel engine do not run when they '
                 f"import the script to load it: define {attr!r} above that block, at the top level."
             )
+        module_name = name.partition(":")[0]
+        unfound = None if module_name == "__main__" else _not_found_by_name(module_name)
+        if unfound is not None:
+            raise ConfigError(
+                f"plugins[{index}] ({_in_process_name(plugin)}) cannot be loaded by the other processes of a "
+                "tensor-parallel engine: each process loads its plugins itself, so an in-process plugin must be "
+                f"importable by name, and {unfound}. Put its module on sys.path (PYTHONPATH), or install it as a "
+                "plugin."
+            )
         try:
             if _import_by_name(name) is plugin:
                 return name
@@ -1128,6 +1137,40 @@ def _bound_only_when_run(script: str) -> set[str]:
         return names
 
     return bound(tree.body, skip_guard=False) - bound(tree.body, skip_guard=True)
+
+
+def _not_found_by_name(module_name: str) -> str | None:
+    """Why another process importing ``module_name`` would not get the module this one has; ``None`` if it would.
+
+    ``sys.modules`` is not asked: a module loaded from a file by path (``importlib.util.spec_from_file_location``)
+    and put there imports by name here, and in no other process. The import system's finders
+    (``sys.meta_path``, over ``sys.path``; a spawned process gets this one's ``sys.path``) must find the same file.
+    """
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None  # not imported yet: importing it by name tells
+    parent = module_name.rpartition(".")[0]
+    if parent:
+        why = _not_found_by_name(parent)
+        if why is not None:
+            return why
+    path = getattr(sys.modules.get(parent), "__path__", None) if parent else None
+    spec = getattr(module, "__spec__", None)
+    origin = getattr(spec, "origin", None) or getattr(module, "__file__", None)
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            found = find_spec(module_name, path, None)
+        except Exception:  # noqa: BLE001, S112 - a third-party finder may raise anything: ask the next one
+            continue
+        if found is not None:
+            if spec is not None and found.origin == spec.origin:
+                return None
+            return f"importing {module_name!r} by name finds {found.origin or 'another module'}, not {origin}"
+    where = f" (loaded from {origin} by path)" if origin else ""
+    return f"module {module_name!r}{where} is not found by name on sys.path"
 
 
 def _import_by_name(name: str) -> object:

@@ -10,6 +10,7 @@ import pytest
 
 from pluginhost import LLM, EngineConfig, ModelRegistry, hookimpl
 from pluginhost.errors import (
+    ConfigError,
     PluginError,
     PluginHookError,
     PluginLoadError,
@@ -877,3 +878,36 @@ def test_plugins_one_switch_left_out_are_counted_not_listed_each_with_the_same_r
         "3 installed plugins were left out by PLUGINHOST_PLUGINS, one of which may "
         "register it (see `pluginhost plugins`)."
     )
+
+
+HIDDEN_PLUGIN = """
+from pluginhost import hookimpl
+
+@hookimpl
+def modify_config(config):
+    pass
+"""
+
+
+def test_a_plugin_module_loaded_by_path_is_refused_for_tensor_parallelism_before_any_rank_starts(
+    tmp_path, monkeypatch, tiny_opt
+):
+    """Loaded from a file by path, the module imports by name here (sys.modules holds it) and in no other process."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "elsewhere").mkdir()
+    source = tmp_path / "elsewhere" / "hidden_plug.py"
+    source.write_text(HIDDEN_PLUGIN)
+    spec = importlib.util.spec_from_file_location("hidden_plug", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hidden_plug", module)
+    spec.loader.exec_module(module)
+    # Was: rank 1 failed to build with a bare "ModuleNotFoundError: No module named 'hidden_plug'".
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(hidden_plug\) cannot be loaded by the other processes") as e:
+        LLM(str(tiny_opt), plugins=[module], load_installed_plugins=False, tensor_parallel_size=2)
+    assert f"module 'hidden_plug' (loaded from {source} by path) is not found by name on sys.path" in str(e.value)
+    # With its folder on sys.path, the other processes find that same file: it travels by name.
+    monkeypatch.syspath_prepend(str(source.parent))
+    assert PluginHost(plugins=[module], load_installed=False).replica_args()["plugins"] == ["hidden_plug"]
