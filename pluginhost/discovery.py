@@ -5,8 +5,10 @@ Discovery reads package metadata only; nothing is imported here.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import PurePosixPath
 
 from hookspecs import ENTRY_POINT_GROUP
 
@@ -88,4 +90,65 @@ def owner_of_module(
         )
         if common > neighbour_depth:
             neighbour, neighbour_depth = plugin, common
-    return owner or neighbour
+    return owner or neighbour or _owner_by_distribution(module, installed, prefer)
+
+
+def _owner_by_distribution(
+    module: str, installed: list[InstalledPlugin] | None, prefer: tuple[str, str | None] | None
+) -> InstalledPlugin | None:
+    """The plugin of the installed distribution that ships ``module``, when no entry point's package holds it.
+
+    A distribution's code is its plugins' wherever it lives (``acme_models`` beside the entry point's
+    ``acme_plugin``). Of a distribution's several plugins: ``prefer`` when it is one of them, else the
+    first by name.
+    """
+    plugins = discover_installed() if installed is None else installed
+    for plugin in plugins:  # sorted by name
+        if plugin.distribution is None or not _ships(plugin, module):
+            continue
+        if prefer is not None and prefer[1] == plugin.distribution:
+            return next((p for p in plugins if (p.name, p.distribution) == prefer), plugin)
+        return plugin
+    return None
+
+
+#: (distribution, version, location) -> the dotted names of its modules (``_modules_of``).
+_MODULES: dict[tuple[str, str | None, str], frozenset[str]] = {}
+
+
+def _ships(plugin: InstalledPlugin, module: str) -> bool:
+    """Whether ``module`` (or a package it is in) is one of the modules of ``plugin``'s distribution."""
+    dist = plugin.entry_point.dist
+    if dist is None:
+        return False
+    try:
+        location = str(dist.locate_file(""))
+    except NotImplementedError:  # a distribution not on the file system
+        location = repr(dist)
+    key = (plugin.distribution or "", plugin.version, location)  # a reinstalled distribution is read again
+    shipped = _MODULES.get(key)
+    if shipped is None:
+        shipped = _MODULES[key] = _modules_of(dist)
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in shipped for i in range(len(parts), 0, -1))
+
+
+def _modules_of(dist: metadata.Distribution) -> frozenset[str]:
+    """The dotted names of the modules a distribution installed, from its metadata.
+
+    From its file list (RECORD), so that a namespace package (``ns.a`` from one distribution, ``ns.b``
+    from another) is split by the modules each ships; ``top_level.txt`` names the packages an editable
+    install keeps elsewhere (its RECORD lists no module under them).
+    """
+    modules: set[str] = set()
+    for file in dist.files or ():
+        path = PurePosixPath(str(file))
+        stem = inspect.getmodulename(path.name)
+        if stem is None or ".." in path.parts:
+            continue
+        dotted = [*path.parts[:-1], *([] if stem == "__init__" else [stem])]
+        if dotted and all(part.isidentifier() for part in dotted):
+            modules.add(".".join(dotted))
+    top_level = (dist.read_text("top_level.txt") or "").split()
+    modules.update(n for n in top_level if n.isidentifier() and not any(m.startswith(f"{n}.") for m in modules))
+    return frozenset(modules)

@@ -273,6 +273,47 @@ def test_a_registration_made_at_import_belongs_to_the_plugin_whose_module_makes_
     assert "BArch" not in PluginHost().collect_models().get_supported_archs()  # a_plug still imports b_plug
 
 
+REGISTERS_AT_IMPORT = (
+    "from pluginhost import ModelRegistry\nModelRegistry.register_model({!r}, 'builtin_models.opt:OPTForCausalLM')\n"
+)
+
+
+def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin(install_plugin, monkeypatch):
+    """Distribution acme-llm ships acme_plugin (the entry point acme) and acme_models, which registers at import.
+    Of the namespace package ns, acme-llm ships ns.acme and another distribution (no plugin) ns.other."""
+    register = "def register():\n    import acme_models\n"
+    site = install_plugin("acme", register, dist="acme-llm", module="acme_plugin", target="acme_plugin:register")
+    (site / "acme_models.py").write_text(REGISTERS_AT_IMPORT.format("AcmeArch"))
+    (site / "ns").mkdir()
+    (site / "ns" / "acme.py").write_text(REGISTERS_AT_IMPORT.format("AcmeNsArch"))
+    (site / "ns" / "other.py").write_text(REGISTERS_AT_IMPORT.format("OtherNsArch"))
+    (site / "acme_llm-1.0.dist-info" / "RECORD").write_text("acme_plugin.py,,\nacme_models.py,,\nns/acme.py,,\n")
+    other = site / "other_dist-2.0.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: other-dist\nVersion: 2.0\n")
+    (other / "RECORD").write_text("ns/other.py,,\n")
+    for module in ("acme_models", "ns", "ns.acme", "ns.other"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        import acme_models  # noqa: F401 - the user's script imports the distribution's code
+        import ns.acme
+        import ns.other  # noqa: F401
+    finally:  # forgotten after the test (monkeypatch put back only what was there before)
+        for module in ("acme_models", "ns", "ns.acme", "ns.other"):
+            sys.modules.pop(module, None)
+
+    def credited(architecture: str) -> tuple[str, str | None]:
+        ref = ModelRegistry.get(architecture).registered_by
+        return ref.name, ref.distribution
+
+    assert credited("AcmeArch") == credited("AcmeNsArch") == ("acme", "acme-llm")  # was ("acme_models", None)
+    assert credited("OtherNsArch") == ("ns.other", None)  # no installed plugin's code: the module's own
+    assert {"AcmeArch", "AcmeNsArch", "OtherNsArch"} <= set(PluginHost().collect_models().get_supported_archs())
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acme")
+    applied = PluginHost().collect_models().get_supported_archs()
+    assert "AcmeArch" not in applied and "AcmeNsArch" not in applied and "OtherNsArch" in applied
+
+
 @pytest.fixture
 def install_package_plugins(install_plugin, tmp_path):
     """``install(package, {entry point: (module file, code, target)})``: one distribution, one package, several entry
