@@ -829,6 +829,51 @@ def test_sentencepiece_logprob_tokens_add_up_to_the_text(sentencepiece_url):
     assert b"".join(bytes(t["bytes"]) for t in content) == message["message"]["content"].encode()
 
 
+def test_return_token_ids_gives_each_choices_ids_whole_and_streamed_as_vllm(url, offline):
+    def sse(path: str, body: dict) -> list[dict]:
+        text = httpx.post(f"{url}/v1/{path}", json={**body, "stream": True}, timeout=TIMEOUT).text
+        return [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e.startswith("data: {")]
+
+    expected = offline.generate([PROMPTS[0]], greedy(6))[0]
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (expected.prompt_token_ids, expected.token_ids)
+    chunks = [c["choices"][0] for c in sse("completions", body)]
+    assert [c.get("prompt_token_ids") for c in chunks] == [expected.prompt_token_ids] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["token_ids"]] == expected.token_ids
+
+    ids = chat_ids(offline, USER)
+    expected = offline.generate([ids], greedy(6))[0]
+    body = {"model": "demo", "messages": USER, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    assert (answer["prompt_token_ids"], answer["choices"][0]["token_ids"]) == (ids, expected.token_ids)
+    chunks = sse("chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected.token_ids
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**body, "return_token_ids": False}, timeout=TIMEOUT)
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+
+
+def test_a_model_without_a_tokenizer_answers_with_its_token_ids(tiny_opt_no_tokenizer):
+    # Its text is empty: the answer was a 200 with "text": "" and no way to get the tokens (logprobs were refused).
+    expected = LLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False).generate(
+        [[2, 5, 9]], greedy(4, logprobs=1)
+    )
+    engine = AsyncLLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False)
+    try:
+        with running_server(build_app(engine, served_model_name="ids")) as base:
+            body = {"model": "ids", "prompt": [2, 5, 9], "max_tokens": 4, "temperature": 0, "logprobs": 1}
+            choice = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    finally:
+        engine.shutdown()
+    out = expected[0]
+    assert (choice["text"], choice["prompt_token_ids"], choice["token_ids"]) == ("", [2, 5, 9], out.token_ids)
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in out.token_ids]  # vLLM's names by id
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        [s[t] for s, t in zip(out.logprobs, out.token_ids, strict=True)], abs=1e-4
+    )
+
+
 def test_a_chat_messages_name_reaches_the_chat_template(sentencepiece_url):
     # It was accepted and dropped: a template printing speakers' names rendered another prompt than vLLM's.
     def prompt_tokens(message: dict) -> int:

@@ -567,13 +567,11 @@ class _API:
             prompts = body.prompts()
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
-        if body.logprobs is not None and self.engine.tokenizer is None:
-            raise bad_request("logprobs need a tokenizer to name the tokens; this model has none", param="logprobs")
         names = _FieldNames("prompt")
         params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
         request_id = random_id("cmpl")
         streams = await self._start(prompts, params, request_id, names, arrival)
-        shape = _Completions(self, request_id)
+        shape = _Completions(self, request_id, body)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return await shape.answer(streams)
@@ -601,7 +599,7 @@ class _API:
         params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
         request_id = random_id("chatcmpl")
         streams = await self._start([prompt], params, request_id, names, arrival)
-        shape = _Chat(self, request_id, top)
+        shape = _Chat(self, request_id, body, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return await shape.answer(streams)
@@ -852,10 +850,13 @@ class _Shape:
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, api: _API, request_id: str) -> None:
+    def __init__(self, api: _API, request_id: str, body: CompletionRequest | ChatCompletionRequest) -> None:
         self.api, self.request_id = api, request_id
         self.created = now()
         self.tokenizer = api.engine.tokenizer
+        # Without a tokenizer the text is empty: the ids are all the answer has, so they are always in it.
+        self.with_token_ids = body.return_token_ids or self.tokenizer is None
+        self.tokens_as_ids = body.return_tokens_as_token_ids or self.tokenizer is None
         # Each token's text and bytes, decoded once per answer: a logprobs answer names the same tokens many times.
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
@@ -896,18 +897,27 @@ class _Shape:
         return _usage_info(prompt, sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
 
     def token_text(self, token: int) -> str:
+        """How logprobs name ``token``: its text, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
         text = self._texts.get(token)
         if text is None:
-            text = self._texts[token] = token_text(self.tokenizer, token) if self.tokenizer is not None else str(token)
+            named = f"token_id:{token}" if self.tokens_as_ids else token_text(self.tokenizer, token)
+            text = self._texts[token] = named
         return text
 
     def token_bytes(self, token: int) -> list[int]:
-        """The token's own bytes (a piece of a character has its bytes, not U+FFFD's)."""
+        """The token's own bytes (a piece of a character has its bytes, not U+FFFD's); of its name, by id."""
         found = self._bytes.get(token)
         if found is None:
-            raw = token_bytes(self.tokenizer, token) if self.tokenizer is not None else str(token).encode()
+            raw = self.token_text(token).encode() if self.tokens_as_ids else token_bytes(self.tokenizer, token)
             found = self._bytes[token] = list(raw)
         return found
+
+    def ids(self, output: RequestOutput, c: CompletionOutput, start: int, first: bool) -> dict[str, list[int]]:
+        """A choice's ``token_ids`` from ``start`` on, and the prompt's on its first: when asked for, else none."""
+        if not self.with_token_ids:
+            return {}
+        ids = {"prompt_token_ids": list(output.prompt_token_ids)} if first else {}
+        return {**ids, "token_ids": list(c.token_ids[start:])}
 
     async def answer(self, streams: Sequence[RequestStream]) -> Response:
         """The whole answer, once every request has finished; a big one is built off the event loop.
@@ -954,7 +964,7 @@ class _Shape:
                     sent_text[number], sent_tokens[number] = sent + delta, len(completion.token_ids)
                     if completion.finished:
                         finished.add(number)
-                    chunk = choice(number, completion, delta, start_tokens, first)
+                    chunk = choice(number, output, completion, delta, start_tokens, first)
                     if usage.every_chunk:  # as vLLM: this choice's prompt and its tokens so far
                         chunk["usage"] = _usage_info(len(output.prompt_token_ids), len(completion.token_ids))
                     elif usage.at_end:
@@ -991,6 +1001,7 @@ class _Completions(_Shape):
                 "logprobs": self.logprobs(c)[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **self.ids(finals[index], c, 0, first=True),
             }
             for index in sorted(finals)
             for c in finals[index].outputs
@@ -1001,7 +1012,9 @@ class _Completions(_Shape):
         # Per choice: the text_offset of its next token, so a chunk decodes only its own tokens.
         text_offsets: dict[int, int] = {}
 
-        def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
+        def choice(
+            number: int, output: RequestOutput, c: CompletionOutput, delta: str, start: int, first: bool
+        ) -> dict[str, Any]:
             logprobs, text_offsets[number] = self.logprobs(c, start, text_offsets.get(number, 0))
             entry = {
                 "index": number,
@@ -1009,6 +1022,7 @@ class _Completions(_Shape):
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **self.ids(output, c, start, first),
             }
             return {**self.header(self.object_chunk), "choices": [entry]}
 
@@ -1039,11 +1053,12 @@ class _Chat(_Shape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, api: _API, request_id: str, top_logprobs: int | None) -> None:
-        super().__init__(api, request_id)
+    def __init__(self, api: _API, request_id: str, body: ChatCompletionRequest, top_logprobs: int | None) -> None:
+        super().__init__(api, request_id, body)
         self.top_logprobs = top_logprobs or 0
 
     def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        output = finals[0]
         choices = [
             {
                 "index": c.index,
@@ -1051,22 +1066,30 @@ class _Chat(_Shape):
                 "logprobs": self.logprobs(c, 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **self.ids(output, c, 0, first=False),
             }
-            for c in finals[0].outputs
+            for c in output.outputs
         ]
-        return {**self.header(self.object_whole), "choices": choices, "usage": self.usage(finals)}
+        prompt = self.ids(output, output.outputs[0], 0, first=True) if output.outputs else {}
+        prompt.pop("token_ids", None)  # vLLM's chat answer: the prompt's ids once, beside the choices
+        return {**self.header(self.object_whole), **prompt, "choices": choices, "usage": self.usage(finals)}
 
     def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
-        def choice(number: int, c: CompletionOutput, delta: str, start: int, first: bool) -> dict[str, Any]:
+        def choice(
+            number: int, output: RequestOutput, c: CompletionOutput, delta: str, start: int, first: bool
+        ) -> dict[str, Any]:
             message = {"role": "assistant", "content": delta} if first else {"content": delta}
+            ids = self.ids(output, c, start, first)
+            prompt = {"prompt_token_ids": ids.pop("prompt_token_ids")} if "prompt_token_ids" in ids else {}
             entry = {
                 "index": number,
                 "delta": message if (delta or first) else {},
                 "logprobs": self.logprobs(c, start),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **ids,
             }
-            return {**self.header(self.object_chunk), "choices": [entry]}
+            return {**self.header(self.object_chunk), **prompt, "choices": [entry]}
 
         return self.chunks(streams, usage, choice)
 

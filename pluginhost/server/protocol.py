@@ -150,7 +150,6 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "prompt_logprobs": (),
-    "return_tokens_as_token_ids": (False,),
     "truncate_prompt_tokens": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -192,6 +191,11 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    #: vLLM's: each choice carries its ``token_ids`` (a stream's chunk, its new ones) and the prompt's
+    #: ``prompt_token_ids`` (a stream's first chunk of each choice). Always, for a model without a tokenizer.
+    return_token_ids: bool = False
+    #: vLLM's: logprobs name tokens ``token_id:N``, not by their text. Always, for a model without a tokenizer.
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("logit_bias")
     @classmethod
