@@ -135,6 +135,8 @@ class _Call:
     registrations: ArchitectureRegistry
     failure: str | None
     seconds: float
+    #: Made as an in-process plugin: what it registered belongs to the engines passing the function.
+    in_process: bool = False
 
 
 # Each register() function's call that succeeded, by function: made by the first load that needs it, replayed
@@ -445,11 +447,11 @@ class PluginHost:
         """Call a ``register()``-function plugin (once per process); refuse a plugin with no hook implementation.
 
         What the function registered applies to this host, in the plugin's place, and to
-        every later host loading the same function, which does not call it again. An
-        installed plugin's call is listed by ``ModelRegistry`` (process-wide, as in vLLM);
-        an in-process plugin's belongs to the engines passing it, like everything else
-        they pass. Returns the record and what is left to register with pluggy (``None``
-        for a function plugin, which has no hooks, or a failed one).
+        every later host loading the same function, which does not call it again. Every call
+        is listed by ``ModelRegistry`` (process-wide, as in vLLM); an installed plugin's
+        applies where that plugin is selected, an in-process plugin's only to the engines
+        passing it, like everything else they pass. Returns the record and what is left to
+        register with pluggy (``None`` for a function plugin, which has no hooks, or a failed one).
         """
         if plugin is None:
             return record, plugin
@@ -513,8 +515,7 @@ class PluginHost:
         if call.failure is not None:
             return replace(record, status="failed", reason=call.failure), None
         self._calls.append((record.ref, call))
-        if record.kind == "installed":
-            ModelRegistry.record(call.registrations)
+        ModelRegistry.record(call.registrations)  # listed, whoever made it; applied as ``_merged`` says
         seconds = (record.import_seconds or 0.0) + call.seconds
         return replace(record, hooks=(REGISTER_FUNCTION_HOOK,), import_seconds=round(seconds, 6)), None
 
@@ -558,7 +559,7 @@ class PluginHost:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             return _Call(registrations, f"its register function {function}() failed: {_describe_exception(exc)}", 0.0)
-        return _Call(registrations, None, _since(start))
+        return _Call(registrations, None, _since(start), in_process=record.kind == "in-process")
 
     @property
     def _active(self) -> set[tuple[str, str | None]]:
@@ -574,14 +575,16 @@ class PluginHost:
 
     def _recorded_since(self) -> list[ArchitectureRegistry]:
         """Installed plugins' calls ``ModelRegistry`` lists since ``apply_registrations_since`` (that this host does
-        not replay itself)."""
+        not replay itself). An in-process plugin's call stays with the engines passing it."""
         if self._kit_snapshot is None:
             return []
-        own = [call.registrations for _, call in self._calls]
+        with _CALLS_LOCK:
+            in_process = [call.registrations for call in _CALLS.values() if call.in_process]
+        skipped = [call.registrations for _, call in self._calls] + in_process
         return [
             r
             for r in ModelRegistry.recorded()
-            if all(r is not held for held in self._kit_snapshot.recorded) and all(r is not o for o in own)
+            if all(r is not held for held in self._kit_snapshot.recorded) and all(r is not s for s in skipped)
         ]
 
     def _applied_architectures(self) -> set[str]:

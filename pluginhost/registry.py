@@ -12,7 +12,9 @@ at import, in a ``register()`` function, or in a hook) work too:
 * called while the host runs a plugin's ``register()`` function, it registers
   into that call's own registry: the function runs once per process, and the
   host replays what it registered to every engine that loads the plugin
-  (an installed plugin's calls are ``record``-ed here, so they are listed);
+  (every call is ``record``-ed here, so it is listed: an installed plugin's
+  applies where that plugin is selected, an in-process one's only to the
+  engines passing the function);
 * called anywhere else, it keeps the registration, attributed to the installed
   plugin whose code made it (or, for code that belongs to no installed plugin,
   to the calling module). An engine applies it in its plugin's place in call
@@ -505,8 +507,8 @@ class _ProcessRegistry(ArchitectureRegistry):
     """The process-wide default registry (see the module docstring).
 
     It holds the registrations made directly through it, and lists beside them the
-    ``record``-ed calls of installed plugins' ``register()`` functions (kept by the host,
-    which replays each to the engines loading its plugin).
+    ``record``-ed calls of plugins' ``register()`` functions (kept by the host, which
+    replays each to the engines loading its plugin).
     """
 
     def __init__(self) -> None:
@@ -542,7 +544,7 @@ class _ProcessRegistry(ArchitectureRegistry):
         self._add(architecture, model, source)
 
     def record(self, registrations: ArchitectureRegistry) -> None:
-        """List ``registrations`` (what an installed plugin's one ``register()`` call made) from now on."""
+        """List ``registrations`` (what a plugin's one ``register()`` call made) from now on (listed, not applied)."""
         if all(r is not registrations for r in self._recorded):
             self._recorded += (registrations,)
             self._resolved.clear()

@@ -278,7 +278,7 @@ REGISTERS_AT_IMPORT = (
 )
 
 
-def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin(install_plugin, monkeypatch):
+def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin(install_plugin, monkeypatch, request):
     """Distribution acme-llm ships acme_plugin (the entry point acme) and acme_models, which registers at import.
     Of the namespace package ns, acme-llm ships ns.acme and another distribution (no plugin) ns.other."""
     register = "def register():\n    import acme_models\n"
@@ -292,15 +292,13 @@ def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin
     other.mkdir()
     (other / "METADATA").write_text("Metadata-Version: 2.1\nName: other-dist\nVersion: 2.0\n")
     (other / "RECORD").write_text("ns/other.py,,\n")
-    for module in ("acme_models", "ns", "ns.acme", "ns.other"):
+    modules = ("acme_models", "ns", "ns.acme", "ns.other")
+    for module in modules:
         monkeypatch.delitem(sys.modules, module, raising=False)
-    try:
-        import acme_models  # noqa: F401 - the user's script imports the distribution's code
-        import ns.acme
-        import ns.other  # noqa: F401
-    finally:  # forgotten after the test (monkeypatch put back only what was there before)
-        for module in ("acme_models", "ns", "ns.acme", "ns.other"):
-            sys.modules.pop(module, None)
+    request.addfinalizer(lambda: [sys.modules.pop(module, None) for module in modules])  # imported again below
+    import acme_models  # noqa: F401 - the user's script imports the distribution's code
+    import ns.acme
+    import ns.other  # noqa: F401
 
     def credited(architecture: str) -> tuple[str, str | None]:
         ref = ModelRegistry.get(architecture).registered_by
@@ -312,6 +310,26 @@ def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin
     monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acme")
     applied = PluginHost().collect_models().get_supported_archs()
     assert "AcmeArch" not in applied and "AcmeNsArch" not in applied and "OtherNsArch" in applied
+
+
+def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host):
+    """vLLM's ModelRegistry lists every registration made so far; the engines not passing the function lack it."""
+
+    from builtin_models.opt import OPTForCausalLM
+
+    class InProcessOPT(OPTForCausalLM):
+        pass
+
+    def register():
+        ModelRegistry.register_model("InProcessOPT", InProcessOPT)
+
+    assert "InProcessOPT" in PluginHost(plugins=[register], load_installed=False).collect_models()
+    # Was: neither listed nor `in`, though the engine built it.
+    assert "InProcessOPT" in ModelRegistry.get_supported_archs() and "InProcessOPT" in ModelRegistry
+    assert ModelRegistry.get("InProcessOPT").registered_by.name.endswith("register")
+    assert "InProcessOPT" not in PluginHost(load_installed=False).collect_models()
+    assert "InProcessOPT" not in make_host().collect_models()  # the test kit's engines too
+    assert "InProcessOPT" in PluginHost(plugins=[register], load_installed=False).collect_models()  # replayed
 
 
 @pytest.fixture
