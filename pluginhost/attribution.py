@@ -16,6 +16,7 @@ Two sources, and nothing on the hot path of a hook call:
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
 from collections.abc import Iterator
@@ -32,7 +33,9 @@ __all__ = [
     "current_plugin",
     "end_dispatch",
     "importing_plugin",
+    "is_main_guard",
     "process_independent_name",
+    "run_only_under_main_guard",
     "start_dispatch",
 ]
 
@@ -48,6 +51,49 @@ def process_independent_name(module: str) -> str:
     must be named alike on every rank, or the ranks' comparison sees two sources for one thing.
     """
     return "__main__" if module == SPAWNED_MAIN else module
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    """Whether ``node`` is ``if __name__ == "__main__":`` (either way round)."""
+    test = node.test if isinstance(node, ast.If) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, *test.comparators]
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in sides) and any(
+        isinstance(n, ast.Constant) and n.value == "__main__" for n in sides
+    )
+
+
+# Script file -> the line ranges of its top-level ``if __name__ == "__main__":`` blocks.
+_GUARDS: dict[str, tuple[range, ...]] = {}
+
+
+def run_only_under_main_guard(frame: FrameType | None) -> int | None:
+    """The script's line running now, when it is in the script's ``if __name__ == "__main__":`` block; else ``None``.
+
+    What that block does (directly or through functions it calls) happens in the process running the
+    script only: a spawned tensor-parallel rank imports the script without running it. Found from the
+    script's top-level frame on the stack from ``frame`` outwards, and the script's source.
+    """
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+    ):
+        frame = frame.f_back
+    script = frame.f_code.co_filename if frame is not None else None
+    if frame is None or script is None:
+        return None
+    guards = _GUARDS.get(script)
+    if guards is None:
+        try:
+            with open(script, encoding="utf-8") as source:
+                tree = ast.parse(source.read())
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):  # python -c, a REPL: no script to read
+            tree = ast.Module(body=[], type_ignores=[])
+        guards = _GUARDS[script] = tuple(
+            range(node.lineno, (node.end_lineno or node.lineno) + 1) for node in tree.body if is_main_guard(node)
+        )
+    line = frame.f_lineno
+    return line if any(line in guard for guard in guards) else None
 
 
 @dataclass(frozen=True)

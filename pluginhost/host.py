@@ -56,6 +56,7 @@ from pluginhost.attribution import (
     PluginRef,
     acting_as,
     end_dispatch,
+    is_main_guard,
     process_independent_name,
     start_dispatch,
 )
@@ -246,12 +247,32 @@ class PluginHost:
         selection, in-process ones by importable name. An in-process plugin
         that has no such name is a ``ConfigError`` saying what would work.
         """
+        plugins = [_importable_name(i, plugin) for i, plugin in enumerate(self._in_process)]
+        self._check_script_registrations()
         return {
-            "plugins": [_importable_name(i, plugin) for i, plugin in enumerate(self._in_process)],
+            "plugins": plugins,
             "load_installed": self._load_installed,
             "selection": self._selection or PluginSelection.from_env(),
             "skip_broken": self._skip_broken,
         }
+
+    def _check_script_registrations(self) -> None:
+        """A ``ConfigError`` for a registration this engine applies that the script made under its main guard.
+
+        The other ranks import the script without running that block: the architecture would be
+        missing there ("not registered" on rank 1). Under torchrun every rank runs the whole script.
+        """
+        from pluginhost.distributed import torchrun_rank
+
+        if torchrun_rank() is not None:
+            return
+        for entry, line in ModelRegistry.made_under_main_guard():
+            if self._applies_directly(entry):
+                raise ConfigError(
+                    f"architecture {entry.architecture!r} is registered inside the script's `if __name__ == "
+                    f'"__main__":` block (line {line}), which the other processes of a tensor-parallel engine do '
+                    "not run when they import the script: register it above that block, at the top level."
+                )
 
     @classmethod
     def from_replica_args(cls, args: dict[str, Any]) -> PluginHost:
@@ -1114,15 +1135,6 @@ def _bound_only_when_run(script: str) -> set[str]:
         tree = ast.parse(Path(script).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return set()
-
-    def is_main_guard(node: ast.stmt) -> bool:  # if __name__ == "__main__": (either way round)
-        test = node.test if isinstance(node, ast.If) else None
-        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-            return False
-        sides = [test.left, *test.comparators]
-        return any(isinstance(n, ast.Name) and n.id == "__name__" for n in sides) and any(
-            isinstance(n, ast.Constant) and n.value == "__main__" for n in sides
-        )
 
     def bound(statements: list[ast.stmt], skip_guard: bool) -> set[str]:
         names: set[str] = set()

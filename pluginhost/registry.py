@@ -49,7 +49,13 @@ from importlib import metadata
 from types import MappingProxyType
 
 from hookspecs import ENTRY_POINT_GROUP
-from pluginhost.attribution import PluginRef, current_plugin, importing_plugin, process_independent_name
+from pluginhost.attribution import (
+    PluginRef,
+    current_plugin,
+    importing_plugin,
+    process_independent_name,
+    run_only_under_main_guard,
+)
 from pluginhost.errors import ModelClassError, RegistryError, UnknownArchitectureError
 
 __all__ = [
@@ -517,6 +523,8 @@ class _ProcessRegistry(ArchitectureRegistry):
         self._recorded: tuple[ArchitectureRegistry, ...] = ()
         # Which registrations it lists and answers for (``showing_only``); the engines' own rules are unchanged.
         self._shown: Callable[[Registration], bool] | None = None
+        # The script's registrations made under `if __name__ == "__main__":`, and where (``made_under_main_guard``).
+        self._under_main_guard: list[tuple[Registration, int]] = []
 
     def _seed(self) -> None:
         # The builtins, registered through the builtin plugin's own hook, on first use
@@ -542,6 +550,14 @@ class _ProcessRegistry(ArchitectureRegistry):
             return
         self._seed()
         self._add(architecture, model, source)
+        line = run_only_under_main_guard(sys._getframe(1)) if source.name == "__main__" else None
+        if line is not None:  # made in this process only: a spawned rank imports the script without the block
+            self._under_main_guard.append((self._entries[architecture], line))
+
+    def made_under_main_guard(self) -> list[tuple[Registration, int]]:
+        """Current registrations the script made in its ``if __name__ == "__main__":`` block, with the line."""
+        held = {id(entry) for latest in self._entries.values() for entry in (latest, *latest.overrides)}
+        return [(entry, line) for entry, line in self._under_main_guard if id(entry) in held]
 
     def record(self, registrations: ArchitectureRegistry) -> None:
         """List ``registrations`` (what a plugin's one ``register()`` call made) from now on (listed, not applied)."""

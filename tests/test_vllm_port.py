@@ -534,11 +534,17 @@ if __name__ == "__main__":
         tokens = llm.generate([[2, 5, 6]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
         print(architecture, size, type(llm.model).__name__, tokens)
         llm.close()
+    ModelRegistry.register_model("GuardedOPT", DirectOPT)  # made by this process alone: the ranks do not run this
+    try:
+        LLM(sys.argv[1], load_installed_plugins=False, tensor_parallel_size=2, model_architecture_override="GuardedOPT")
+    except ValueError as exc:
+        print("refused", exc)
 """
 
 
 def test_a_programs_own_registrations_build_a_tensor_parallel_engine(tmp_path, tiny_opt):
-    """A spawned rank imports the script as __mp_main__: its registrations are still the script's (__main__'s)."""
+    """A spawned rank imports the script as __mp_main__: its registrations are still the script's (__main__'s).
+    One made under the script's main guard is refused before any rank starts."""
     script = tmp_path / "generate.py"
     script.write_text(TP_PROGRAM)
     result = subprocess.run(
@@ -546,9 +552,13 @@ def test_a_programs_own_registrations_build_a_tensor_parallel_engine(tmp_path, t
     )
     assert result.returncode == 0, result.stderr  # was: "The ranks did not load the same plugins, architectures ..."
     lines = [line.split(" ", 3) for line in result.stdout.splitlines()]
-    assert [line[:3] for line in lines] == [
+    assert [line[:3] for line in lines[:3]] == [
         ["PluginOPT", "1", "PluginOPT"],
         ["PluginOPT", "2", "PluginOPT"],
         ["DirectOPT", "2", "DirectOPT"],
     ]
     assert lines[0][3] == lines[1][3] == lines[2][3]  # the same tokens as one process
+    # Was: rank 1 failed to build with a bare "Architecture 'GuardedOPT' is not registered".
+    refused = "refused architecture 'GuardedOPT' is registered inside the script's `if __name__ == \"__main__\":` block"
+    assert result.stdout.splitlines()[3].startswith(refused + " (line 25)")
+    assert "register it above that block, at the top level." in result.stdout
