@@ -29,7 +29,12 @@ def get_rank() -> int:
 
 
 def get_world_size() -> int:
-    """How many processes the engine's model is split over (``tensor_parallel_size``)."""
+    """How many processes the engine's model is split over (``tensor_parallel_size``).
+
+    One value per process, like ``get_rank()``: that of the split engine open in it. An engine that is not
+    split, built while a split one is open in the same process, sees the split engine's values in its hooks
+    too; a build hook's ``config.tensor_parallel_size`` is always its own engine's.
+    """
     return _running[1] if _running is not None else 1
 
 

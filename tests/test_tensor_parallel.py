@@ -6,10 +6,13 @@ that no process of it is left afterwards.
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -109,6 +112,51 @@ def test_two_ranks_generate_what_one_process_does(tiny_models, model):
         two.close()
     with pytest.raises(TensorParallelError, match="closed|stopped"):
         two.generate(PROMPTS, GREEDY)
+
+
+def listening() -> set[str]:
+    """The TCP addresses this process listens on ("127.0.0.1:41234", "::0:80"), from /proc: loopback-only hosts too."""
+    mine = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path("/proc/net", table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in mine:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+            found.add(f"{socket.inet_ntop(family, raw)}:{int(port, 16)}")
+    return found
+
+
+def test_the_ranks_meet_on_127_0_0_1_only_and_nothing_listens_after_close(tiny_opt, monkeypatch):
+    """torch's store listened on every interface (anyone on the network could write the keys the ranks meet by)."""
+    stores = []
+    real_store = torch.distributed.TCPStore
+
+    def recording_store(*args, **kwargs):
+        store = real_store(*args, **kwargs)
+        stores.append(store.port)
+        return store
+
+    monkeypatch.setattr(torch.distributed, "TCPStore", recording_store)
+    before = listening()
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    try:
+        opened = listening() - before
+        [port] = stores
+        assert {a for a in opened if a.endswith(f":{port}")} == {f"127.0.0.1:{port}"}, opened
+    finally:
+        llm.close()
+    assert not listening() - before  # the store and the groups' sockets closed with the engine, which is still held
 
 
 # -- plugins on every rank ---------------------------------------------------------------------
@@ -318,6 +366,32 @@ def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_a
         assert result.returncode == 0, result.stderr
         assert "in-process plugin 'Scales' has factor=3.0 on rank 0 but 1.0 on rank 1" in result.stderr
         assert "Give it these values where its module makes it." in result.stderr
+
+
+SCALES_MODULE = """
+from pluginhost import hookimpl
+
+FACTOR = 1.0
+
+
+@hookimpl
+def post_load(model):
+    model.lm_head.weight.data *= FACTOR
+"""
+
+
+def test_a_module_plugins_setting_changed_by_the_script_is_named(tiny_opt, tmp_path, monkeypatch, caplog):
+    """Rank 1 imported the module afresh (FACTOR 1.0): its half of the head scaled otherwise, wrong tokens, no word."""
+    (tmp_path / "tp_scales_module.py").write_text(SCALES_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned ranks get this process's sys.path
+    module = importlib.import_module("tp_scales_module")
+    try:
+        module.FACTOR = 3.0  # the script's setting
+        with caplog.at_level(logging.WARNING, logger="pluginhost"):
+            LLM(str(tiny_opt), plugins=[module], load_installed_plugins=False, tensor_parallel_size=2).close()
+    finally:
+        del sys.modules["tp_scales_module"]
+    assert "in-process plugin 'tp_scales_module' has FACTOR=3.0 on rank 0 but 1.0 on rank 1" in caplog.text
 
 
 DIFFERS_BY_RANK = """
@@ -703,6 +777,36 @@ def test_under_torchrun_a_rank_keeps_its_rank_after_its_engine_closes(tiny_opt, 
     assert result.returncode == 0, result.stderr[-3000:]
     said = [(tmp_path / f"launched-{rank}").read_text().splitlines() for rank in (0, 1)]
     assert said == [[str(expected[0].token_ids), "rank 0 done"], ["rank 1 done"]]
+
+
+TORCHRUN_OWN_GROUP = """
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pluginhost import LLM, SamplingParams
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")  # the script's own group, to gather its results after the engine
+    llm = LLM({model!r}, load_installed_plugins=False, tensor_parallel_size=2)  # rank 1: returns when rank 0 closes
+    if os.environ["RANK"] == "0":
+        llm.generate([[2, 5, 9]], SamplingParams(max_tokens=2, temperature=0))
+        llm.close()
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    Path({out!r}, "launched-" + os.environ["RANK"]).write_text(f"{{total.item():g}}")
+"""
+
+
+def test_under_torchrun_closing_the_engine_leaves_the_scripts_own_group(tiny_opt, tmp_path):
+    """Closing destroyed the script's group: its next collective failed (default group not initialized)."""
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_OWN_GROUP.format(model=str(tiny_opt), out=str(tmp_path)))
+    result = torchrun(str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"launched-{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
 
 
 TORCHRUN_RANK_0_DIES = """

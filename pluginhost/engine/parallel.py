@@ -27,6 +27,7 @@ named too, within the timeout, and every process of the engine is ended.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import inspect
 import logging
 import math
@@ -126,6 +127,7 @@ class Ranks:
         timeout_s: float,
         threads_before: int | None,
         reasons: Any = None,
+        owns_default_group: bool = True,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.processes = processes  # rank -> the spawned process (rank 0 only, not under torchrun)
@@ -136,6 +138,8 @@ class Ranks:
         self._closed = False
         #: Spawned ranks' reasons for failing in a step (``RankSpec.reasons``); ``None`` under torchrun.
         self.reasons = reasons
+        #: Whether the engine made the default group (``False``: a torchrun script did, and keeps it after close).
+        self.owns_default_group = owns_default_group
 
     @property
     def on_this_machine(self) -> int:
@@ -278,8 +282,13 @@ class Ranks:
             if process.is_alive():
                 process.kill()  # a rank ignores SIGTERM (see _rank_main)
                 process.join(5.0)
+        # A group still referenced keeps its sockets, and the rendezvous store behind them, open: let go of it.
+        control, self.control = self.control, None
         if self.processes or self.broken is None:
-            _destroy_group()
+            if self.owns_default_group:
+                _destroy_group()  # every group, the control group with it
+            elif control is not None:  # the script's own group (torchrun) stays the script's to use and destroy
+                _destroy_group(control)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
         distributed._clear()
@@ -302,6 +311,11 @@ def _backend(device: torch.device) -> str:
 
 def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any], host_args: dict[str, Any]) -> Ranks:
     """Join (torchrun) or start (spawn) the ranks; this process is rank 0 when it spawns them."""
+    # Imported while there is no group yet: its functions take the default group as a default argument
+    # (``group=group.WORLD``), so imported later (building the model imports it, through torch._dynamo) they
+    # would hold this engine's group for the rest of the process, and its sockets and rendezvous store open.
+    import torch.distributed.nn  # noqa: F401
+
     timeout_s = dist_timeout()
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = _backend(device)
@@ -309,6 +323,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
     processes: dict[int, multiprocessing.Process] = {}
     reasons = None
     threads_before = None
+    initialized = False
     if rank is not None:  # torchrun: every rank runs this same code
         launched = int(os.environ["WORLD_SIZE"])
         if launched != world_size:
@@ -336,9 +351,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
                 "in a multiprocessing.Process that is not a daemon, or launch the ranks with torchrun"
             )
         rank = 0
-        # The store listens before any rank starts, on a port the kernel chose: no other process can take
-        # it in between, as one could a port found free and bound later.
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = _loopback_store(world_size, timeout)
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
@@ -397,7 +410,41 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
         timeout_s=timeout_s,
         threads_before=threads_before,
         reasons=reasons,
+        owns_default_group=not initialized,
     )
+
+
+def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0's rendezvous store for spawned ranks, listening on 127.0.0.1 only.
+
+    Given host "127.0.0.1", torch's store still listens on every interface (its server binds the wildcard
+    address, the host is only where clients connect): anyone who reaches this machine could read and write
+    its keys, and so the groups' addresses the ranks meet at, and a rank unpickles what comes over them.
+    So the listening socket is bound here and handed over (``master_listen_fd``, which only the store's
+    classic backend takes), as vLLM does since CVE-2025-47277. It listens before any rank starts, on a
+    port the kernel chose: no other process can take it in between, as one could a port found free and
+    bound later. The store owns the socket from then on and closes it when the group that holds it is
+    destroyed (``Ranks.close``).
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        store = dist.TCPStore(
+            "127.0.0.1",
+            listener.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+            use_libuv=False,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store closes it: closing it here too could close another file given the same number
+    return store
 
 
 #: The rendezvous thread of the last start given up on while it still waited in torch (``None``: none).
@@ -487,10 +534,11 @@ def _init(
     return outcome[0]
 
 
-def _destroy_group() -> None:
+def _destroy_group(group: Any = None) -> None:
+    """Destroy ``group``, or by default every group of this process (best effort)."""
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - best effort: the peers are gone
             logger.debug("destroy_process_group failed", exc_info=True)
 
@@ -601,20 +649,43 @@ def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
 
 
 def _plain_attributes(plugin: object) -> dict[str, str] | None:
-    """A plugin object's public attributes of plain values (numbers, strings, ...), as text; ``None`` for others.
+    """A plugin's public settings of plain values, as text; ``None`` for a plugin that has none to compare.
 
     The other ranks import an in-process plugin by name, so they get it as its module makes it: a
-    change made afterwards (under the script's ``if __name__ == "__main__":``) is rank 0's alone, and
-    the ranks would build different models in silence. Objects (a lock, a connection) are left out.
+    change made afterwards (under the script's ``if __name__ == "__main__":``, or ``my_plugin.SCALE = 3``
+    before building) is rank 0's alone, and the ranks would build different models in silence. That
+    holds for an object's attributes and for a module's or a class's own names alike. Plain values
+    only: numbers, strings, ``None``, and tuples, lists and dicts of them; functions, classes, modules
+    and objects (a lock, a connection) are left out, as are private and dunder names.
     """
-    if plugin is None or inspect.ismodule(plugin) or inspect.isclass(plugin) or inspect.isroutine(plugin):
+    if plugin is None or inspect.isroutine(plugin):
         return None
     try:
         attributes = vars(plugin)
     except TypeError:  # __slots__ only
         return None
-    plain = int | float | complex | str | bytes | bool | type(None)
-    return {k: repr(v) for k, v in sorted(attributes.items()) if not k.startswith("_") and isinstance(v, plain)}
+    return {k: _as_text(v) for k, v in sorted(attributes.items()) if not k.startswith("_") and _is_plain(v)}
+
+
+_PLAIN_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _is_plain(value: object, depth: int = 0) -> bool:
+    """A number, string or ``None``, or a (small, shallow) tuple, list or dict of them."""
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if depth >= 3 or not isinstance(value, (tuple, list, dict)) or len(value) > 1000:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(_is_plain(item, depth + 1) for item in items)
+
+
+def _as_text(value: object) -> str:
+    """``repr(value)``, shortened (with a digest of the whole) when long: every rank sends it to every other."""
+    text = repr(value)
+    if len(text) <= 120:
+        return text
+    return f"{text[:80]}... (sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]})"
 
 
 def _differences(prints: list[dict[str, Any]]) -> list[str]:
@@ -661,8 +732,9 @@ def _settings_differences(prints: list[dict[str, Any]]) -> list[str]:
                     f"in-process plugin {name!r} has "
                     + ", ".join(f"{k}={a} on rank 0 but {b} on rank {rank}" for k, (a, b) in changed.items())
                     + ": the other ranks import it by name, so a value set after its module made it (in the "
-                    "script's `if __name__ == \"__main__\":` block) is rank 0's alone, and if its hooks read it the "
-                    "ranks build different models. Give it these values where its module makes it."
+                    'script\'s `if __name__ == "__main__":` block, or by assigning to it before building) is rank '
+                    "0's alone, and if its hooks read it the ranks build different models. Give it these values where "
+                    "its module makes it."
                 )
     return found
 
