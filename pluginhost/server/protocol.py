@@ -326,6 +326,11 @@ class ChatMessage(_Strict):
         """The role a chat template knows: ``developer`` is OpenAI's newer name for ``system``."""
         return "system" if self.role == "developer" else self.role
 
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template reads it: its template role, its text, and a speaker's ``name`` (as vLLM
+        passes it). Every route rendering a chat renders it from this (``/tokenize``'s count is the chat's)."""
+        return {"role": self.template_role, "content": self.text(), **({"name": self.name} if self.name else {})}
+
     def text(self) -> str:
         if self.content is None:
             return self.refusal or ""
@@ -409,8 +414,5 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template reads them (a speaker's ``name`` too, as vLLM passes it)."""
-        return [
-            {"role": m.template_role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-            for m in self.messages
-        ]
+        """The messages as the chat template reads them."""
+        return [m.for_template() for m in self.messages]

@@ -64,6 +64,27 @@ def test_refuses_a_denied_architecture_served_by_another_plugins_class(make_engi
         make_engine(pluginhost_model_guard, RegistersModel("OPTForCausalLM", SiteOPT))
 
 
+def test_refuses_a_denied_architecture_however_the_model_is_named(make_engine, monkeypatch, tiny_opt_dir, tmp_path):
+    # Another plugin's class serves it, so only the checkpoint's architecture gives it away: a path given with ~
+    # (which the engine expands) and an architecture from hf_overrides slipped past the guard.
+    from builtin_models.opt import OPTForCausalLM
+    from pluginhost.testing.plugins import RegistersModel
+
+    class SiteOPT(OPTForCausalLM):
+        pass
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_opt_dir, tmp_path / "opt")
+    monkeypatch.setenv("PLUGINHOST_GUARD_DENY", "OPTForCausalLM")
+    serves = RegistersModel("OPTForCausalLM", SiteOPT)
+    with pytest.raises(PluginHookError, match="OPTForCausalLM is denied on this site"):
+        make_engine(pluginhost_model_guard, serves, model="~/opt")
+    monkeypatch.setenv("PLUGINHOST_GUARD_DENY", "SiteArchitecture")
+    renamed = RegistersModel("SiteArchitecture", SiteOPT)
+    with pytest.raises(PluginHookError, match="SiteArchitecture is denied on this site"):
+        make_engine(pluginhost_model_guard, renamed, hf_overrides={"architectures": ["SiteArchitecture"]})
+
+
 def test_refuses_non_finite_weights(make_engine, tiny_opt_dir, tmp_path):
     broken = tmp_path / "nan-model"
     shutil.copytree(tiny_opt_dir, broken)

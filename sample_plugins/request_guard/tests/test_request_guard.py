@@ -103,9 +103,12 @@ def test_blocked_words_are_whole_words_in_any_case_and_token_prompts_are_refused
     refused(llm, [2, 5], greedy(), r"cannot read a prompt given as token ids; send it as text")
 
 
-def test_a_malformed_variable_stops_the_engine_at_build_naming_it(make_engine, monkeypatch):
-    monkeypatch.setenv("PLUGINHOST_GUARD_MAX_TOKENS", "lots")
-    with pytest.raises(PluginHookError, match=r"PLUGINHOST_GUARD_MAX_TOKENS='lots' must be a positive integer") as info:
+@pytest.mark.parametrize("value", ["lots", "²"])  # "²" is a digit to str.isdigit, not to int(): its error named nothing
+def test_a_malformed_variable_stops_the_engine_at_build_naming_it(make_engine, monkeypatch, value):
+    monkeypatch.setenv("PLUGINHOST_GUARD_MAX_TOKENS", value)
+    with pytest.raises(
+        PluginHookError, match=rf"PLUGINHOST_GUARD_MAX_TOKENS='{value}' must be a positive integer"
+    ) as info:
         make_engine(pluginhost_request_guard)
     assert (info.value.plugin, info.value.hook) == (PLUGIN, "pre_load")
 

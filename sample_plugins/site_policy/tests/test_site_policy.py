@@ -19,11 +19,19 @@ def test_caps_context_and_forces_dtype_from_the_environment(make_engine, monkeyp
     monkeypatch.setenv("PLUGINHOST_SITE_DTYPE", "bfloat16")
     llm = make_engine(pluginhost_site_policy)
     assert llm.max_model_len == 32 and llm.config.dtype == "bfloat16"
+    assert llm.config.provenance["max_model_len"] == "plugin:pluginhost_site_policy"
     assert str(llm.model.lm_head.weight.dtype) == "torch.bfloat16"
     capped = llm.generate([[2] * 30], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert (len(capped.token_ids), capped.finish_reason) == (2, "length")  # ends at the capped context
     with pytest.raises(ValueError, match="leaves no room to generate within max_model_len=32"):
         llm.generate([[2] * 32], None)
+
+
+def test_a_context_cap_above_the_models_positions_leaves_its_length_be(make_engine, monkeypatch):
+    # The cap became the length asked for: every model shorter than the cap failed to load.
+    monkeypatch.setenv("PLUGINHOST_SITE_MAX_MODEL_LEN", "4096")
+    llm = make_engine(pluginhost_site_policy)
+    assert llm.max_model_len == 128 and llm.config.provenance["max_model_len"] == "default"
 
 
 def test_leaves_smaller_settings_alone(make_host):
@@ -36,6 +44,8 @@ def test_leaves_smaller_settings_alone(make_host):
     ("variable", "value", "message"),
     [
         ("PLUGINHOST_SITE_MAX_NUM_SEQS", "lots", "PLUGINHOST_SITE_MAX_NUM_SEQS='lots' must be a positive integer"),
+        # A digit to str.isdigit, not to int(): it was int()'s own error, naming no variable.
+        ("PLUGINHOST_SITE_MAX_NUM_SEQS", "²", "PLUGINHOST_SITE_MAX_NUM_SEQS='²' must be a positive integer"),
         ("PLUGINHOST_SITE_DTYPE", "float64", "PLUGINHOST_SITE_DTYPE=.float64.: dtype: Input should be"),
     ],
 )

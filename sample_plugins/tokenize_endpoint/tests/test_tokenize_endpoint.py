@@ -68,6 +68,9 @@ def test_counts_are_what_the_completion_endpoints_use(url):
     assert text == "</s>Be brief.\n\n### User:\nWhat is a plugin?\n\n### Assistant:\n"
     without = post(url, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
     assert chat["tokens"][: without["count"]] == without["tokens"] and without["count"] < chat["count"]
+    # OpenAI's developer role is a system message to the chat route: /tokenize left it out of the count.
+    developer = [{"role": "developer", "content": "Be brief."}, CHAT[1]]
+    assert post(url, "/tokenize", {"messages": developer}).json()["count"] == chat["count"]
 
 
 @pytest.mark.parametrize(

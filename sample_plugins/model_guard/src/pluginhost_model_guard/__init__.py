@@ -26,19 +26,23 @@ def denied() -> set[str]:
     return {name.strip() for name in os.environ.get("PLUGINHOST_GUARD_DENY", "").split(",") if name.strip()}
 
 
-def _checkpoint_architectures(model_dir: str) -> list[str]:
-    """The architectures ``config.json`` names (the engine has read it already: it exists and parses)."""
-    try:
-        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
-    except (OSError, ValueError, AttributeError):
-        return []
+def _architectures(config) -> list[str]:
+    """The architectures the engine resolved from: ``hf_overrides``' if it names them, else ``config.json``'s (read
+    from the directory as the engine found it: ``~`` expanded)."""
+    architectures = config.hf_overrides.get("architectures")
+    if architectures is None:
+        try:
+            path = Path(config.model).expanduser() / "config.json"
+            architectures = json.loads(path.read_text(encoding="utf-8")).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            return []
     return [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
 
 
 @hookimpl
 def pre_load(config, model_class):
     # The class alone is not enough: another plugin may serve a denied architecture with a class of its own.
-    names = {model_class.__name__, config.model_architecture_override, *_checkpoint_architectures(config.model)}
+    names = {model_class.__name__, config.model_architecture_override, *_architectures(config)}
     refused = (names - {None}) & denied()
     if refused:
         raise PermissionError(

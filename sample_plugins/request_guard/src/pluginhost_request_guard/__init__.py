@@ -100,7 +100,7 @@ def _positive_int(name: str, value: str) -> int | None:
     value = value.strip()
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:  # isdigit alone takes "²", which int() does not
         raise GuardSettingsError(f"{name}={value!r} must be a positive integer (or unset for no limit)")
     return int(value)
 

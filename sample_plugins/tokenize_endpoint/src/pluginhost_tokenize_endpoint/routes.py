@@ -99,7 +99,7 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest, check_length: Callable[[int
     """``/tokenize``'s tokens (and their strings), in the engine's input thread; ``check_length`` refuses a text far
     too long (``PromptTooLongError``) before it is tokenized."""
     if body.messages is not None:
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        conversation = [m.for_template() for m in body.messages]  # as /v1/chat/completions renders them
         try:
             text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=body.add_generation_prompt, tokenize=False
