@@ -16,9 +16,10 @@ looks again. A kernel other than ``F.linear`` must beat it by 3% in every
 round. Calibration has a time budget: 1.5 s per process in all and 0.5 s per
 measurement. Past the process's budget, the fixed row-count thresholds decide,
 for this process only, and a later process measures what is left; a
-measurement past its own cap (a weight too large to time quickly here) is
-left to the fixed thresholds for good, saved as such, or every later process
-would spend its budget on it again. A choice is saved
+measurement past its own cap on a weight larger than the last-level cache (too
+large to time quickly here) is left to the fixed thresholds for good, saved as
+such, or every later process would spend its budget on it again; on a smaller
+weight it means a busy machine, and serves this process only. A choice is saved
 only if its timings were steady: both rounds pick the same kernel, and no
 kernel's two rounds differ by more than 25%. Otherwise the machine was busy,
 and the choice serves this process only.
@@ -297,8 +298,16 @@ class KernelTable:
             if not capped:  # the budget ran out: a later process measures it
                 self._unsaved.add(key)
                 return FIXED_THRESHOLDS
-            # Past its own cap: a weight too large to time quickly here (or a very busy machine). Saved as such,
-            # or every later process would spend its budget on it again, and measure nothing else.
+            if weight.numel() * weight.element_size() < _last_level_cache_bytes():
+                # A weight the cache holds is timed quickly on a machine that is not busy: this one was (two
+                # engines starting at once). This process only; saved, it was left to the thresholds for good.
+                self._unsaved.add(key)
+                if not self._disturbed_logged:
+                    self._disturbed_logged = True
+                    logger.info("kernel timings were disturbed (a busy machine?): choices kept for this process only")
+                return FIXED_THRESHOLDS
+            # Past its own cap, a weight larger than the cache: too large to time quickly here. Saved as such, or
+            # every later process would spend its budget on it again, and measure nothing else.
             logger.info(
                 "linear %s: measuring took over %.2f s; the fixed thresholds decide it from now on (delete %s to "
                 "measure again)",

@@ -114,6 +114,18 @@ class Linear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
+def _plain_bias(bias: Tensor, out_features: int) -> bool:
+    """Whether oneDNN reads ``bias`` right: one fp32 value per output, side by side. It reads any bias as if it
+    were so: a strided or expanded view (a plugin's replacement) gave wrong sums, a (1,) bias a crash."""
+    return (
+        bias.dtype is torch.float32
+        and bias.is_cpu
+        and bias.shape == (out_features,)
+        and bias.is_contiguous()
+        and not (bias.requires_grad and torch.is_grad_enabled())
+    )
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by the fastest kernel for fp32 on CPU."""
     # Checked cheapest first: this runs for every product of every step.
@@ -127,6 +139,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and x.dim() >= 1
         and x.shape[-1] == weight.shape[1]  # else F.linear says what does not fit
         and weight.is_contiguous()  # oneDNN's products stream it as it lies
+        and (bias is None or _plain_bias(bias, weight.shape[0]))
         and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())  # oneDNN has no backward
     ):
         return F.linear(x, weight, bias)

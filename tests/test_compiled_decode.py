@@ -120,11 +120,15 @@ def test_compile_decode_on_a_model_without_a_cache_says_it_does_nothing(tiny_opt
     assert len(out.token_ids) == 3
 
 
-def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny_opt, monkeypatch, caplog):
+@pytest.mark.parametrize("when", ["at its first step", "at torch.compile"])
+def test_a_failure_to_compile_falls_back_to_eager_decoding_with_one_warning(tiny_opt, monkeypatch, caplog, when):
+    # torch.compile itself refuses on some Pythons (3.15+, free-threaded builds): that was a bare traceback.
     def no_compiler(fn, **options):
         def compiled(*args):
             raise RuntimeError("Compiler: cc not found\nmore detail")
 
+        if when == "at torch.compile":
+            compiled()
         return compiled
 
     monkeypatch.setattr(torch, "compile", no_compiler)

@@ -377,7 +377,8 @@ def test_calibration_stops_at_its_time_budget_and_the_fixed_thresholds_take_over
 
 
 @needs_onednn
-def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_path):
+def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_last_level_cache_bytes", lambda: 2**20)  # 512x512 fp32 fills it
     clock, cache = Clock(), tmp_path / "k.json"
     timer = RoundsTimer({F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}, clock=clock)
     table = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=0.3)
@@ -390,6 +391,24 @@ def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_pa
     later = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=0.3)
     assert later.kernel(weight, None, 1) == ONEDNN_SWAPPED and timer.calls == []
     assert later.choices()["512x512 rows 1"] == "fixed thresholds"
+
+
+@needs_onednn
+def test_a_measurement_past_its_cap_on_a_weight_the_cache_holds_serves_this_process_only(tmp_path, monkeypatch):
+    # Such a weight is timed quickly unless the machine is busy (two engines starting at once): saved, every
+    # shape measured then was left to the fixed thresholds for good.
+    monkeypatch.setattr(kernel_choice, "_last_level_cache_bytes", lambda: 2**21)  # twice the 512x512 weight
+    clock, cache = Clock(), tmp_path / "k.json"
+    busy = {F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}
+    table = make_kernel_table(
+        cache_file=cache, timer=RoundsTimer(busy, clock=clock), clock=clock, measurement_cap_s=0.3
+    )
+    weight = torch.randn(512, 512)
+    assert table.kernel(weight, None, 1) == ONEDNN_SWAPPED  # the fixed thresholds', for now
+    assert not cache.exists()
+    quiet = RoundsTimer({F_LINEAR: 0.01, ONEDNN: 0.005, ONEDNN_SWAPPED: 0.02}, clock=clock)
+    later = make_kernel_table(cache_file=cache, timer=quiet, clock=clock, measurement_cap_s=0.3)
+    assert later.kernel(weight, None, 1) == ONEDNN and quiet.calls  # measured again, and chosen by measuring
 
 
 @needs_onednn

@@ -63,6 +63,22 @@ def test_strided_and_batched_inputs(rows):
     assert_close_to_reference(y, hidden, weight, bias)
 
 
+@pytest.mark.parametrize("rows", [1, 32, 300])
+@pytest.mark.parametrize("kind", ["strided", "expanded", "one value"])
+def test_a_bias_that_is_a_view_or_broadcast_is_added_as_f_linear_adds_it(rows, kind):
+    # A plugin may replace a bias by any tensor F.linear takes. oneDNN read a strided or expanded one as if its
+    # values lay side by side (errors of 4.5, or 1e36), and crashed on a (1,) bias.
+    x, weight = torch.randn(rows, 64), torch.randn(48, 64)
+    bias = {
+        "strided": torch.randn(48, 2)[:, 0],
+        "expanded": torch.randn(1).expand(48),
+        "one value": torch.randn(1),
+    }[kind]
+    with torch.inference_mode():
+        y = linear(x, weight, bias)
+    assert_close_to_reference(y, x, weight, bias)
+
+
 def test_inputs_are_never_written():
     x, weight, bias = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
     before = [t.clone() for t in (x, weight, bias)]

@@ -61,14 +61,28 @@ class CompiledDecode:
         self.model = model
         self.device = device
         self._eager = eager
-        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
-        self._step = torch.compile(self._forward, mode=mode)
         self._limits, self._limit_hit = _dynamo_limits()
         self._shapes: set[tuple[int, int, int]] = set()
         #: Seconds spent in first steps at a new shape (compiling, and that step's own run).
         self.compile_seconds = 0.0
         #: Why compiling failed, once it has (decoding is eager from then on).
         self.failure: BaseException | None = None
+        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
+        try:
+            self._step = torch.compile(self._forward, mode=mode)
+        except Exception as exc:  # noqa: BLE001 - torch refusing to compile here (Python 3.15+, free-threaded builds)
+            self._compiling_failed(exc)
+
+    def _compiling_failed(self, failure: BaseException) -> None:
+        """Decode eagerly from now on, saying why once."""
+        self.failure = failure
+        first_line = (str(failure).strip().splitlines() or [""])[0]
+        logger.warning(
+            "compiling the decoding step of %s failed (%s: %s); decoding without compiling from now on",
+            type(self.model).__name__,
+            type(failure).__name__,
+            first_line,
+        )
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         hidden = self.model(ids, positions, slice(0, ids.shape[0]), mask)  # (R, 1, W)
@@ -97,14 +111,7 @@ class CompiledDecode:
             failure = exc
         if failure is not None:
             logits = self._eager(tokens, positions)  # a failure of the model's own raises here, as it would eagerly
-            self.failure = failure
-            first_line = (str(failure).strip().splitlines() or [""])[0]
-            logger.warning(
-                "compiling the decoding step of %s failed (%s: %s); decoding without compiling from now on",
-                type(self.model).__name__,
-                type(failure).__name__,
-                first_line,
-            )
+            self._compiling_failed(failure)
             return logits
         if not seen:
             seconds = time.perf_counter() - start
