@@ -12,11 +12,20 @@ Cheap: nothing here imports torch.
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 
 __all__ = ["get_rank", "get_world_size", "launched_world_size", "torchrun_rank"]
 
 #: (rank, world size) while an engine's ranks run in this process; ``None``: none runs.
 _running: tuple[int, int] | None = None
+
+#: (rank, world size) of the engine whose hook is running, set by its plugin host while it calls the hook: an
+#: engine that is not split, beside a split one in the same process, is rank 0 of 1 in its own hooks.
+_in_hook: ContextVar[tuple[int, int] | None] = ContextVar("pluginhost_engine_ranks", default=None)
+
+
+def _current() -> tuple[int, int]:
+    return _in_hook.get() or _running or (0, 1)
 
 
 def get_rank() -> int:
@@ -25,17 +34,17 @@ def get_rank() -> int:
     Under a launcher (torchrun) a process keeps its rank after its engine stops, so
     ``if get_rank() == 0:`` around generating holds on every process for the rest of its life.
     """
-    return _running[0] if _running is not None else 0
+    return _current()[0]
 
 
 def get_world_size() -> int:
     """How many processes the engine's model is split over (``tensor_parallel_size``).
 
-    One value per process, like ``get_rank()``: that of the split engine open in it. An engine that is not
-    split, built while a split one is open in the same process, sees the split engine's values in its hooks
-    too; a build hook's ``config.tensor_parallel_size`` is always its own engine's.
+    In a hook, that hook's engine's: an engine that is not split, built while a split one is open in the
+    same process, is 1 in its own hooks. Elsewhere (a logits processor, code outside any hook), that of
+    the split engine open in this process, else 1.
     """
-    return _running[1] if _running is not None else 1
+    return _current()[1]
 
 
 def _set(rank: int, world_size: int) -> None:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pluggy
 
 import hookspecs
+from pluginhost import distributed
 from pluginhost.attribution import (
     HookOwners,
     PluginRef,
@@ -237,6 +238,9 @@ class PluginHost:
         # record_stats: the caller without the plugins whose implementation raised.
         self._stats_caller: Any = None
         self._stats_dropped: list[object] = []
+        #: (rank, world size) of the engine this host builds, set by it: what ``pluginhost.distributed`` tells
+        #: this host's hooks (``None``: the process's value).
+        self.ranks: tuple[int, int] | None = None
 
     # -- other processes (tensor-parallel ranks) -------------------------------
 
@@ -742,6 +746,7 @@ class PluginHost:
 
     def _dispatch(self, caller: Any, hook: str, consequence: str, kwargs: dict[str, Any]) -> Any:
         token = start_dispatch(self._owners)
+        ranks = distributed._in_hook.set(self.ranks) if self.ranks is not None else None
         try:
             results = caller(**kwargs)
             if results:  # pluggy leaves out the None every hook of this project returns
@@ -757,6 +762,8 @@ class PluginHost:
                 raise
             raise self._hook_error(plugin, hook, exc, consequence) from exc
         finally:
+            if ranks is not None:
+                distributed._in_hook.reset(ranks)
             end_dispatch(token)
 
     def _warn_returned(self, caller: Any, hook: str, results: list[Any]) -> None:

@@ -183,6 +183,9 @@ def test_every_rank_loads_the_installed_plugins_itself(install_plugin, tiny_opt,
         assert sorted(p.name for p in marks.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
         assert {p.read_text() for p in marks.iterdir()} == {str(llm.vocab_size // 2)}
         assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        # An engine that is not split, beside the split one: rank 0 of 1 in its own hooks (it was told 2).
+        whole = LLM(str(tiny_opt))
+        assert (marks / "rank-0-of-1").read_text() == str(whole.vocab_size)
     finally:
         llm.close()
 

@@ -92,8 +92,9 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     the ranks compare what they loaded before building, and each builds its shard.
     """
     config = validated_config(settings)
-    plan = plan_build(config, host)
     ranks = agreement.ranks if agreement is not None else None
+    host.ranks = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)  # what its hooks are told
+    plan = plan_build(config, host)
     if config.tensor_parallel_size != (ranks.world_size if ranks is not None else 1):
         setter = config.provenance["tensor_parallel_size"]
         who = f"plugin {setter.removeprefix('plugin:')!r}'s" if setter.startswith("plugin:") else "the"
