@@ -62,6 +62,13 @@ def test_serves_the_demo_model_and_exits_0_on_sigterm():
             timeout=TIMEOUT,
         ).json()
         assert len(chat["choices"][0]["message"]["content"].split()) > 3  # words, from a model that knows its docs
+        # A page of another site whose name now points at 127.0.0.1 (DNS rebinding) sends its own name: it was
+        # served, so any web page could use a server meant for this machine only.
+        port = url.rsplit(":", 1)[1]
+        rebound = httpx.get(f"{url}/v1/models", headers={"Host": f"attacker.example:{port}"}, timeout=TIMEOUT)
+        assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+        for name in ("localhost", "127.0.0.1", "[::1]"):
+            assert httpx.get(f"{url}/health", headers={"Host": f"{name}:{port}"}, timeout=TIMEOUT).status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0
 

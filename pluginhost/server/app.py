@@ -32,7 +32,7 @@ import logging
 import re
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -126,11 +126,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def build_app(
-    engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    engine: AsyncLLM,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    allowed_hosts: Collection[str] | None = None,
 ) -> FastAPI:
     """The API for ``engine``, serving it as ``served_model_name``; bodies over ``max_body_bytes`` are a 413.
 
     With ``api_key``, every route needs ``Authorization: Bearer KEY``; a blank key is a ``ValueError``.
+    With ``allowed_hosts`` (host names, without ports), a request whose ``Host`` names another is refused:
+    ``pluginhost serve`` on a loopback address gives its names, so a web page of another site, its name
+    rebound to this machine (DNS rebinding), cannot use it.
     """
     if api_key is not None and not api_key.strip():
         raise ValueError(f"api_key is blank ({api_key!r}): give the key, or None to serve without one")
@@ -145,6 +153,8 @@ def build_app(
     # and counted as any answer (a middleware outside the counting one would answer uncounted).
     app.add_middleware(_LimitBody, limit=max_body_bytes)
     _install_auth_and_counting(app, api_key, metrics)
+    if allowed_hosts is not None:
+        app.add_middleware(_OnlyHosts, hosts=frozenset(h.lower() for h in allowed_hosts))
     app.add_middleware(_AnswerWhenCancelled)  # outermost: nothing a cancellation passes through is left unanswered
     api = _API(engine, served_model_name, metrics)
 
@@ -286,6 +296,37 @@ class _KeyOnWebSockets:
             await send({"type": "websocket.close", "code": 1008, "reason": _WRONG_KEY})
             return
         await self.app(scope, receive, send)
+
+
+class _OnlyHosts:
+    """Requests and WebSockets whose ``Host`` header names one of ``hosts`` (any port); none: not a browser's."""
+
+    def __init__(self, app: ASGIApp, hosts: frozenset[str]) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = Headers(scope=scope).get("host") if scope["type"] in ("http", "websocket") else None
+        if given is None or _host_name(given) in self.hosts:
+            await self.app(scope, receive, send)
+            return
+        message = (
+            f"Host {given!r} is not a name of this server, which listens on this machine only: a web page of "
+            f"another site whose name was made to point here would send that. Use {sorted(self.hosts)[0]}, or serve "
+            "with --host to be reached by other names."
+        )
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+            return
+        await APIError(400, message, type="invalid_request_error", code="invalid_host").response()(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """``Host``'s name, without its port: ``localhost:8000`` -> ``localhost``, ``[::1]:8000`` -> ``::1``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 class _BodyTooLarge(StarletteHTTPException):
