@@ -467,6 +467,9 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
         ),
         # More samples than the server ever takes in (param was null).
         ("/v1/completions", {"prompt": "x", "n": 100_000}, "n", None, "more than the server ever takes in at once"),
+        # Counted before the body is validated, on the event loop: a million of them held it for seconds.
+        ("/v1/completions", {"prompt": [[2]] * 70_000}, "prompt", None, "prompt holds 70000 prompts, more than"),
+        ("/v1/chat/completions", {"messages": USER * 9_000}, "messages", None, "messages holds 9000 messages, more"),
         ("/v1/completions", {"prompt": "x", "stop": ["x"] * 65}, "stop", None, "stop may hold at most 64 strings"),
         # A message with no content (OpenAI refuses it; this one was taken as an empty message).
         (
