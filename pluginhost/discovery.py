@@ -6,9 +6,11 @@ Discovery reads package metadata only; nothing is imported here.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import PurePosixPath
+from pathlib import Path
+from urllib.parse import urlparse
 
 from hookspecs import ENTRY_POINT_GROUP
 
@@ -58,8 +60,9 @@ def owner_of_module(
     installed: list[InstalledPlugin] | None = None,
     *,
     prefer: tuple[str, str | None] | None = None,
+    file: str | None = None,
 ) -> InstalledPlugin | None:
-    """The installed plugin whose code ``module`` is (by its entry point's target), if any.
+    """The installed plugin whose code ``module`` (loaded from ``file``) is, if any.
 
     Metadata only: nothing is imported. A target owns the module it names and the modules
     below it: ``pkg`` owns ``pkg`` and ``pkg.models``, ``pkg.extra`` owns neither ``pkg`` nor
@@ -68,7 +71,8 @@ def owner_of_module(
     imported it. A module that no target owns but that sits in a plugin's top-level package
     (``pkg.models`` beside a single entry point ``pkg.plugin``) is that plugin's; of several such,
     ``prefer`` (a ``(name, distribution)``: the plugin the host is running) when it is one of them,
-    else the one sharing the longest dotted prefix with ``module``, then by name.
+    else the one sharing the longest dotted prefix with ``module``. Any other ``file`` a plugin's
+    distribution installed (``acme_models`` beside the entry point's ``acme_plugin``) is that plugin's.
     """
     parts = module.split(".")
     owner: InstalledPlugin | None = None
@@ -90,21 +94,27 @@ def owner_of_module(
         )
         if common > neighbour_depth:
             neighbour, neighbour_depth = plugin, common
-    return owner or neighbour or _owner_by_distribution(module, installed, prefer)
+    if owner or neighbour or file is None:
+        return owner or neighbour
+    return _owner_by_distribution(file, installed, prefer)
 
 
 def _owner_by_distribution(
-    module: str, installed: list[InstalledPlugin] | None, prefer: tuple[str, str | None] | None
+    file: str, installed: list[InstalledPlugin] | None, prefer: tuple[str, str | None] | None
 ) -> InstalledPlugin | None:
-    """The plugin of the installed distribution that ships ``module``, when no entry point's package holds it.
+    """The plugin of the installed distribution that installed ``file``, when no entry point's package holds it.
 
-    A distribution's code is its plugins' wherever it lives (``acme_models`` beside the entry point's
-    ``acme_plugin``). Of a distribution's several plugins: ``prefer`` when it is one of them, else the
-    first by name.
+    By the file, not the module's name: a user's own ``tests.my_models`` is not the code of a plugin whose
+    distribution ships a package ``tests`` too, and a namespace package is split by what each ships. Of a
+    distribution's several plugins: ``prefer`` when it is one of them, else the first by name.
     """
+    try:
+        path = Path(file).resolve()
+    except (OSError, ValueError):
+        return None
     plugins = discover_installed() if installed is None else installed
     for plugin in plugins:  # sorted by name
-        if plugin.distribution is None or not _ships(plugin, module):
+        if plugin.distribution is None or not _installed(plugin, path):
             continue
         if prefer is not None and prefer[1] == plugin.distribution:
             return next((p for p in plugins if (p.name, p.distribution) == prefer), plugin)
@@ -112,43 +122,44 @@ def _owner_by_distribution(
     return None
 
 
-#: (distribution, version, location) -> the dotted names of its modules (``_modules_of``).
-_MODULES: dict[tuple[str, str | None, str], frozenset[str]] = {}
+#: (distribution, version, location) -> the files it installed and the project folders of an editable install.
+_FILES: dict[tuple[str, str | None, str], tuple[frozenset[Path], tuple[Path, ...]]] = {}
 
 
-def _ships(plugin: InstalledPlugin, module: str) -> bool:
-    """Whether ``module`` (or a package it is in) is one of the modules of ``plugin``'s distribution."""
+def _installed(plugin: InstalledPlugin, path: Path) -> bool:
+    """Whether ``plugin``'s distribution installed ``path``: listed in its RECORD, or in the project folder of an
+    editable install (which every build backend records in ``direct_url.json``; their RECORDs differ)."""
     dist = plugin.entry_point.dist
     if dist is None:
         return False
     try:
         location = str(dist.locate_file(""))
     except NotImplementedError:  # a distribution not on the file system
-        location = repr(dist)
+        return False
     key = (plugin.distribution or "", plugin.version, location)  # a reinstalled distribution is read again
-    shipped = _MODULES.get(key)
-    if shipped is None:
-        shipped = _MODULES[key] = _modules_of(dist)
-    parts = module.split(".")
-    return any(".".join(parts[:i]) in shipped for i in range(len(parts), 0, -1))
+    found = _FILES.get(key)
+    if found is None:
+        found = _FILES[key] = _files_of(dist)
+    files, projects = found
+    return path in files or any(path.is_relative_to(project) for project in projects)
 
 
-def _modules_of(dist: metadata.Distribution) -> frozenset[str]:
-    """The dotted names of the modules a distribution installed, from its metadata.
-
-    From its file list (RECORD), so that a namespace package (``ns.a`` from one distribution, ``ns.b``
-    from another) is split by the modules each ships; ``top_level.txt`` names the packages an editable
-    install keeps elsewhere (its RECORD lists no module under them).
-    """
-    modules: set[str] = set()
+def _files_of(dist: metadata.Distribution) -> tuple[frozenset[Path], tuple[Path, ...]]:
+    files = set()
     for file in dist.files or ():
-        path = PurePosixPath(str(file))
-        stem = inspect.getmodulename(path.name)
-        if stem is None or ".." in path.parts:
-            continue
-        dotted = [*path.parts[:-1], *([] if stem == "__init__" else [stem])]
-        if dotted and all(part.isidentifier() for part in dotted):
-            modules.add(".".join(dotted))
-    top_level = (dist.read_text("top_level.txt") or "").split()
-    modules.update(n for n in top_level if n.isidentifier() and not any(m.startswith(f"{n}.") for m in modules))
-    return frozenset(modules)
+        if inspect.getmodulename(file.name) is not None:
+            try:
+                files.add(Path(str(dist.locate_file(file))).resolve())
+            except (OSError, ValueError):
+                continue
+    projects: tuple[Path, ...] = ()
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except ValueError:
+        direct = {}
+    url = direct.get("url") if isinstance(direct, dict) else None
+    if isinstance(url, str) and url.startswith("file://") and (direct.get("dir_info") or {}).get("editable"):
+        from urllib.request import url2pathname  # here: it imports http.client, which listing plugins needs not
+
+        projects = (Path(url2pathname(urlparse(url).path)).resolve(),)
+    return frozenset(files), projects

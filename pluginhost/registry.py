@@ -176,7 +176,9 @@ def _caller_ref(*, running: PluginRef | None = None) -> PluginRef | None:
             return builtin_ref()
         if not module.startswith("pluginhost.") and module != "pluginhost":
             caller = caller or module
-            owner = owner_of_module(module, installed, prefer=prefer) if installed else None
+            owner = (
+                owner_of_module(module, installed, prefer=prefer, file=frame.f_code.co_filename) if installed else None
+            )
             if owner is not None:
                 return PluginRef(owner.name, owner.distribution, owner.version)
         frame = frame.f_back

@@ -312,6 +312,45 @@ def test_a_distributions_code_beside_its_plugins_package_registers_as_its_plugin
     assert "AcmeArch" not in applied and "AcmeNsArch" not in applied and "OtherNsArch" in applied
 
 
+def test_a_module_is_credited_by_the_file_it_was_loaded_from(install_plugin, monkeypatch, request, tmp_path):
+    """A user's own ``tests`` package is the user's even when a plugin's distribution ships one (by name it was the
+    plugin's, and disabling the plugin dropped the user's architecture); an editable install's code is its plugin's,
+    found by the project folder ``direct_url.json`` names (its RECORD lists no module: hatchling, flit, uv...)."""
+    site = install_plugin(
+        "acme", "def register():\n    pass\n", dist="acme-llm", module="acme_plugin", target="acme_plugin:register"
+    )
+    (site / "tests").mkdir()
+    (site / "tests" / "__init__.py").write_text("")
+    (site / "acme_llm-1.0.dist-info" / "RECORD").write_text("acme_plugin.py,,\ntests/__init__.py,,\n")
+    mine = tmp_path / "project"
+    (mine / "tests").mkdir(parents=True)
+    (mine / "tests" / "__init__.py").write_text("")
+    (mine / "tests" / "my_models.py").write_text(REGISTERS_AT_IMPORT.format("MyArch"))
+    project = tmp_path / "editable"
+    project.mkdir()
+    (project / "beta_models.py").write_text(REGISTERS_AT_IMPORT.format("BetaArch"))
+    install_plugin(
+        "beta", "def register():\n    pass\n", dist="beta-llm", module="beta_plugin", target="beta_plugin:register"
+    )
+    info = site / "beta_llm-1.0.dist-info"
+    (info / "RECORD").write_text("_beta_llm.pth,,\n")
+    (info / "direct_url.json").write_text(f'{{"url": "{project.as_uri()}", "dir_info": {{"editable": true}}}}')
+    monkeypatch.syspath_prepend(str(mine))
+    monkeypatch.syspath_prepend(str(project))
+    modules = ("tests", "tests.my_models", "beta_models")
+    for module in modules:
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    request.addfinalizer(lambda: [sys.modules.pop(module, None) for module in modules])
+    import beta_models  # noqa: F401
+    import tests.my_models  # noqa: F401
+
+    assert ModelRegistry.get("MyArch").registered_by.name == "tests.my_models"  # was ("acme", "acme-llm")
+    assert ModelRegistry.get("BetaArch").registered_by.distribution == "beta-llm"  # was the bare module's
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acme,beta")
+    applied = PluginHost().collect_models().get_supported_archs()
+    assert "MyArch" in applied and "BetaArch" not in applied
+
+
 def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host):
     """vLLM's ModelRegistry lists every registration made so far; the engines not passing the function lack it."""
 
