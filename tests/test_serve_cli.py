@@ -67,8 +67,10 @@ def test_serves_the_demo_model_and_exits_0_on_sigterm():
         port = url.rsplit(":", 1)[1]
         rebound = httpx.get(f"{url}/v1/models", headers={"Host": f"attacker.example:{port}"}, timeout=TIMEOUT)
         assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
-        for name in ("localhost", "127.0.0.1", "[::1]"):
+        for name in ("localhost", "LOCALHOST.", "api.localhost", "127.0.0.1", "[::1]"):
             assert httpx.get(f"{url}/health", headers={"Host": f"{name}:{port}"}, timeout=TIMEOUT).status_code == 200
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text  # a refused Host is counted as any answer
+        assert 'pluginhost_http_requests_total{model_name="demo",route="unmatched",status="400"} 1.0' in metrics
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0
 
@@ -290,11 +292,13 @@ def test_served_name_and_api_key(tiny_opt):
         assert [m["id"] for m in models["data"]] == [tiny_opt.name]  # the directory's name
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0
-    with serving("--model", str(tiny_opt), "--served-model-name", "tiny", "--api-key", "k2") as (process, url):
+    # A proxy on this machine passing its own name (--allowed-host): served, and still behind the key.
+    named = ("--served-model-name", "tiny", "--api-key", "k2", "--allowed-host", "llm.internal")
+    with serving("--model", str(tiny_opt), *named) as (process, url):
         answer = httpx.post(
             f"{url}/v1/completions",
             json={"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3},
-            headers={"Authorization": "Bearer k2"},
+            headers={"Authorization": "Bearer k2", "Host": "llm.internal"},
             timeout=TIMEOUT,
         )
         assert answer.status_code == 200 and json.loads(answer.text)["usage"]["completion_tokens"] >= 1

@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     net.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="on a loopback address, also answer requests naming NAME in their Host header (a proxy on this "
+        "machine passing its own name); repeatable. Others are refused: a web page rebound to 127.0.0.1 names its own",
+    )
+    net.add_argument(
         "--served-model-name", metavar="NAME", help="the model's name in the API (default: the model directory's name)"
     )
     net.add_argument(

@@ -339,16 +339,17 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise _StoppedBeforeServing
 
 
-def _own_names(host: str) -> set[str] | None:
-    """The names a server listening on ``host`` answers to: a loopback address's (a DNS-rebinding page names
-    another), else any (``None``: reached from other machines, by names only the operator knows)."""
+def _own_names(host: str, allowed: list[str]) -> set[str] | None:
+    """The names a server listening on ``host`` answers to: on a loopback address, its own and ``allowed``
+    (``--allowed-host``; a DNS-rebinding page names another), else any (``None``: reached from other machines,
+    by names only the operator knows)."""
     import ipaddress
 
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    return {"localhost", "127.0.0.1", "::1", host} if loopback else None
+    return {"localhost", "127.0.0.1", "::1", host, *allowed} if loopback else None
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -442,7 +443,8 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         from pluginhost.server.app import build_app
 
         engine = AsyncLLM._from_host(make_host(args), **settings)
-        app = build_app(engine, served_model_name=served, api_key=api_key, allowed_hosts=_own_names(args.host))
+        allowed = _own_names(args.host, args.allowed_host)
+        app = build_app(engine, served_model_name=served, api_key=api_key, allowed_hosts=allowed)
     except BaseException:
         sock.close()
         # Built, but not to be served (a plugin's route refused): stop it before the command's exit, which does

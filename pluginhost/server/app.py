@@ -152,9 +152,9 @@ def build_app(
     # Innermost of the three: a body over the limit raises where a route reads it, answered by the error handlers
     # and counted as any answer (a middleware outside the counting one would answer uncounted).
     app.add_middleware(_LimitBody, limit=max_body_bytes)
+    if allowed_hosts is not None:  # inside the counting middleware: a refused Host is counted as any answer
+        app.add_middleware(_OnlyHosts, hosts=frozenset(_host_name(h) for h in allowed_hosts))
     _install_auth_and_counting(app, api_key, metrics)
-    if allowed_hosts is not None:
-        app.add_middleware(_OnlyHosts, hosts=frozenset(h.lower() for h in allowed_hosts))
     app.add_middleware(_AnswerWhenCancelled)  # outermost: nothing a cancellation passes through is left unanswered
     api = _API(engine, served_model_name, metrics)
 
@@ -306,13 +306,16 @@ class _OnlyHosts:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("host") if scope["type"] in ("http", "websocket") else None
-        if given is None or _host_name(given) in self.hosts:
+        name = _host_name(given) if given is not None else None
+        # *.localhost is this machine's by definition (RFC 6761: browsers resolve it to loopback themselves).
+        if name is None or name in self.hosts or name == "localhost" or name.endswith(".localhost"):
             await self.app(scope, receive, send)
             return
         message = (
             f"Host {given!r} is not a name of this server, which listens on this machine only: a web page of "
             f"another site whose name was made to point here would send that. Use {sorted(self.hosts)[0]}, or serve "
-            "with --host to be reached by other names."
+            "with --allowed-host NAME (a proxy on this machine) or --host (other machines) to be reached by other "
+            "names."
         )
         if scope["type"] == "websocket":
             await receive()  # websocket.connect
@@ -326,7 +329,8 @@ def _host_name(host: str) -> str:
     host = host.strip().lower()
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name.removesuffix(".")  # "localhost." is "localhost", fully qualified
 
 
 class _BodyTooLarge(StarletteHTTPException):
