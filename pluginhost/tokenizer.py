@@ -65,6 +65,8 @@ def _names_own_code(model_dir: Path) -> bool:
 
 #: SentencePiece's drawing of a space, at the start of a word's piece (``▁the``).
 _SPACE_MARK = "\u2581"
+#: A SentencePiece byte-fallback piece: one byte of UTF-8 (``<0xE2>``).
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
@@ -76,6 +78,8 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     """
     text = tokenizer.decode([token_id])
     piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and (byte := _BYTE_PIECE.fullmatch(piece)) and int(byte.group(1), 16) < 0x80:
+        return chr(int(byte.group(1), 16))  # an ASCII byte is its character: <0x20> alone decoded to "", stripped
     if isinstance(piece, str) and piece.startswith(_SPACE_MARK):
         marks = len(piece) - len(piece.lstrip(_SPACE_MARK))
         missing = marks - (len(text) - len(text.lstrip(" ")))
@@ -97,7 +101,7 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if not isinstance(piece, str):
         return text.encode()
-    if match := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+    if match := _BYTE_PIECE.fullmatch(piece):
         return bytes([int(match.group(1), 16)])
     byte_of = _byte_level_alphabet()
     if piece and all(char in byte_of for char in piece):

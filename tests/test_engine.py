@@ -991,8 +991,9 @@ def test_max_model_len_a_build_hook_sets_is_the_engines_and_checked_against_the_
         def pre_load(self, config):
             config.max_model_len = self.value
 
-    with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions"):
+    with pytest.raises(ConfigError, match="max_model_len=4096 is more than the model's 128 positions") as refused:
         LLM(str(tiny_opt), load_installed_plugins=False, plugins=[Length()])
+    assert "(max_model_len was set by plugin 'Length' in pre_load)" in str(refused.value)  # not the user's to lower
     lowered = Length()
     lowered.value = 16
     llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[lowered])

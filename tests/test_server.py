@@ -469,6 +469,7 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
         ("/v1/completions", {"prompt": "x", "n": 100_000}, "n", None, "more than the server ever takes in at once"),
         # Counted before the body is validated, on the event loop: a million of them held it for seconds.
         ("/v1/completions", {"prompt": [[2]] * 70_000}, "prompt", None, "prompt holds 70000 prompts, more than"),
+        ("/v1/completions", {"prompt": [[2], [2] * (2**20 + 1)]}, "prompt", None, "prompt 1 holds 1048577 token ids"),
         ("/v1/chat/completions", {"messages": USER * 9_000}, "messages", None, "messages holds 9000 messages, more"),
         ("/v1/completions", {"prompt": "x", "stop": ["x"] * 65}, "stop", None, "stop may hold at most 64 strings"),
         # A message with no content (OpenAI refuses it; this one was taken as an empty message).
@@ -789,6 +790,8 @@ def test_token_bytes_of_byte_level_and_sentencepiece_pieces(offline):
     assert [token_bytes(sentencepiece, i) for i in ids] == [b" a", b" snow", b" ", b"\xe2", b"\x86", b"\x92"]
     # Decoded alone, "▁snow" is "snow" (the decoder drops a text's first space): the pieces did not add up.
     assert [token_text(sentencepiece, i) for i in ids[:3]] == [" a", " snow", " "]
+    space = sentencepiece.convert_tokens_to_ids("<0x20>")  # a space spelt as a byte: the decoder stripped it to ""
+    assert (token_text(sentencepiece, space), token_bytes(sentencepiece, space)) == (" ", b" ")
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,19 @@ def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: 
             f"on it: the engine would be built as before, and its config would say otherwise. Set {name} in "
             f"modify_config, which runs before anything is resolved. {plugin.remedy() if plugin else ''}".rstrip()
         )
-    check_combination(config, plan.hf_config)
+    try:
+        check_combination(config, plan.hf_config)
+    except ConfigError as exc:  # said to be the hook's doing, not the user's setting to lower
+        hook_plugins = {ref.name: ref for ref in host.implementers(hook)}
+        set_here = {
+            name: hook_plugins[source.removeprefix("plugin:")]
+            for name, source in config.provenance.items()
+            if source.removeprefix("plugin:") in hook_plugins
+        }
+        if not set_here:
+            raise
+        which = "; ".join(f"{name} was set by {ref.describe()} in {hook}" for name, ref in sorted(set_here.items()))
+        raise ConfigError(f"{exc} ({which})") from None
 
 
 def _numel(model: nn.Module) -> int:

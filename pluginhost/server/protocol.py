@@ -263,8 +263,14 @@ class CompletionRequest(_SamplingFields):
         prompt = data.get("prompt") if isinstance(data, dict) else None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             _refuse_long_list(data, "prompt", MAX_PROMPT_IDS, "token ids")
-        else:
-            _refuse_long_list(data, "prompt", MAX_PROMPTS, "prompts")
+            return data
+        _refuse_long_list(data, "prompt", MAX_PROMPTS, "prompts")
+        for index, ids in enumerate(prompt if isinstance(prompt, list) else ()):
+            if isinstance(ids, list) and len(ids) > MAX_PROMPT_IDS:
+                raise FieldError(
+                    "prompt",
+                    f"prompt {index} holds {len(ids)} token ids, more than this server reads ({MAX_PROMPT_IDS})",
+                )
         return data
 
     prompt: str | list[str] | list[int] | list[list[int]]
