@@ -178,7 +178,17 @@ def _registered_by_plugins_not_loaded(architectures: list[str], host: PluginHost
         and (r.registered_by.name, r.registered_by.distribution) not in loaded
     ]
     if not found:
-        return ""
+        # Not an installed plugin's, yet listed and not applied: an in-process plugin's (a register() passed to
+        # another engine), which applies only to the engines given it.
+        elsewhere = [r for r in registered if r.registered_by.distribution is None]
+        if not elsewhere:
+            return ""
+        entry = elsewhere[0]
+        return (
+            f"{entry.architecture} was registered in this process by the in-process plugin "
+            f"{entry.registered_by.name!r}, which this engine is not given: its registrations apply only to the "
+            "engines it is passed to. Pass it to this one too: LLM(model, plugins=[...])."
+        )
     entry = found[0]
     return (
         f"{entry.architecture} was registered in this process by code of {entry.registered_by.describe()}, which "

@@ -351,7 +351,7 @@ def test_a_module_is_credited_by_the_file_it_was_loaded_from(install_plugin, mon
     assert "MyArch" in applied and "BetaArch" not in applied
 
 
-def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host):
+def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host, make_engine):
     """vLLM's ModelRegistry lists every registration made so far; the engines not passing the function lack it."""
 
     from builtin_models.opt import OPTForCausalLM
@@ -367,6 +367,9 @@ def test_an_in_process_register_functions_registrations_are_listed_and_stay_with
     assert "InProcessOPT" in ModelRegistry.get_supported_archs() and "InProcessOPT" in ModelRegistry
     assert ModelRegistry.get("InProcessOPT").registered_by.name.endswith("register")
     assert "InProcessOPT" not in PluginHost(load_installed=False).collect_models()
+    # Listed, yet not this engine's: the error says why (it was a bare "not registered").
+    with pytest.raises(ValueError, match=r"registered in this process by the in-process plugin '.*register', which"):
+        make_engine(model_architecture_override="InProcessOPT")
     assert "InProcessOPT" not in make_host().collect_models()  # the test kit's engines too
     assert "InProcessOPT" in PluginHost(plugins=[register], load_installed=False).collect_models()  # replayed
 
