@@ -266,9 +266,7 @@ class PluginHost:
         The other ranks import the script without running that block: the architecture would be
         missing there ("not registered" on rank 1). Under torchrun every rank runs the whole script.
         """
-        from pluginhost.distributed import torchrun_rank
-
-        if torchrun_rank() is not None:
+        if distributed.torchrun_rank() is not None:
             return
         for entry, line in ModelRegistry.made_under_main_guard():
             if self._applies_directly(entry):

@@ -76,10 +76,10 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     the space that begins a text, so ``▁quick`` alone decodes to ``quick``. The spaces its piece begins with, and
     the decoded text lacks, are put back, as vLLM does.
     """
-    text = tokenizer.decode([token_id])
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if isinstance(piece, str) and (byte := _BYTE_PIECE.fullmatch(piece)) and int(byte.group(1), 16) < 0x80:
         return chr(int(byte.group(1), 16))  # an ASCII byte is its character: <0x20> alone decoded to "", stripped
+    text = tokenizer.decode([token_id])
     if isinstance(piece, str) and piece.startswith(_SPACE_MARK):
         marks = len(piece) - len(piece.lstrip(_SPACE_MARK))
         missing = marks - (len(text) - len(text.lstrip(" ")))

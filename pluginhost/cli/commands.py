@@ -343,13 +343,9 @@ def _own_names(host: str, allowed: list[str]) -> set[str] | None:
     """The names a server listening on ``host`` answers to: on a loopback address, its own and ``allowed``
     (``--allowed-host``; a DNS-rebinding page names another), else any (``None``: reached from other machines,
     by names only the operator knows)."""
-    import ipaddress
+    from pluginhost.server.run import is_loopback
 
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    return {"localhost", "127.0.0.1", "::1", host, *allowed} if loopback else None
+    return {"localhost", "127.0.0.1", "::1", host, *allowed} if is_loopback(host) else None
 
 
 def _api_key(flag: str | None) -> str | None:

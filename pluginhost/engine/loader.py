@@ -275,15 +275,14 @@ def _used_settings(config: EngineConfig, names: tuple[str, ...]) -> dict[str, An
 
 def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: BuildPlan, host: PluginHost) -> None:
     """Refuse a change ``hook`` made to a setting already acted on; check the others again (``max_model_len``)."""
+    hook_plugins = {ref.name: ref for ref in host.implementers(hook)}
     for name, value in used.items():
         if getattr(config, name) == value:
             continue
-        setter = config.provenance[name].removeprefix("plugin:")
-        implementers = host.implementers(hook)
-        plugin = next((ref for ref in implementers if ref.name == setter), None)
-        if plugin is None and len(implementers) == 1:  # a dict changed in place: its provenance is as it was
-            plugin = implementers[0]
-        who = plugin.describe() if plugin else f"one of {', '.join(ref.name for ref in implementers)}"
+        plugin = hook_plugins.get(config.provenance[name].removeprefix("plugin:"))
+        if plugin is None and len(hook_plugins) == 1:  # a dict changed in place: its provenance is as it was
+            [plugin] = hook_plugins.values()
+        who = plugin.describe() if plugin else f"one of {', '.join(hook_plugins)}"
         raise ConfigError(
             f"{who} changed {name} in {hook} ({value!r} -> {getattr(config, name)!r}), after the engine had acted "
             f"on it: the engine would be built as before, and its config would say otherwise. Set {name} in "
@@ -292,7 +291,6 @@ def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: 
     try:
         check_combination(config, plan.hf_config)
     except ConfigError as exc:  # said to be the hook's doing, not the user's setting to lower
-        hook_plugins = {ref.name: ref for ref in host.implementers(hook)}
         set_here = {
             name: hook_plugins[source.removeprefix("plugin:")]
             for name, source in config.provenance.items()

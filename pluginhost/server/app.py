@@ -957,12 +957,13 @@ class _Shape:
             found = self._bytes[token] = list(raw)
         return found
 
-    def ids(self, output: RequestOutput, c: CompletionOutput, start: int, first: bool) -> dict[str, list[int]]:
-        """A choice's ``token_ids`` from ``start`` on, and the prompt's on its first: when asked for, else none."""
-        if not self.with_token_ids:
-            return {}
-        ids = {"prompt_token_ids": list(output.prompt_token_ids)} if first else {}
-        return {**ids, "token_ids": list(c.token_ids[start:])}
+    def prompt_ids(self, output: RequestOutput) -> dict[str, list[int]]:
+        """``prompt_token_ids`` when the answer carries ids (``return_token_ids``), else nothing."""
+        return {"prompt_token_ids": list(output.prompt_token_ids)} if self.with_token_ids else {}
+
+    def new_ids(self, c: CompletionOutput, start: int) -> dict[str, list[int]]:
+        """A choice's ``token_ids`` from ``start`` on when the answer carries ids, else nothing."""
+        return {"token_ids": list(c.token_ids[start:])} if self.with_token_ids else {}
 
     async def answer(self, streams: Sequence[RequestStream]) -> Response:
         """The whole answer, once every request has finished; a big one is built off the event loop.
@@ -1046,7 +1047,8 @@ class _Completions(_Shape):
                 "logprobs": self.logprobs(c)[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **self.ids(finals[index], c, 0, first=True),
+                **self.prompt_ids(finals[index]),
+                **self.new_ids(c, 0),
             }
             for index in sorted(finals)
             for c in finals[index].outputs
@@ -1067,7 +1069,8 @@ class _Completions(_Shape):
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **self.ids(output, c, start, first),
+                **(self.prompt_ids(output) if first else {}),
+                **self.new_ids(c, start),
             }
             return {**self.header(self.object_chunk), "choices": [entry]}
 
@@ -1111,29 +1114,28 @@ class _Chat(_Shape):
                 "logprobs": self.logprobs(c, 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **self.ids(output, c, 0, first=False),
+                **self.new_ids(c, 0),
             }
             for c in output.outputs
         ]
-        prompt = self.ids(output, output.outputs[0], 0, first=True) if output.outputs else {}
-        prompt.pop("token_ids", None)  # vLLM's chat answer: the prompt's ids once, beside the choices
-        return {**self.header(self.object_whole), **prompt, "choices": choices, "usage": self.usage(finals)}
+        # vLLM's chat answer: the prompt's ids once, beside the choices.
+        header = {**self.header(self.object_whole), **self.prompt_ids(output)}
+        return {**header, "choices": choices, "usage": self.usage(finals)}
 
     def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
         def choice(
             number: int, output: RequestOutput, c: CompletionOutput, delta: str, start: int, first: bool
         ) -> dict[str, Any]:
             message = {"role": "assistant", "content": delta} if first else {"content": delta}
-            ids = self.ids(output, c, start, first)
-            prompt = {"prompt_token_ids": ids.pop("prompt_token_ids")} if "prompt_token_ids" in ids else {}
             entry = {
                 "index": number,
                 "delta": message if (delta or first) else {},
                 "logprobs": self.logprobs(c, start),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **ids,
+                **self.new_ids(c, start),
             }
+            prompt = self.prompt_ids(output) if first else {}  # beside the choices, in a choice's first chunk
             return {**self.header(self.object_chunk), **prompt, "choices": [entry]}
 
         return self.chunks(streams, usage, choice)

@@ -246,10 +246,10 @@ MAX_MESSAGES = 8_192
 MAX_PROMPT_IDS = 2**20
 
 
-def _refuse_long_list(data: Any, field: str, most: int, what: str) -> None:
-    value = data.get(field) if isinstance(data, dict) else None
+def _refuse_long_list(value: Any, field: str, most: int, what: str, name: str | None = None) -> None:
+    """A ``FieldError`` for ``field`` when ``value`` (``name``: the field, or one of its items) lists over ``most``."""
     if isinstance(value, list) and len(value) > most:
-        raise FieldError(field, f"{field} holds {len(value)} {what}, more than this server reads ({most})")
+        raise FieldError(field, f"{name or field} holds {len(value)} {what}, more than this server reads ({most})")
 
 
 class CompletionRequest(_SamplingFields):
@@ -262,15 +262,11 @@ class CompletionRequest(_SamplingFields):
     def _not_too_many_prompts(cls, data: Any) -> Any:
         prompt = data.get("prompt") if isinstance(data, dict) else None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            _refuse_long_list(data, "prompt", MAX_PROMPT_IDS, "token ids")
+            _refuse_long_list(prompt, "prompt", MAX_PROMPT_IDS, "token ids")
             return data
-        _refuse_long_list(data, "prompt", MAX_PROMPTS, "prompts")
+        _refuse_long_list(prompt, "prompt", MAX_PROMPTS, "prompts")
         for index, ids in enumerate(prompt if isinstance(prompt, list) else ()):
-            if isinstance(ids, list) and len(ids) > MAX_PROMPT_IDS:
-                raise FieldError(
-                    "prompt",
-                    f"prompt {index} holds {len(ids)} token ids, more than this server reads ({MAX_PROMPT_IDS})",
-                )
+            _refuse_long_list(ids, "prompt", MAX_PROMPT_IDS, "token ids", f"prompt {index}")
         return data
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -406,7 +402,8 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _not_too_many_messages(cls, data: Any) -> Any:
-        _refuse_long_list(data, "messages", MAX_MESSAGES, "messages")
+        messages = data.get("messages") if isinstance(data, dict) else None
+        _refuse_long_list(messages, "messages", MAX_MESSAGES, "messages")
         return data
 
     max_tokens: int | None = None

@@ -167,7 +167,7 @@ def run_server(
     """Serve ``app`` on ``sock`` until SIGINT or SIGTERM; then end cleanly and stop ``engine``."""
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    if not _is_loopback(host):
+    if not is_loopback(host):
         logger.warning("listening on %s: reachable from other machines", host)
     config = uvicorn.Config(
         app,
@@ -201,7 +201,8 @@ def run_server(
         raise server.engine_stopped
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) is this machine's loopback."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
