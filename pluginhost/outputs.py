@@ -48,18 +48,18 @@ class CompletionOutput:
     text: str | None
     #: Generated token ids only (a stop or end-of-sequence token that ended generation included).
     token_ids: list[int]
+    #: Sum of the chosen tokens' log-probabilities, when ``logprobs`` was asked for.
+    cumulative_logprob: float | None = None
     #: ``None``, or one ``{token_id: logprob}`` per generated token (the chosen one and the top k; each a
     #: read-only ``TokenLogprobs``). The list is the output's own.
     logprobs: list[dict[int, float]] | None = None
-    #: Sum of the chosen tokens' log-probabilities, when ``logprobs`` was asked for.
-    cumulative_logprob: float | None = None
     #: Why it ended (``FinishReason``), or ``None`` while it is still running.
     finish_reason: FinishReason | None = None
     #: What stopped it: the stop string, the stop token id, or ``None`` (end-of-sequence, length).
     stop_reason: str | int | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this sample has ended (a method, as in vLLM; ``RequestOutput.finished`` is an attribute there)."""
         return self.finish_reason is not None
 
 
@@ -81,7 +81,7 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         """Whether every sample has finished."""
-        return all(o.finished for o in self.outputs)
+        return all(o.finished() for o in self.outputs)
 
     @property
     def text(self) -> str | None:

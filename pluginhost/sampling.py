@@ -31,7 +31,9 @@ class SamplingParams:
     * ``max_tokens``: most tokens to generate (>= 1), or ``None`` for as many
       as ``max_model_len`` leaves room for.
     * ``min_tokens``: end-of-sequence, ``stop_token_ids`` and ``stop`` strings
-      cannot end generation before this many tokens.
+      cannot end generation before this many tokens are out: the first token
+      that may end it is the one after them (a stop string completed sooner
+      is kept in the text).
     * ``temperature``: 0 (or below 1e-5) is greedy; higher flattens the distribution.
     * ``top_p``: nucleus sampling, in (0, 1]; 1 keeps every token.
     * ``top_k``: keep the k most likely tokens; 0 (or -1, as in vLLM) keeps all.

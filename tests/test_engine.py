@@ -16,6 +16,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
 from pluginhost.errors import ConfigError, KVCacheMemoryError, ModelClassError, ModelRunError, PluginHookError
+from pluginhost.outputs import CompletionOutput
 from pluginhost.testing import RegistersModel, make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -35,6 +36,17 @@ def test_generate_returns_one_output_per_prompt_in_order(llm):
     decoded = llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
     assert outs[0].text == decoded.removesuffix("\ufffd")  # the tokens' text, a last cut-off character left out
     assert outs[0].logprobs is None
+
+
+def test_outputs_have_vllms_shape(llm):
+    # Ported code calls vLLM's CompletionOutput.finished() (a method there; RequestOutput.finished an attribute),
+    # and builds outputs positionally in vLLM's order: the property raised "'bool' object is not callable", and
+    # cumulative_logprob and logprobs were swapped.
+    out = llm.generate([[2, 100, 7]], SamplingParams(max_tokens=2, temperature=0, logprobs=1))[0]
+    assert out.finished is True and out.outputs[0].finished() is True
+    completion = CompletionOutput(0, "x", [5], -0.25, [{5: -0.25}], "length")
+    assert completion.cumulative_logprob == -0.25 and completion.logprobs == [{5: -0.25}] and completion.finished()
+    assert not CompletionOutput(0, "", []).finished()
 
 
 def test_batched_results_equal_one_by_one(llm):

@@ -371,6 +371,10 @@ def test_several_stop_strings_end_at_the_earliest(scripted):
 def test_stop_strings_wait_for_min_tokens(scripted):
     out = scripted.generate([[2]], greedy(max_tokens=40, stop="The", min_tokens=3))[0]
     assert out.text == TEXT  # "The" was complete before the third token, so nothing stopped it
+    # Only once more than min_tokens are out, as end-of-sequence and stop ids (vLLM's rule): min_tokens=1 is how
+    # a caller asks for an answer that is not empty, and the first token completing a stop string gave one.
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop="The", min_tokens=1))[0]
+    assert out.text == TEXT  # the first "The" kept; the script's next one stopped it (the text was empty)
     out = scripted.generate([[2]], greedy(max_tokens=40, stop=["The", "o"], min_tokens=3))[0]
     assert out.outputs[0].stop_reason == "o" and len(out.token_ids) >= 3
 

@@ -77,8 +77,7 @@ class Sequence:
             step = TokenLogprobs(top_logprobs(logprobs, token, self.params.logprobs))  # shared by every output
             self.logprobs.append(step)
             self.cumulative_logprob += step[token]
-        may_stop = len(self.token_ids) >= self.params.min_tokens
-        if may_stop and token in self.sampling.stop_ids:
+        if len(self.token_ids) >= self.params.min_tokens and token in self.sampling.stop_ids:
             # End-of-sequence or a stop token id: kept in token_ids, left out of the text (as vLLM does).
             self.finish_reason = "stop"
             self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
@@ -87,7 +86,9 @@ class Sequence:
             return
         stop_string = None
         if self.detokenizer is not None:
-            stop_string = self.detokenizer.push(token, check_stop=may_stop)
+            # Past min_tokens, as vLLM has it: the sampler holds end-of-sequence and stop ids back until
+            # min_tokens are out, so the first token that may end the answer is the one after them.
+            stop_string = self.detokenizer.push(token, check_stop=len(self.token_ids) > self.params.min_tokens)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         elif len(self.token_ids) >= self.max_tokens:

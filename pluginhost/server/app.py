@@ -1005,10 +1005,10 @@ class _Shape:
                     sent, start_tokens = sent_text.get(number, ""), sent_tokens.get(number, 0)
                     first = number not in sent_text
                     delta, new_tokens = _text_after(sent, text, self.request_id), completion.token_ids[start_tokens:]
-                    if not (delta or new_tokens or completion.finished or first):
+                    if not (delta or new_tokens or completion.finished() or first):
                         continue
                     sent_text[number], sent_tokens[number] = sent + delta, len(completion.token_ids)
-                    if completion.finished:
+                    if completion.finished():
                         finished.add(number)
                     chunk = choice(number, output, completion, delta, start_tokens, first)
                     if usage.every_chunk:  # as vLLM: this choice's prompt and its tokens so far
