@@ -124,6 +124,19 @@ def test_abort_ends_the_stream_and_frees_the_row(engine):
     assert wait_until(lambda: engine.engine.scheduler.num_running == 0)
 
 
+def test_abort_takes_one_id_or_an_iterable_of_them_as_vllm_does(engine):
+    # vLLM's abort(request_id: str | Iterable[str]): a list raised "unhashable type", a tuple aborted nothing.
+    async def scenario():
+        streams = [await engine.submit(PROMPTS[i], greedy(200), f"many-{i}") for i in range(3)]
+        engine.abort(["many-0", "many-1"])
+        engine.abort(("many-2",))
+        with pytest.raises(TypeError, match="a request id \\(str\\) or an iterable of them, got 5"):
+            engine.abort(5)
+        return [[out async for out in stream][-1].outputs[0].finish_reason for stream in streams]
+
+    assert run(scenario()) == ["abort"] * 3
+
+
 def test_leaving_the_stream_early_aborts_the_request(engine):
     async def scenario():
         async for out in engine.generate(PROMPTS[3], greedy(100), "left"):
@@ -580,6 +593,41 @@ def test_every_stream_ends_when_shutdown_is_called_while_they_stream(tiny_opt):
     for _ in range(3):
         engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=32)
         assert run(scenario(engine)) == (0, {"abort"})
+
+
+def test_every_stream_ends_when_a_step_outlasts_shutdowns_timeout(tiny_opt):
+    # shutdown(timeout) returned in time, then the loop thread finished its long step and left without handing out
+    # the aborts shutdown had queued: every stream waited for ever.
+    slow_now = threading.Event()
+
+    class SlowOnce:
+        @hookimpl
+        def post_load(self, config, model):
+            def hook(module, args, output):
+                if slow_now.is_set():
+                    slow_now.clear()
+                    time.sleep(1.5)
+
+            model.register_forward_hook(hook)
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[SlowOnce()])
+
+    async def last_reason(stream):
+        return [out async for out in stream][-1].outputs[0].finish_reason
+
+    async def scenario():
+        streams = [await engine.submit(PROMPTS[i], greedy(200)) for i in range(3)]
+        tasks = [asyncio.create_task(last_reason(stream)) for stream in streams]
+        await asyncio.sleep(0.2)
+        slow_now.set()
+        assert await asyncio.to_thread(wait_until, lambda: not slow_now.is_set())  # the loop is in the long step
+        engine.shutdown(timeout=0.3)
+        done, pending = await asyncio.wait(tasks, timeout=10)
+        for task in pending:
+            task.cancel()
+        return len(pending), [task.result() for task in done]
+
+    assert run(scenario()) == (0, ["abort"] * 3)
 
 
 def test_a_request_submitted_as_shutdown_begins_is_refused_not_taken_and_left_running(tiny_opt):

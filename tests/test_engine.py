@@ -266,6 +266,48 @@ def test_a_step_interrupted_in_its_forward_pass_changes_nothing_for_the_others(l
 GREEDY_8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
+def test_a_ctrl_c_while_a_step_takes_new_requests_loses_none_of_them(llm, monkeypatch):
+    # The step had taken the whole inbox: an interrupt half-way dropped the rest, whose ids stayed taken, and
+    # another thread's generate waited for them for ever.
+    requests = [llm._inputs.make_request(f"inbox-{i}", p, GREEDY_8) for i, p in enumerate(PROMPTS)]
+    llm.engine.submit(requests)
+    add = llm.engine.scheduler.add
+
+    def interrupted(sequences):
+        monkeypatch.setattr(llm.engine.scheduler, "add", add)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.scheduler, "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.engine.step()
+    for _ in range(50):  # bounded: a lost request never finishes
+        llm.engine.step()
+    assert [r.output().outputs[0].token_ids for r in requests] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY_8)]
+
+
+def test_a_ctrl_c_before_a_step_moves_its_rows_leaves_every_sequence_its_own_cache(llm, monkeypatch):
+    # The scheduler had compacted the batch (the last sequence into the row a finished one left) and the interrupt
+    # came before the cache's rows were moved: that sequence read the finished one's keys and values, silently.
+    short = llm._inputs.make_request("moves-short", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    others = [llm._inputs.make_request(f"moves-{i}", p, GREEDY_8) for i, p in enumerate(PROMPTS[1:])]
+    llm.engine.submit([short, *others])
+    llm.engine.run_until(lambda: short.finished)
+    execute, moved = llm.engine.runner.execute, []
+
+    def interrupted(plan):
+        moved.extend(plan.moves)
+        monkeypatch.setattr(llm.engine.runner, "execute", execute)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.engine.step()
+    assert moved  # the interrupted step compacted the batch
+    llm.engine.run_until(lambda: all(r.finished for r in others))
+    alone = [llm.generate([p], GREEDY_8)[0].token_ids for p in PROMPTS[1:]]
+    assert [r.output().outputs[0].token_ids for r in others] == alone
+
+
 def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt):
     class Flaky(OPTForCausalLM):
         failures = 1
@@ -569,6 +611,11 @@ def test_no_prompts_give_no_outputs(llm):
         ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),
         (None, None, "got NoneType"),
         ([None], None, "prompt 0 must be a string, a list of token ids or a prompt dict, got NoneType"),
+        # Ids given as text ran as a text prompt; a bad item of a list of params was "got 1 items".
+        ([{"prompt_token_ids": "2, 5"}], None, "prompt 0: 'prompt_token_ids' must be a list of int token ids, got str"),
+        ([{"prompt_token_ids": None}], None, "prompt 0: 'prompt_token_ids' must be a list of int token ids, got None"),
+        ([{"prompt": [2, 5]}], None, r"prompt 0: 'prompt' must be text \(a str\), got list"),
+        ([[2, 5]], [None], r"sampling_params\[0\] is NoneType, not SamplingParams: give one per prompt"),
     ],
 )
 def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompts, params, message):

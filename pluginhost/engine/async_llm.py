@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -144,6 +144,9 @@ class AsyncLLM(EngineFrontend):
                 if not isinstance(exc, Exception):  # a plugin's sys.exit(): the thread would end, every stream hang
                     exc = RuntimeError(f"the engine loop failed a step: {type(exc).__name__}: {exc}")
                 self.engine.fail_all(exc)
+        # Stopped by shutdown, whose own step gives up when this thread's outlasts its timeout: the aborts it
+        # queued are handed out here (every stream hung), and anything else ends with an error.
+        self.engine.fail_all(RuntimeError("this AsyncLLM was shut down"))
 
     async def generate(
         self,
@@ -287,15 +290,20 @@ class AsyncLLM(EngineFrontend):
         if self._stopping.is_set():
             raise RuntimeError("this AsyncLLM was shut down")
 
-    def abort(self, request_id: str) -> None:
-        """End a request at the next step; its stream ends with ``finish_reason`` ``"abort"``.
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """End a request (or several: an iterable of ids, as vLLM takes) at the next step; its stream ends with
+        ``finish_reason`` ``"abort"``.
 
         Also a request still being prepared (tokenized, checked) under that id: it is queued, then ended at
         the next step. The id is free at once: a new request may take it before the old one's stream has ended.
         """
-        if request_id in self._preparing:
-            self._aborted_early.add(request_id)
-        self.engine.abort([request_id])
+        ids = [request_id] if isinstance(request_id, str) else _as_list(request_id)
+        if ids is None or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"abort takes a request id (str) or an iterable of them, got {request_id!r}")
+        for i in ids:
+            if i in self._preparing:
+                self._aborted_early.add(i)
+        self.engine.abort(ids)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread (requests still running end as aborted); idempotent.
@@ -378,6 +386,13 @@ class RequestStream:
         """End the request at the next step, unless it has finished."""
         if not self.request.finished:
             self._engine.abort_request(self.request)
+
+
+def _as_list(items: object) -> list[object] | None:
+    try:
+        return list(items)  # type: ignore[call-overload]
+    except TypeError:
+        return None
 
 
 def _inside_an_import() -> bool:

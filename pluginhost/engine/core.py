@@ -261,6 +261,7 @@ class EngineCore:
         """Run one step; whether anything ran (``False`` too when another thread's step outlasted ``timeout``)."""
         if not self._step_lock.acquire(timeout=-1 if timeout is None else timeout):
             return False
+        plan = None
         try:
             self._take_inbox()
             plan = self.scheduler.schedule()
@@ -310,6 +311,13 @@ class EngineCore:
             # last output out before this step hands out an earlier one.
             for callback, output, error in deliveries:
                 callback(output, error)
+        except KeyboardInterrupt:
+            # The scheduler has placed the sequences: their cache rows follow before the Ctrl-C goes on, or a moved
+            # sequence (another caller's) reads another row's keys and values from its next step, silently. Moves
+            # the runner applied already are copied again, which changes nothing.
+            if plan is not None:
+                self.runner.apply_moves(plan)
+            raise
         finally:
             if self.scheduler.num_running == 0 and self.scheduler.max_num_seqs < self.loaded.config.max_num_seqs:
                 self.runner.lift_row_cap()  # a cap set for memory holds no more once nothing runs: an idle
@@ -569,25 +577,38 @@ class EngineCore:
                 self._in_transit = 0
 
     def _take(self, events: list[tuple[str, EngineRequest]]) -> None:
-        """Queue the requests added, end those aborted, in the order it happened."""
-        for what, request in events:
-            if what == "add":
-                self._requests[request.request_id] = request
-                with self._inbox_lock:  # from in transit to waiting at once, as ``_check_room`` counts them
-                    self.scheduler.add(request.sequences)
-                    self._in_transit -= len(request.sequences)
-                continue
-            if self._requests.get(request.request_id) is request and not request.finished:
-                del self._requests[request.request_id]
-                request.aborted = True
-                for sequence in request.sequences:
-                    if not sequence.finished:
-                        sequence.finish_reason = "abort"
-                    self.scheduler.free(sequence)
-                if request.on_end is not None:
-                    request.on_end()
-                if request.on_output is not None:
-                    request.on_output(request.output(), None)
+        """Queue the requests added, end those aborted, in the order it happened.
+
+        Interrupted (Ctrl-C in a caller's step), what is not taken yet goes back to the head of the inbox, for
+        the next step: dropped, another caller's requests held their ids and never ran, and its ``generate``
+        waited for ever. Adding a request again is harmless.
+        """
+        for taken, (what, request) in enumerate(events):
+            try:
+                self._take_one(what, request)
+            except BaseException:
+                with self._inbox_lock:
+                    self._inbox[:0] = events[taken:]
+                raise
+
+    def _take_one(self, what: str, request: EngineRequest) -> None:
+        if what == "add":
+            self._requests[request.request_id] = request
+            with self._inbox_lock:  # from in transit to waiting at once, as ``_check_room`` counts them
+                self.scheduler.add(request.sequences)
+                self._in_transit -= len(request.sequences)
+            return
+        if self._requests.get(request.request_id) is request and not request.finished:
+            del self._requests[request.request_id]
+            request.aborted = True
+            for sequence in request.sequences:
+                if not sequence.finished:
+                    sequence.finish_reason = "abort"
+                self.scheduler.free(sequence)
+            if request.on_end is not None:
+                request.on_end()
+            if request.on_output is not None:
+                request.on_output(request.output(), None)
 
     def _fit_memory(self, plan: ScheduledStep, full: KVCacheMemoryError) -> None:
         """Make the batch fit the cache ``full`` says can be had: preempt, hold back, or end.

@@ -293,13 +293,22 @@ class InputProcessor:
 
 def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:
     if "prompt_token_ids" in prompt:
-        return prompt["prompt_token_ids"]
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):  # "2, 5" ran as text
+            raise ValueError(f"prompt {index}: 'prompt_token_ids' must be a list of int token ids, got {_kind(ids)}")
+        return ids
     if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt {index}: 'prompt' must be text (a str), got {_kind(prompt['prompt'])}")
         return prompt["prompt"]
     raise ValueError(
         f"prompt {index} is a dict with keys {sorted(map(str, prompt))}; a dict prompt needs 'prompt' (text) "
         "or 'prompt_token_ids' (a list of ints)"
     )
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else f"{type(value).__name__} {value!r:.40}"
 
 
 def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -146,8 +146,13 @@ def _params_for(
     if isinstance(params, str | bytes) or not isinstance(params, Sequence):
         raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
-    if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+    if len(params) != len(prompts):
         raise ValueError(
             f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), got {len(params)} items"
+        )
+    bad = [i for i, p in enumerate(params) if not isinstance(p, SamplingParams)]
+    if bad:
+        raise ValueError(
+            f"sampling_params[{bad[0]}] is {type(params[bad[0]]).__name__}, not SamplingParams: give one per prompt"
         )
     return params
