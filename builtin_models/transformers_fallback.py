@@ -228,6 +228,9 @@ class TransformersForCausalLM(nn.Module):
         """transformers' own head: ``*ForCausalLM.forward`` with the decoder answering ``hidden_states``."""
         return self._head(hidden_states)
 
+    # Not traced by a compiled decoding step: dynamo cannot follow the decoder's forward swapped for a moment (it
+    # failed with "no attribute 'forward'", and every fallback model decoded eagerly); the decoder still compiles.
+    @torch.compiler.disable
     def _head(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         hidden = hidden_states.reshape(1, -1, shape[-1])  # (1, N, W): the head works token by token

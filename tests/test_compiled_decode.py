@@ -104,6 +104,15 @@ def test_more_shapes_than_dynamo_keeps_fall_back_to_eager_decoding(tiny_opt, mon
     assert sum("compiling the decoding step" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_the_transformers_fallback_compiles_its_decoding_step(tiny_opt, cpp_compiler):
+    # Dynamo failed on the head's moment with the decoder's forward swapped: every fallback model decoded eagerly.
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    eager = engine(tiny_opt, model_impl="transformers").generate(PROMPTS, params)
+    llm = compiled_llm(tiny_opt, model_impl="transformers")
+    assert_same_decoding(llm.generate(PROMPTS, params), eager)
+    assert llm.engine.runner.compiled.failure is None and llm.engine.runner.compiled._shapes
+
+
 def test_compile_decode_on_a_model_without_a_cache_says_it_does_nothing(tiny_opt, caplog):
     from builtin_models.opt import OPTForCausalLM
     from pluginhost.testing import RegistersModel

@@ -436,6 +436,24 @@ def test_a_cache_that_disagrees_with_the_uncached_forward_is_switched_off(neox_d
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(6))] == [hf_generate(reference, p, 6) for p in PROMPTS]
 
 
+def test_rope_following_the_length_gives_each_request_its_tokens_alone_without_a_cache_too(tmp_path, monkeypatch):
+    """Uncached, a step recomputed every text right-padded to the longest, positions running on through the
+    padding: a short request batched with one past the trained length got the stretched frequencies."""
+    from pluginhost.testing import make_tiny_model
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    path = make_tiny_model(tmp_path, "llama", seed=2, max_position_embeddings=16, rope_parameters=rope)
+    # As a model the engine's cache cannot serve (MLA's DeepSeek-V3, MiniCPM3): every step recomputes.
+    monkeypatch.setattr(TransformersForCausalLM, "_find_cache_layout", lambda self, ids, full: False)
+    llm = fallback(path, model_impl="transformers")  # 32 positions: the trained 16, stretched
+    monkeypatch.undo()
+    assert not llm.engine.runner.cached and llm.model.prefill_unpadded
+    short, long = [2, 17, 200, 31, 99], [2, *range(10, 30)]
+    alone = llm.generate([short], greedy(8))[0].token_ids
+    assert alone == hf_generate(hf_model(path), short, 8)
+    assert llm.generate([short, long], greedy(8))[0].token_ids == alone
+
+
 # -- configs laid out otherwise: a multimodal checkpoint's language model, sizes per layer ----------------------
 
 

@@ -335,10 +335,21 @@ class ModelRunner:
         return hidden[torch.arange(len(prompts), device=self.device), last]  # (k, W)
 
     def _recompute(self, texts: list[list[int]]) -> Tensor:
-        """The active sequences' whole texts, right-padded, for a model without a cache."""
-        ids, positions, mask, last = self._padded(texts)
-        hidden = self._forward(ids, positions, None, mask)  # (B, T, W)
-        return self._logits(hidden[torch.arange(len(texts), device=self.device), last])  # (B, V)
+        """The active sequences' whole texts, for a model without a cache: right-padded, in groups of similar
+        length as prompts are prefilled (of equal length only, where padding would change the model's results:
+        positions run on through the padding, and RoPE following the length took the longest row's)."""
+        rows = list(range(len(texts)))
+        padding = not getattr(self.model, "prefill_unpadded", False)
+        logits = None
+        for group in _similar_lengths(rows, [len(text) for text in texts], padding=padding):
+            ids, positions, mask, last = self._padded([texts[r] for r in group])
+            hidden = self._forward(ids, positions, None, mask)  # (k, T, W)
+            part = self._logits(hidden[torch.arange(len(group), device=self.device), last])  # (k, V)
+            if logits is None:
+                logits = part.new_empty((len(texts), part.shape[-1]))
+            logits[torch.tensor(group, device=self.device)] = part
+        assert logits is not None
+        return logits  # (B, V)
 
     def _forward(self, ids: Tensor, positions: Tensor, rows: Tensor | slice | None, mask: Tensor) -> Tensor:
         """The model's hidden states (B, T, W) of ``ids`` (B, T)."""
