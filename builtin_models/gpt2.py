@@ -110,6 +110,10 @@ class GPT2LMHeadModel(nn.Module):
     ``builtin_models.opt.OPTForCausalLM`` for the arguments.
     """
 
+    #: A prompt may be prefilled in pieces (``ModelRunner``, past ``max_num_batched_tokens``): a piece at positions
+    #: p.. writes its keys and values to those slots and attends every slot up to its end, as decoding does.
+    prefill_in_pieces = True
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config

@@ -169,6 +169,10 @@ class LlamaForCausalLM(nn.Module):
     ``builtin_models.opt.OPTForCausalLM`` for the arguments.
     """
 
+    #: A prompt may be prefilled in pieces (``ModelRunner``, past ``max_num_batched_tokens``): a piece at positions
+    #: p.. writes its keys and values to those slots and attends every slot up to its end, as decoding does.
+    prefill_in_pieces = True
+
     #: Biases of the q/k/v and output projections; ``None``: the config's ``attention_bias`` for both.
     qkv_bias: bool | None = None
     out_bias: bool | None = None

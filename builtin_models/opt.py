@@ -145,6 +145,10 @@ class OPTForCausalLM(nn.Module):
       additive float mask.
     """
 
+    #: A prompt may be prefilled in pieces (``ModelRunner``, past ``max_num_batched_tokens``): a piece at positions
+    #: p.. writes its keys and values to those slots and attends every slot up to its end, as decoding does.
+    prefill_in_pieces = True
+
     def __init__(self, config: OPTConfig) -> None:
         super().__init__()
         self.config = config

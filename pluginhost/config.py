@@ -111,7 +111,8 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         default=2048,
         gt=0,
-        description="Prompt tokens (padding included) a step prefills for joining sequences; the first always joins.",
+        description="Prompt tokens (padding included) a step prefills for joining sequences, the first always joining; "
+        "a longer prompt is prefilled in pieces of this many tokens.",
     )
     max_waiting_seqs: int = Field(
         default=1024,

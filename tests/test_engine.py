@@ -60,6 +60,24 @@ def test_batched_results_equal_one_by_one(llm):
             assert max(abs(a[k] - b[k]) for k in a) < 1e-5
 
 
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "gpt2"])
+def test_a_prompt_longer_than_max_num_batched_tokens_is_prefilled_in_pieces_to_the_same_tokens(
+    tmp_path, tiny_opt, model_type, assert_decoding_matches
+):
+    # One pass over a whole prompt of T tokens holds a T x T mask and attention: a 16k-token prompt took 1.5 GiB
+    # more for a tiny model, a 64k one would take ~24. Pieces of at most max_num_batched_tokens hold T x that.
+    path = tiny_opt if model_type == "opt" else make_tiny_model(tmp_path, model_type, seed=1)
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    passes = []
+    llm.model.register_forward_pre_hook(lambda module, args: passes.append(tuple(args[0].shape)))
+    prompts = [[2, *range(10, 50)], [2, 5, 6]]  # 41 tokens; the second waits for the next prefill step
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert passes[:3] == [(1, 16), (1, 16), (1, 9)] and (1, 3) in passes  # (rows, tokens) of each pass
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    assert_decoding_matches(outs, prompts, reference)  # the sliding window of 6 (Mistral) across pieces too
+
+
 def test_batches_larger_than_max_num_seqs_are_split(tiny_opt, llm):
     small = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=2)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -1449,6 +1467,35 @@ def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they
         replayed = other_rank.run(inputs)
         assert (replayed is None) == (logits is None) and (logits is None or torch.equal(replayed, logits))
     assert other_rank.cache_shape == llm.engine.runner.cache_shape
+
+
+def test_a_preempted_sequence_with_rope_following_the_length_resumes_with_the_tokens_it_gets_alone(
+    tmp_path, monkeypatch
+):
+    # Recomputed in one pass, its keys took the frequencies of its whole length, where decoding had written each at
+    # the length it had then: its later tokens changed. Its tokens are replayed one at a time instead.
+    rope = {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 1e4}
+    path = make_tiny_model(tmp_path, "llama", seed=2, max_position_embeddings=128, rope_parameters=rope)
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [[2, *range(10, 20)], [2, *range(40, 48)]]
+    unbounded = LLM(str(path), load_installed_plugins=False, dtype="float32")
+    expected = [unbounded.generate([p], params)[0].token_ids for p in prompts]
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32")
+    room = {"now": memory_for(llm, 8, 512)}
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    requests = [llm._inputs.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    llm.engine.submit(requests)
+    while requests[0].sequences[0].num_computed < 256:  # past the 128 trained positions: stretched frequencies
+        llm.engine.step()
+    room["now"] = memory_for(llm, 1, 512)  # one of the two fits
+    for _ in range(2000):
+        if all(r.finished for r in requests):
+            break
+        llm.engine.step()
+    assert sum(s.num_preempted for s in stats) == 1
+    assert [r.output().token_ids for r in requests] == expected
 
 
 def test_once_the_memory_comes_back_the_preempted_sequences_run_again_at_once(long_opt, monkeypatch):

@@ -99,6 +99,7 @@ class EngineCore:
             from pluginhost.engine.parallel import DistributedRunner
 
             self.runner = DistributedRunner(ranks, loaded.model, loaded.device, **limits)
+        self.runner.pass_tokens = config.max_num_batched_tokens  # a long prompt's prefill, in pieces
         self._step_lock = threading.RLock()
         self._inbox_lock = threading.Lock()
         #: What callers did since the last step, in order: a request to add, or one to abort.

@@ -84,9 +84,13 @@ class StepInputs:
     #: The (rows, slots) the cache takes first, when it changes: decided where the memory is checked,
     #: so every rank's cache has the same shape. ``None``: as this process's runner would grow it.
     cache_shape: tuple[int, int] | None = None
+    #: prefill: the most tokens one pass takes (rows x width); a longer prompt is prefilled in pieces (0: whole).
+    pass_tokens: int = 0
+    #: prefill: each text's prompt length (shorter than the text for a sequence preempted after some tokens).
+    prompt_lengths: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, step: ScheduledStep, *, cached: bool) -> StepInputs:
+    def of(cls, step: ScheduledStep, *, cached: bool, pass_tokens: int = 0) -> StepInputs:
         if not cached:
             texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
             return cls("recompute", texts=texts)
@@ -101,6 +105,8 @@ class StepInputs:
                 moves,
                 rows=list(step.prefill_rows),
                 texts=texts,
+                pass_tokens=pass_tokens,
+                prompt_lengths=[len(step.rows[r].prompt_token_ids) for r in step.prefill_rows],
             )
         positions = [s.num_computed for s in step.rows]
         return cls("decode", len(step.rows), max(positions) + 1, moves, [s.token_ids[-1] for s in step.rows], positions)
@@ -131,6 +137,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cached = callable(getattr(model, "setup_caches", None))
+        #: The most tokens a prefill pass takes, for a model that may be prefilled in pieces (the engine's
+        #: ``max_num_batched_tokens``; 0: whole prompts, however long).
+        self.pass_tokens = 0
         #: The compiled decoding step, when asked for.
         self.compiled = CompiledDecode(model, device, self._decode_logits) if compile_decode and self.cached else None
         if compile_decode and not self.cached:
@@ -161,7 +170,8 @@ class ModelRunner:
 
         ``KVCacheMemoryError`` before anything runs when the cache cannot grow to what the step needs.
         """
-        inputs = StepInputs.of(step, cached=self.cached)
+        pieces = getattr(self.model, "prefill_in_pieces", False) and not getattr(self.model, "prefill_unpadded", False)
+        inputs = StepInputs.of(step, cached=self.cached, pass_tokens=self.pass_tokens if pieces else 0)
         if inputs.kind != "recompute":
             rows_in_use = _rows_in_use(step)
             self._give_back(step, rows_in_use, inputs.slots_needed)
@@ -307,8 +317,19 @@ class ModelRunner:
         hidden = None
         index = {row: i for i, row in enumerate(inputs.rows)}
         lengths = [len(text) for text in inputs.texts]
-        for group in _similar_lengths(inputs.rows, lengths, padding=not getattr(self.model, "prefill_unpadded", False)):
-            joined = self._prefill([inputs.texts[index[r]] for r in group], group)  # (k, W), in the group's order
+        unpadded = getattr(self.model, "prefill_unpadded", False)
+        replays = unpadded and getattr(self.model, "prefill_in_pieces", False) and bool(inputs.prompt_lengths)
+        for group in _similar_lengths(inputs.rows, lengths, padding=not unpadded, alone=_replayed(inputs, replays)):
+            prompts = [inputs.texts[index[r]] for r in group]
+            k, T = len(group), max(map(len, prompts))
+            if replays and k == 1 and inputs.prompt_lengths[index[group[0]]] < T:
+                # Preempted, with RoPE following the length: its keys again as it wrote them, each at the length
+                # it had then (the prompt's, then one more a token); at the whole length, later tokens changed.
+                ends = list(range(inputs.prompt_lengths[index[group[0]]], T + 1))
+            else:
+                width = max(1, inputs.pass_tokens // k) if inputs.pass_tokens else T
+                ends = [*range(width, T, width), T]
+            joined = self._prefill(prompts, group, ends)  # (k, W), in the group's order
             if hidden is None:
                 hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
             hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
@@ -327,12 +348,31 @@ class ModelRunner:
         hidden = self._forward(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
-    def _prefill(self, prompts: list[list[int]], cache_rows: list[int]) -> Tensor:
-        """The prompts of these cache rows, right-padded; the hidden state of each one's last token."""
-        ids, positions, mask, last = self._padded(prompts)
+    def _prefill(self, prompts: list[list[int]], cache_rows: list[int], ends: list[int]) -> Tensor:
+        """The prompts of these cache rows, right-padded; the hidden state of each one's last token.
+
+        In pieces of positions ending at ``ends`` (the last: the padded length), one pass each: a piece's
+        tokens attend the cache's slots up to its end, as a decoding step attends them. A pass over T
+        tokens holds a T x T mask and attention (a 16k-token prompt of a tiny model took 1.5 GiB more,
+        a 64k one ~24), a piece's T x its width.
+        """
+        ids, positions, last = self._padded(prompts)
         rows = torch.tensor(cache_rows, device=self.device)
-        hidden = self._forward(ids, positions, rows, mask)  # (k, T, W)
-        return hidden[torch.arange(len(prompts), device=self.device), last]  # (k, W)
+        k, T = ids.shape
+        if len(ends) == 1:
+            hidden = self._forward(ids, positions, rows, _causal(k, 0, T, self.device))  # (k, T, W)
+            return hidden[torch.arange(k, device=self.device), last]  # (k, W)
+        out = None
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            piece = slice(start, end)
+            mask = _causal(k, start, end, self.device)  # (k, 1, C, end)
+            hidden = self._forward(ids[:, piece], positions[:, piece], rows, mask)  # (k, C, W)
+            if out is None:
+                out = hidden.new_empty((k, hidden.shape[-1]))
+            ending = ((last >= start) & (last < end)).nonzero().flatten()  # the rows whose last token is here
+            out[ending] = hidden[ending, last[ending] - start]
+        assert out is not None
+        return out  # (k, W)
 
     def _recompute(self, texts: list[list[int]]) -> Tensor:
         """The active sequences' whole texts, for a model without a cache: right-padded, in groups of similar
@@ -342,8 +382,8 @@ class ModelRunner:
         padding = not getattr(self.model, "prefill_unpadded", False)
         logits = None
         for group in _similar_lengths(rows, [len(text) for text in texts], padding=padding):
-            ids, positions, mask, last = self._padded([texts[r] for r in group])
-            hidden = self._forward(ids, positions, None, mask)  # (k, T, W)
+            ids, positions, last = self._padded([texts[r] for r in group])
+            hidden = self._forward(ids, positions, None, _causal(len(group), 0, ids.shape[1], self.device))  # (k, T, W)
             part = self._logits(hidden[torch.arange(len(group), device=self.device), last])  # (k, V)
             if logits is None:
                 logits = part.new_empty((len(texts), part.shape[-1]))
@@ -365,16 +405,15 @@ class ModelRunner:
         """float32 logits (N, V) of hidden states (N, W); the vocabulary's size is checked by the engine."""
         return _tensor(self.model.compute_logits(hidden), "compute_logits", "logits (tokens, vocabulary)").float()
 
-    def _padded(self, texts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Token ids (B, T) right-padded with 0, positions (B, T), the causal mask (B, 1, T, T), last indices (B,)."""
+    def _padded(self, texts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Token ids (B, T) right-padded with 0, positions (B, T), last indices (B,)."""
         lengths = torch.tensor([len(t) for t in texts])
         B, T = len(texts), int(lengths.max())
         ids = torch.zeros(B, T, dtype=torch.long)
         for i, text in enumerate(texts):
             ids[i, : len(text)] = torch.tensor(text)
         positions = torch.arange(T, device=self.device).expand(B, T)  # padding continues the count
-        mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None].expand(B, 1, T, T)
-        return ids.to(self.device), positions, mask, (lengths - 1).to(self.device)
+        return ids.to(self.device), positions, (lengths - 1).to(self.device)
 
     def _grown_shape(self, rows: int, slots: int) -> tuple[int, int]:
         """The (rows, slots) the cache grows to when a step needs ``rows`` x ``slots``.
@@ -503,21 +542,36 @@ def _slots_to_come(sequence: Sequence) -> int:
     return len(sequence.prompt_token_ids) + sequence.max_tokens - 1
 
 
+def _causal(rows: int, start: int, end: int, device: torch.device) -> Tensor:
+    """The causal mask (rows, 1, end - start, end) of positions ``start .. end - 1`` over slots ``0 .. end - 1``."""
+    return torch.ones(end - start, end, dtype=torch.bool, device=device).tril(start)[None, None].expand(rows, 1, -1, -1)
+
+
 #: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.
 _MAX_PADDING = 0.25
 
 
-def _similar_lengths(rows: list[int], lengths: list[int], *, padding: bool = True) -> list[list[int]]:
+def _replayed(inputs: StepInputs, replays: bool) -> set[int]:
+    """The prefilled rows of sequences preempted after generating, when their tokens are replayed one at a time."""
+    if not replays:
+        return set()
+    return {r for r, n, text in zip(inputs.rows, inputs.prompt_lengths, inputs.texts, strict=True) if n < len(text)}
+
+
+def _similar_lengths(
+    rows: list[int], lengths: list[int], *, padding: bool = True, alone: set[int] = frozenset()
+) -> list[list[int]]:
     """The rows to prefill in groups of similar prompt length (``lengths``, in ``rows`` order), each one prefill pass.
 
     A prefill pass is mostly large matrix products, whose cost grows with the
     padded tokens: one pass over prompts of 16 and 256 tokens pays for 512.
     Short prompts still go together (their products are not compute-bound).
     Without ``padding`` (a model whose ``prefill_unpadded`` says padding would
-    change its results), only prompts of the same length share a pass.
+    change its results), only prompts of the same length share a pass. Rows
+    in ``alone`` have a pass each.
     """
     length_of = dict(zip(rows, lengths, strict=True))
-    ordered = sorted(rows, key=length_of.__getitem__)
+    ordered = sorted((r for r in rows if r not in alone), key=length_of.__getitem__)
     groups: list[list[int]] = []
     total = 0
     for row in ordered:
@@ -535,7 +589,7 @@ def _similar_lengths(rows: list[int], lengths: list[int], *, padding: bool = Tru
                 continue
         groups.append([row])
         total = length
-    return groups
+    return [[r] for r in rows if r in alone] + groups
 
 
 #: A pass of at most this many padded tokens is cheap whatever its padding.

@@ -13,8 +13,10 @@ for every running sequence: prefilling first gets a newcomer its
 first token soonest, and admitting at most every other step while others run
 keeps their decoding going however fast requests arrive. New sequences join
 while their prompts fit a token budget (``max_num_batched_tokens`` prompt
-tokens a step, counting padding; the first one always joins), so one long
-prompt does not stall everyone else for long.
+tokens a step, counting padding; the first one always joins), so many
+prompts do not stall everyone else for long. One prompt longer than the
+budget still takes its whole step (the runner prefills it in pieces of the
+budget, which bounds its memory, not its time).
 
 A sequence preempted for memory (``preempt``) waits at the head of the queue
 and, admitted again, is prefilled with its prompt and the tokens it had.
