@@ -112,7 +112,7 @@ class EngineConfig(BaseModel):
         default=2048,
         gt=0,
         description="Prompt tokens (padding included) a step prefills for joining sequences, the first always joining; "
-        "a longer prompt is prefilled in pieces of this many tokens.",
+        "a longer prompt is prefilled in pieces of this many tokens, by models that take pieces (the builtin ones).",
     )
     max_waiting_seqs: int = Field(
         default=1024,

@@ -303,27 +303,60 @@ def test_a_ctrl_c_while_a_step_takes_new_requests_loses_none_of_them(llm, monkey
     assert [r.output().outputs[0].token_ids for r in requests] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY_8)]
 
 
-def test_a_ctrl_c_before_a_step_moves_its_rows_leaves_every_sequence_its_own_cache(llm, monkeypatch):
-    # The scheduler had compacted the batch (the last sequence into the row a finished one left) and the interrupt
-    # came before the cache's rows were moved: that sequence read the finished one's keys and values, silently.
+@pytest.mark.parametrize("where", ["placing", "forward", "handing out"])
+def test_a_ctrl_c_in_a_step_that_moves_rows_leaves_every_sequence_its_own_cache(llm, monkeypatch, where):
+    # The scheduler compacts the batch (the last sequence into the row a finished one left), and the cache's rows
+    # must follow exactly once. Interrupted before they did, the moved sequence read the finished one's keys and
+    # values; moved again after the forward, with its new length, its newest slot was overwritten. Both silently.
+    import pluginhost.engine.scheduler
+
     short = llm._inputs.make_request("moves-short", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
     others = [llm._inputs.make_request(f"moves-{i}", p, GREEDY_8) for i, p in enumerate(PROMPTS[1:])]
     llm.engine.submit([short, *others])
     llm.engine.run_until(lambda: short.finished)
-    execute, moved = llm.engine.runner.execute, []
+    fired = []
 
-    def interrupted(plan):
-        moved.extend(plan.moves)
-        monkeypatch.setattr(llm.engine.runner, "execute", execute)  # once
-        raise KeyboardInterrupt
+    def interrupt() -> None:
+        if not fired:
+            fired.append(where)
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    if where == "placing":  # inside schedule(), the sequences placed
+        made = pluginhost.engine.scheduler.ScheduledStep
+        monkeypatch.setattr(pluginhost.engine.scheduler, "ScheduledStep", lambda *args: interrupt() or made(*args))
+    elif where == "forward":
+        execute = llm.engine.runner.execute
+        monkeypatch.setattr(llm.engine.runner, "execute", lambda plan: interrupt() or execute(plan))
+    else:  # the step's outputs are being handed out (a callback, a progress bar)
+        others[0].on_output = lambda output, error: interrupt()
     with pytest.raises(KeyboardInterrupt):
         llm.engine.step()
-    assert moved  # the interrupted step compacted the batch
+    monkeypatch.undo()
+    assert fired and others[-1].sequences[0].row == 0  # the last sequence moved into the finished one's row
     llm.engine.run_until(lambda: all(r.finished for r in others))
     alone = [llm.generate([p], GREEDY_8)[0].token_ids for p in PROMPTS[1:]]
     assert [r.output().outputs[0].token_ids for r in others] == alone
+
+
+def test_an_abort_interrupted_while_it_is_handed_out_still_ends_its_stream(llm):
+    # Taken again at the next step, the half-taken abort was skipped: its stream never got its last output.
+    request = llm._inputs.make_request("half-abort", PROMPTS[0], GREEDY_8)
+    outputs, ended = [], []
+
+    def on_end() -> None:
+        ended.append(True)
+        if len(ended) == 1:
+            raise KeyboardInterrupt
+
+    request.on_output, request.on_end = lambda output, error: outputs.append(output), on_end
+    llm.engine.submit([request])
+    llm.engine.step()
+    llm.engine.abort([request.request_id])
+    with pytest.raises(KeyboardInterrupt):
+        llm.engine.step()
+    llm.engine.step()
+    assert outputs[-1].outputs[0].finish_reason == "abort" and len(ended) == 1
+    assert llm.engine.scheduler.num_running == 0 and not llm.engine.has_work()
 
 
 def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt):

@@ -269,13 +269,14 @@ class EngineCore:
             if plan is None:
                 return False
             start = time.perf_counter()
+            # First, before anything that may fail or be interrupted: the scheduler has placed the sequences, and a
+            # moved one would read another row's keys and values from its next step on.
+            self.runner.apply_moves(plan)
             if not self._update_processors(plan):
-                self.runner.apply_moves(plan)  # the batch was compacted all the same
                 return True
             try:
                 tokens, logprobs = self._run(plan)
             except KVCacheMemoryError as full:  # nothing ran: make the batch fit, and go on next step
-                self.runner.apply_moves(plan)
                 self._fit_memory(plan, full)
                 return True
             except _ProcessorFailure as failure:
@@ -313,11 +314,14 @@ class EngineCore:
             for callback, output, error in deliveries:
                 callback(output, error)
         except KeyboardInterrupt:
-            # The scheduler has placed the sequences: their cache rows follow before the Ctrl-C goes on, or a moved
-            # sequence (another caller's) reads another row's keys and values from its next step, silently. Moves
-            # the runner applied already are copied again, which changes nothing.
-            if plan is not None:
-                self.runner.apply_moves(plan)
+            # Interrupted while the moves were applied (the step holds them until they are): their cache rows follow
+            # before the Ctrl-C goes on, or a moved sequence (another caller's) reads another row's keys and values
+            # from its next step, silently. Copying the same slots again changes nothing.
+            if plan is not None and plan.moves and self.runner.stopped is None:
+                try:
+                    self.runner.apply_moves(plan)
+                except Exception:  # noqa: BLE001 - the Ctrl-C is what the caller must see (a lost rank, say)
+                    logger.exception("the cache rows of an interrupted step could not be moved")
             raise
         finally:
             if self.scheduler.num_running == 0 and self.scheduler.max_num_seqs < self.loaded.config.max_num_seqs:
@@ -580,17 +584,20 @@ class EngineCore:
     def _take(self, events: list[tuple[str, EngineRequest]]) -> None:
         """Queue the requests added, end those aborted, in the order it happened.
 
-        Interrupted (Ctrl-C in a caller's step), what is not taken yet goes back to the head of the inbox, for
-        the next step: dropped, another caller's requests held their ids and never ran, and its ``generate``
-        waited for ever. Adding a request again is harmless.
+        Interrupted (Ctrl-C in a caller's step, a callback raising), what is not taken yet goes back to the head
+        of the inbox, the event under way included, for the next step: dropped, another caller's requests held
+        their ids and never ran, and its ``generate`` waited for ever. Taking an event again finishes what it
+        had not done and repeats nothing it had.
         """
-        for taken, (what, request) in enumerate(events):
-            try:
+        taken = 0
+        try:
+            for what, request in events:
                 self._take_one(what, request)
-            except BaseException:
-                with self._inbox_lock:
-                    self._inbox[:0] = events[taken:]
-                raise
+                taken += 1
+        except BaseException:
+            with self._inbox_lock:
+                self._inbox[:0] = events[taken:]
+            raise
 
     def _take_one(self, what: str, request: EngineRequest) -> None:
         if what == "add":
@@ -599,15 +606,22 @@ class EngineCore:
                 self.scheduler.add(request.sequences)
                 self._in_transit -= len(request.sequences)
             return
-        if self._requests.get(request.request_id) is request and not request.finished:
+        if not request.aborted:
+            if self._requests.get(request.request_id) is not request or request.finished:
+                return  # ended before its abort was taken
             del self._requests[request.request_id]
             request.aborted = True
-            for sequence in request.sequences:
-                if not sequence.finished:
-                    sequence.finish_reason = "abort"
-                self.scheduler.free(sequence)
+        for sequence in request.sequences:
+            if not sequence.finished:
+                sequence.finish_reason = "abort"
+            self.scheduler.free(sequence)
+        # Each callback marked before it is called: one that was interrupted is not called again.
+        if "on_end" not in request.abort_called:
+            request.abort_called.add("on_end")
             if request.on_end is not None:
                 request.on_end()
+        if "on_output" not in request.abort_called:
+            request.abort_called.add("on_output")
             if request.on_output is not None:
                 request.on_output(request.output(), None)
 

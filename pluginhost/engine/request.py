@@ -141,6 +141,8 @@ class EngineRequest:
     #: Why it ended early: a model failure, a plugin's error, an abort.
     error: BaseException | None = None
     aborted: bool = False
+    #: Which of ``on_end`` and ``on_output`` an abort has called (each once, however often it is taken).
+    abort_called: set[str] = field(default_factory=set)
     #: The output once finished, as ``on_output`` hooks left it.
     final_output: RequestOutput | None = None
 

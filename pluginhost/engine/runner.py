@@ -189,13 +189,16 @@ class ModelRunner:
         return self.run(inputs)
 
     def apply_moves(self, step: ScheduledStep) -> None:
-        """Move the step's rows in the cache, and nothing else: for a step that fails before its forward pass.
+        """Move the step's rows in the cache, once (the engine does it first in every step); then clear them.
 
         The scheduler has placed the sequences already; their cache rows must follow, or a moved
-        sequence would read another's keys and values from its next step on.
+        sequence would read another's keys and values from its next step on. A sequence's slots are
+        copied as far as it has computed, so moves applied again before any forward copy the same.
         """
-        if self.cached and step.moves:
-            self.run(StepInputs("move", moves=StepInputs.moves_of(step)))
+        moves = StepInputs.moves_of(step) if self.cached else ()
+        if moves:
+            self.run(StepInputs("move", moves=moves))
+        step.moves.clear()
 
     def check_memory(self, rows: int, slots: int, in_use: int | None = None) -> None:
         """Raise ``KVCacheMemoryError`` when growing the cache to hold ``rows`` x ``slots`` would not fit.

@@ -75,6 +75,8 @@ class Scheduler:
         self._last_prefilled = False
         #: No admission until a running sequence leaves (``pause_admission``).
         self._paused = False
+        #: Row moves of the compaction not yet handed out in a step (kept if ``schedule`` is interrupted).
+        self._moves: list[tuple[int, int]] = []
 
     @property
     def num_running(self) -> int:
@@ -128,13 +130,15 @@ class Scheduler:
         may_admit = not (self._last_prefilled and self.num_running > 0) and not self._paused
         if may_admit:
             self._admit()
-        moves = self._compact()
+        self._compact()
         if not self._rows:
             self._free.clear()
+            self._moves = []
             self._last_prefilled = False
             return None
         rows: list[Sequence] = list(self._rows)  # type: ignore[arg-type]  # compact: no free row is left
         update = None
+        moves = self._moves
         if self._added or self._removed or moves:
             moved = [(a, b, MoveDirectionality.UNIDIRECTIONAL) for a, b in moves]
             update = BatchUpdate(len(rows), removed=sorted(self._removed), added=self._added, moved=moved)
@@ -143,7 +147,9 @@ class Scheduler:
         # whose prefill step was interrupted (Ctrl-C in the forward pass): that step changed no sequence.
         prefill = [row for row, sequence in enumerate(rows) if sequence.num_computed == 0]
         self._last_prefilled = bool(prefill)
-        return ScheduledStep(rows, prefill, update, moves)
+        plan = ScheduledStep(rows, prefill, update, moves)
+        self._moves = []  # handed out: the engine applies them first thing in the step
+        return plan
 
     # -- placement -------------------------------------------------------------------
 
@@ -169,9 +175,13 @@ class Scheduler:
             admitted += 1
             self._added.append((row, sequence.params, sequence.prompt_token_ids, sequence.token_ids))
 
-    def _compact(self) -> list[tuple[int, int]]:
-        """Move the last rows into free ones until rows 0 .. B-1 are all taken; drop empty trailing rows."""
-        moves = []
+    def _compact(self) -> None:
+        """Move the last rows into free ones until rows 0 .. B-1 are all taken; drop empty trailing rows.
+
+        The moves are kept (``_moves``) until a step hands them out, so a schedule interrupted after placing
+        the sequences loses none.
+        """
+        moves = self._moves
         while self._free:
             while self._rows and self._rows[-1] is None:
                 self._rows.pop()
@@ -183,4 +193,3 @@ class Scheduler:
             assert sequence is not None
             self._rows[hole], sequence.row = sequence, hole
             moves.append((last, hole))
-        return moves
