@@ -1229,6 +1229,16 @@ def memory_beside_cache(llm: LLM, slots: int):  # noqa: ANN201 - what available_
     return lambda device: (slots - math.prod(runner.cache_shape)) * per_slot
 
 
+def decode_until_slot_256(llm: LLM, requests: list) -> list:
+    """Submit ``requests`` and step until the first needs slot 256 at its next step; the stats of every step."""
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    llm.engine.submit(requests)
+    while requests[0].sequences[0].num_computed < 256:
+        llm.engine.step()
+    return stats
+
+
 def test_a_request_longer_than_the_memory_allows_is_ended_and_the_others_go_on(long_opt, monkeypatch):
     llm = LLM(str(long_opt), load_installed_plugins=False)
     expected = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
@@ -1479,12 +1489,8 @@ def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they
     sent: list = []  # what a tensor-parallel engine sends its other ranks, and the logits of each step
     run = llm.engine.runner.run
     monkeypatch.setattr(llm.engine.runner, "run", lambda inputs: sent.append((inputs, run(inputs))) or sent[-1][1])
-    stats: list = []
-    llm.engine.stats_listeners.append(stats.append)
     requests = [llm._inputs.make_request(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
-    llm.engine.submit(requests)
-    while requests[0].sequences[0].num_computed < 256:  # every one needs slot 256 at its next step
-        llm.engine.step()
+    stats = decode_until_slot_256(llm, requests)  # every one needs slot 256 at its next step
     room["now"] = memory_for(llm, 2, 512)  # another process took memory: two of the four fit
     after = len(stats)
     for _ in range(2000):
@@ -1516,12 +1522,8 @@ def test_a_preempted_sequence_with_rope_following_the_length_resumes_with_the_to
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32")
     room = {"now": memory_for(llm, 8, 512)}
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
-    stats: list = []
-    llm.engine.stats_listeners.append(stats.append)
     requests = [llm._inputs.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    llm.engine.submit(requests)
-    while requests[0].sequences[0].num_computed < 256:  # past the 128 trained positions: stretched frequencies
-        llm.engine.step()
+    stats = decode_until_slot_256(llm, requests)  # past the 128 trained positions: stretched frequencies
     room["now"] = memory_for(llm, 1, 512)  # one of the two fits
     for _ in range(2000):
         if all(r.finished for r in requests):
@@ -1539,12 +1541,8 @@ def test_once_the_memory_comes_back_the_preempted_sequences_run_again_at_once(lo
     llm = LLM(str(long_opt), load_installed_plugins=False)
     room = {"now": memory_for(llm, 8, 512)}
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
-    stats: list = []
-    llm.engine.stats_listeners.append(stats.append)
     requests = [llm._inputs.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    llm.engine.submit(requests)
-    while requests[0].sequences[0].num_computed < 256:  # every one needs slot 256 at its next step
-        llm.engine.step()
+    stats = decode_until_slot_256(llm, requests)  # every one needs slot 256 at its next step
     room["now"] = memory_for(llm, 2, 512)
     llm.engine.step()  # refused: two are preempted
     assert llm.engine.scheduler.num_running == 2 and llm.engine.scheduler.num_waiting == 2
