@@ -92,6 +92,7 @@ class EngineCore:
             "max_num_seqs": config.max_num_seqs,
             "max_model_len": loaded.max_model_len,
             "compile_decode": config.compile_decode,
+            "pass_tokens": config.max_num_batched_tokens,  # a long prompt's prefill, in pieces
         }
         if ranks is None:
             self.runner = ModelRunner(loaded.model, loaded.device, **limits)
@@ -99,7 +100,6 @@ class EngineCore:
             from pluginhost.engine.parallel import DistributedRunner
 
             self.runner = DistributedRunner(ranks, loaded.model, loaded.device, **limits)
-        self.runner.pass_tokens = config.max_num_batched_tokens  # a long prompt's prefill, in pieces
         self._step_lock = threading.RLock()
         self._inbox_lock = threading.Lock()
         #: What callers did since the last step, in order: a request to add, or one to abort.

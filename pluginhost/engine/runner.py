@@ -23,6 +23,7 @@ cache shape, so then the cache takes every row at once and doubles its slots.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -131,15 +132,21 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         compile_decode: bool = False,
+        pass_tokens: int = 0,
     ) -> None:
         self.model = model
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cached = callable(getattr(model, "setup_caches", None))
-        #: The most tokens a prefill pass takes, for a model that may be prefilled in pieces (the engine's
-        #: ``max_num_batched_tokens``; 0: whole prompts, however long).
-        self.pass_tokens = 0
+        #: Whether padding a prompt would change the model's results (``prefill_unpadded``, read once).
+        self._unpadded = bool(getattr(model, "prefill_unpadded", False))
+        pieces = bool(getattr(model, "prefill_in_pieces", False))
+        #: The most tokens a prefill pass takes (``pass_tokens``, the engine's ``max_num_batched_tokens``), for a
+        #: model prefilled in pieces whose frequencies a piece would not change; 0: whole prompts, however long.
+        self.pass_tokens = pass_tokens if pieces and not self._unpadded else 0
+        #: Whether a preempted sequence's tokens are replayed one at a time (RoPE following the length).
+        self._replays = pieces and self._unpadded
         #: The compiled decoding step, when asked for.
         self.compiled = CompiledDecode(model, device, self._decode_logits) if compile_decode and self.cached else None
         if compile_decode and not self.cached:
@@ -170,8 +177,7 @@ class ModelRunner:
 
         ``KVCacheMemoryError`` before anything runs when the cache cannot grow to what the step needs.
         """
-        pieces = getattr(self.model, "prefill_in_pieces", False) and not getattr(self.model, "prefill_unpadded", False)
-        inputs = StepInputs.of(step, cached=self.cached, pass_tokens=self.pass_tokens if pieces else 0)
+        inputs = StepInputs.of(step, cached=self.cached, pass_tokens=self.pass_tokens)
         if inputs.kind != "recompute":
             rows_in_use = _rows_in_use(step)
             self._give_back(step, rows_in_use, inputs.slots_needed)
@@ -317,26 +323,18 @@ class ModelRunner:
                     inputs.tokens, inputs.positions, cache_rows=self._rows, cache_slots=self._slots
                 )
             return self._decode_logits(inputs.tokens, inputs.positions)
-        hidden = None
-        index = {row: i for i, row in enumerate(inputs.rows)}
-        lengths = [len(text) for text in inputs.texts]
-        unpadded = getattr(self.model, "prefill_unpadded", False)
-        replays = unpadded and getattr(self.model, "prefill_in_pieces", False) and bool(inputs.prompt_lengths)
-        for group in _similar_lengths(inputs.rows, lengths, padding=not unpadded, alone=_replayed(inputs, replays)):
-            prompts = [inputs.texts[index[r]] for r in group]
-            k, T = len(group), max(map(len, prompts))
-            if replays and k == 1 and inputs.prompt_lengths[index[group[0]]] < T:
-                # Preempted, with RoPE following the length: its keys again as it wrote them, each at the length
-                # it had then (the prompt's, then one more a token); at the whole length, later tokens changed.
-                ends = list(range(inputs.prompt_lengths[index[group[0]]], T + 1))
-            else:
-                width = max(1, inputs.pass_tokens // k) if inputs.pass_tokens else T
-                ends = [*range(width, T, width), T]
-            joined = self._prefill(prompts, group, ends)  # (k, W), in the group's order
-            if hidden is None:
-                hidden = joined.new_empty((len(inputs.rows), joined.shape[-1]))
-            hidden = hidden.index_copy(0, torch.tensor([index[r] for r in group], device=self.device), joined)
-        return self._logits(hidden)  # (P, V)
+        texts, prompt_lengths = inputs.texts, inputs.prompt_lengths
+        # Preempted after generating, with RoPE following the length: its keys again as it wrote them, each at the
+        # length it had then (the prompt's, then one more a token); at the whole length, later tokens changed.
+        replayed = {i for i, n in enumerate(prompt_lengths) if n < len(texts[i])} if self._replays else set()
+
+        def ends(group: list[int], width: int) -> list[int]:
+            if group[0] in replayed:  # alone in its group
+                return list(range(prompt_lengths[group[0]], width + 1))
+            piece = max(1, inputs.pass_tokens // len(group)) if inputs.pass_tokens else width
+            return [*range(piece, width, piece), width]
+
+        return self._logits(self._last_hidden(texts, inputs.rows, ends, alone=replayed))  # (P, V)
 
     def _decode_logits(self, tokens: list[int], positions: list[int]) -> Tensor:
         """One token for every row: logits (B, V) float32."""
@@ -351,8 +349,33 @@ class ModelRunner:
         hidden = self._forward(ids, positions, slice(0, len(tokens)), mask[:, None, None, :])  # (B, 1, W)
         return hidden[:, -1]
 
-    def _prefill(self, prompts: list[list[int]], cache_rows: list[int], ends: list[int]) -> Tensor:
-        """The prompts of these cache rows, right-padded; the hidden state of each one's last token.
+    def _last_hidden(
+        self,
+        texts: list[list[int]],
+        cache_rows: list[int] | None,
+        ends: Callable[[list[int], int], list[int]],
+        alone: set[int] = frozenset(),
+    ) -> Tensor:
+        """The hidden state of each text's last token (len(texts), W): texts of similar length share a pass
+        (``_similar_lengths``; those in ``alone`` have theirs), in pieces ending at ``ends(group, width)``.
+
+        ``cache_rows``: each text's row of the KV cache, written as it goes; ``None``: a model without a cache.
+        """
+        lengths = [len(text) for text in texts]
+        hidden = None
+        for group in _similar_lengths(list(range(len(texts))), lengths, padding=not self._unpadded, alone=alone):
+            rows = [cache_rows[i] for i in group] if cache_rows is not None else None
+            width = max(lengths[i] for i in group)
+            joined = self._prefill([texts[i] for i in group], rows, ends(group, width))  # (k, W), in group order
+            if hidden is None:
+                hidden = joined.new_empty((len(texts), joined.shape[-1]))
+            hidden[torch.tensor(group, device=self.device)] = joined
+        assert hidden is not None
+        return hidden
+
+    def _prefill(self, prompts: list[list[int]], cache_rows: list[int] | None, ends: list[int]) -> Tensor:
+        """The prompts of these cache rows (``None``: no cache), right-padded; the hidden state of each one's last
+        token.
 
         In pieces of positions ending at ``ends`` (the last: the padded length), one pass each: a piece's
         tokens attend the cache's slots up to its end, as a decoding step attends them. A pass over T
@@ -360,11 +383,8 @@ class ModelRunner:
         a 64k one ~24), a piece's T x its width.
         """
         ids, positions, last = self._padded(prompts)
-        rows = torch.tensor(cache_rows, device=self.device)
-        k, T = ids.shape
-        if len(ends) == 1:
-            hidden = self._forward(ids, positions, rows, _causal(k, 0, T, self.device))  # (k, T, W)
-            return hidden[torch.arange(k, device=self.device), last]  # (k, W)
+        rows = torch.tensor(cache_rows, device=self.device) if cache_rows is not None else None
+        k = ids.shape[0]
         out = None
         for start, end in zip([0, *ends[:-1]], ends, strict=True):
             piece = slice(start, end)
@@ -378,21 +398,10 @@ class ModelRunner:
         return out  # (k, W)
 
     def _recompute(self, texts: list[list[int]]) -> Tensor:
-        """The active sequences' whole texts, for a model without a cache: right-padded, in groups of similar
-        length as prompts are prefilled (of equal length only, where padding would change the model's results:
-        positions run on through the padding, and RoPE following the length took the longest row's)."""
-        rows = list(range(len(texts)))
-        padding = not getattr(self.model, "prefill_unpadded", False)
-        logits = None
-        for group in _similar_lengths(rows, [len(text) for text in texts], padding=padding):
-            ids, positions, last = self._padded([texts[r] for r in group])
-            hidden = self._forward(ids, positions, None, _causal(len(group), 0, ids.shape[1], self.device))  # (k, T, W)
-            part = self._logits(hidden[torch.arange(len(group), device=self.device), last])  # (k, V)
-            if logits is None:
-                logits = part.new_empty((len(texts), part.shape[-1]))
-            logits[torch.tensor(group, device=self.device)] = part
-        assert logits is not None
-        return logits  # (B, V)
+        """The active sequences' whole texts, for a model without a cache, grouped as prompts are prefilled (of
+        equal length only, where padding would change the model's results: positions run on through the
+        padding, and RoPE following the length took the longest row's); logits (B, V)."""
+        return self._logits(self._last_hidden(texts, None, lambda group, width: [width]))
 
     def _forward(self, ids: Tensor, positions: Tensor, rows: Tensor | slice | None, mask: Tensor) -> Tensor:
         """The model's hidden states (B, T, W) of ``ids`` (B, T)."""
@@ -552,13 +561,6 @@ def _causal(rows: int, start: int, end: int, device: torch.device) -> Tensor:
 
 #: Joining prompts share a prefill pass while padding them to the longest adds at most this fraction.
 _MAX_PADDING = 0.25
-
-
-def _replayed(inputs: StepInputs, replays: bool) -> set[int]:
-    """The prefilled rows of sequences preempted after generating, when their tokens are replayed one at a time."""
-    if not replays:
-        return set()
-    return {r for r, n, text in zip(inputs.rows, inputs.prompt_lengths, inputs.texts, strict=True) if n < len(text)}
 
 
 def _similar_lengths(
