@@ -112,9 +112,12 @@ class KVCacheMemoryError(PluginhostError, RuntimeError):
 
     ``rows`` and ``slots`` are what it can have: the engine preempts running sequences longer than
     ``slots`` (ending only those the memory cannot hold even alone) and holds back the newcomers
-    beyond ``rows``; the others go on.
+    beyond ``rows``; the others go on. ``fitting_rows`` (``rows`` unless given): how many sequences
+    of ``slots`` tokens the memory really holds, fewer than ``rows`` when not even the sequences
+    running (or one) can reach that length; those then run until the memory runs out.
     """
 
-    def __init__(self, message: str, *, rows: int, slots: int) -> None:
+    def __init__(self, message: str, *, rows: int, slots: int, fitting_rows: int | None = None) -> None:
         super().__init__(message)
         self.rows, self.slots = rows, slots
+        self.fitting_rows = rows if fitting_rows is None else fitting_rows

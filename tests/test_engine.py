@@ -1301,6 +1301,19 @@ def test_newcomers_beyond_the_rows_memory_allows_wait_for_a_free_row(long_opt, m
     assert "room for 16 sequences of up to 256 tokens in the memory available: at most 16 run at once" in caplog.text
 
 
+def test_the_capacity_warning_says_when_not_one_sequence_fits_its_full_length(long_opt, monkeypatch, caplog):
+    # Room for 256 slots of one row, and three requests that may each reach 400 tokens: it said "room for 1
+    # sequences of up to 512 tokens", when not one fits that far. One runs at a time, as far as the memory allows.
+    llm = LLM(str(long_opt), load_installed_plugins=False)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 1, 256))
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        requests = step_requests(llm, [([2, 10 + i, 20 + i], 397) for i in range(3)])
+    assert "room for 1 sequences of up to 512" not in caplog.text
+    assert "room for 0 sequences of up to 512 tokens in the memory available: 1 runs at once" in caplog.text
+    assert all(isinstance(r.error, KVCacheMemoryError) for r in requests)  # each ended where the memory ran out
+    assert all(len(r.output().token_ids) >= 250 for r in requests)
+
+
 def test_a_batch_larger_than_the_rows_memory_allowed_earlier_waits_instead_of_failing(long_opt, monkeypatch):
     # Three sequences grew the cache to the 5 rows that fit (not 8); six later asked for a 6th row, the cache
     # was not grown past 5, and the forward failed every request (IndexError: index 5 is out of bounds).

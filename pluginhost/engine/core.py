@@ -679,12 +679,16 @@ class EngineCore:
                     self.loaded.config.max_num_seqs,
                 )
         elif held and full.rows < self.scheduler.max_num_seqs:
+            if full.fitting_rows < full.rows:  # not even these can reach that length: they run as far as they can
+                at_once = f"{full.rows} {'runs' if full.rows == 1 else 'run'} at once, until the memory runs out"
+            else:
+                at_once = f"at most {full.rows} run at once"
             logger.warning(
-                "The KV cache has room for %d sequences of up to %d tokens in the memory available: at most %d run "
-                "at once (max_num_seqs is %d) while these run; the others wait.",
-                full.rows,
+                "The KV cache has room for %d sequences of up to %d tokens in the memory available: %s "
+                "(max_num_seqs is %d) while these run; the others wait.",
+                full.fitting_rows,
                 full.slots,
-                full.rows,
+                at_once,
                 self.loaded.config.max_num_seqs,
             )
             self.scheduler.max_num_seqs = full.rows

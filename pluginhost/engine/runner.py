@@ -266,14 +266,16 @@ class ModelRunner:
         available = self._available()
         if available is None:
             return
-        room = max(self._rows_fitting(available, slots), rows_in_use, 1)
+        fitting = self._rows_fitting(available, slots)
+        room = max(fitting, rows_in_use, 1)  # those running, or one, go on even when fewer fit: as far as they can
         if not any(row >= room for row in step.prefill_rows):
             return  # nothing to hold back: the growth check decides, token by token
         self.cap_rows(room, slots)  # until the cache gives slots back, or the memory comes back (``_give_back``)
         raise KVCacheMemoryError(
-            f"The KV cache has room for {room} sequences of up to {slots} tokens in the memory available",
+            f"The KV cache has room for {fitting} sequences of up to {slots} tokens in the memory available",
             rows=room,
             slots=slots,
+            fitting_rows=fitting,
         )
 
     def rows_that_fit(self, slots: int) -> int | None:
