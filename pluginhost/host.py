@@ -912,7 +912,9 @@ class PluginHost:
         plugin's code (only where that plugin is loaded); the builtins came through the hook
         already. Then what the register() functions this host loads registered, in their one
         call. Every registration takes its plugin's place in call order (your own code's last):
-        the plugin called later wins, however it registered.
+        the plugin called later wins, however it registered. Within the hook, the order it really
+        called its implementations in decides (``tryfirst``/``trylast``, a wrapper's code after its
+        ``yield``): a hook registration ranks at least as late as the one it replaced there.
         """
         order = {r.ref: i for i, r in enumerate(self._records)}
         last = len(order)
@@ -923,8 +925,14 @@ class PluginHost:
         def at(rank: int) -> Callable[[Registration], int]:
             return lambda entry: rank
 
+        in_hook: dict[int, int] = {}  # id(entry) -> its rank, never below an earlier one's of its architecture
+        for latest in hooked.entries():
+            rank = -1
+            for entry in reversed([latest, *latest.overrides]):  # in the order the hook made them
+                rank = in_hook[id(entry)] = max(rank, ranked(entry))
+
         sources: list[tuple[list[Registration], Callable[[Registration], int | None]]] = [
-            (hooked.entries(), ranked),
+            (hooked.entries(), lambda entry: in_hook[id(entry)]),
             (ModelRegistry.direct_entries(), lambda e: ranked(e) if self._applies_directly(e) else None),
         ]
         sources += [(call.registrations.entries(), at(order.get(ref, last))) for ref, call in self._calls]

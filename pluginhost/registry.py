@@ -273,8 +273,20 @@ class ArchitectureRegistry:
         return merged
 
     def get_supported_archs(self) -> list[str]:
-        """Registered architecture names, sorted."""
-        return sorted(self._entries)
+        """Registered architecture names, sorted.
+
+        The registry an engine's ``register_models`` hook is given lists, beside its own, what the
+        engine applies from elsewhere (``collecting_into``'s ``listed``: register() functions, direct
+        ``ModelRegistry`` calls), as ``ModelRegistry`` does there: a default registered only when
+        absent must not replace an earlier plugin's model.
+        """
+        return sorted({*self._entries, *self._listed_beside()})
+
+    def _listed_beside(self) -> Iterable[str]:
+        collecting = _collecting.get()
+        if collecting is None or collecting.registry is not self or collecting.listed is None:
+            return ()
+        return collecting.listed()
 
     def entries(self) -> list[Registration]:
         """All current entries, in registration order."""
@@ -288,7 +300,8 @@ class ArchitectureRegistry:
             raise UnknownArchitectureError(self._unknown_message(architecture)) from None
 
     def __contains__(self, architecture: object) -> bool:
-        return architecture in self._entries
+        """Whether ``architecture`` is registered (inside its hook, listed: see ``get_supported_archs``)."""
+        return architecture in self._entries or architecture in self._listed_beside()
 
     def _unknown_message(self, architecture: str) -> str:
         names = [name for name in self._entries if name != TRANSFORMERS_FALLBACK]

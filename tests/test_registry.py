@@ -168,6 +168,54 @@ def test_the_vllm_guard_sees_what_the_engine_being_built_applies(install_plugin,
     assert disabled.get("Shared").implementation == "mine:M" and disabled.get("Hooked").implementation == "mine:Hooked"
 
 
+def test_the_implementation_called_last_wins_with_trylast_and_wrappers():
+    """The hook's own order decides, as it does for every other hook: the merge once ranked by plugin order alone."""
+
+    class Last:
+        @hookimpl(trylast=True)
+        def register_models(self, registry):
+            registry.register_model("Shared", "last:M")
+
+    class Wraps:
+        @hookimpl(wrapper=True)
+        def register_models(self, registry):
+            result = yield
+            registry.register_model("Shared", "wrapper:M")  # after every other implementation
+            return result
+
+    first = collect(Last(), RegistersModel("Shared", "plain:M")).get("Shared")
+    assert first.implementation == "last:M"  # given first, called last: it was "plain:M"
+    assert [o.implementation for o in first.overrides] == ["plain:M"]
+    assert collect(Wraps(), RegistersModel("Shared", "plain:M")).get("Shared").implementation == "wrapper:M"
+    # Without trylast, the later plugin still wins.
+    assert collect(RegistersModel("Shared", "a:M"), RegistersModel("Shared", "b:M")).get("Shared").implementation == (
+        "b:M"
+    )
+
+
+def test_a_hook_sees_the_architectures_earlier_plugins_registered_without_hooks(install_plugin):
+    """The hook's registry answers ``in`` as ModelRegistry does there: a default registered only if absent."""
+    install_plugin(
+        "aaa_vllm",
+        "from pluginhost import ModelRegistry\n"
+        "def register():\n"
+        "    ModelRegistry.register_model('MyArch', 'aaa_impl:Model')\n",
+        target="aaa_vllm:register",
+    )
+    seen = {}
+
+    class DefaultIfMissing:
+        @hookimpl
+        def register_models(self, registry):
+            seen["in"], seen["listed"] = "MyArch" in registry, "MyArch" in registry.get_supported_archs()
+            if "MyArch" not in registry:
+                registry.register_model("MyArch", "fallback:Model")
+
+    entry = PluginHost(plugins=[DefaultIfMissing()]).collect_models().get("MyArch")
+    assert seen == {"in": True, "listed": True}
+    assert entry.implementation == "aaa_impl:Model"  # it was "fallback:Model", silently
+
+
 def test_unknown_architecture_names_close_matches_and_how_to_list():
     with pytest.raises(UnknownArchitectureError) as info:
         collect().get("OPTForCausalLm")
