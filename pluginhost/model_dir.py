@@ -148,6 +148,7 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     holding every key.
     """
     data = read_config_json(model_dir)
+    _refuse_oversized(data)
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -187,6 +188,25 @@ SIZE_LIMITS = {
     "n_positions": 2**24,
     "word_embed_proj_dim": 2**17,
 }
+
+
+def _refuse_oversized(data: dict[str, Any]) -> None:
+    """Refuse sizes past ``SIZE_LIMITS`` in config.json itself, before transformers reads it.
+
+    Some config classes build per-layer lists as they are read (Qwen2's ``layer_types``): 10**10
+    layers never came back. Only what is too large: what is merely wrong waits for
+    ``check_model_config``, after ``hf_overrides`` may have mended it.
+    """
+    nested = data.get("text_config")
+    for section in (data, nested if isinstance(nested, dict) else {}):
+        for name, limit in SIZE_LIMITS.items():
+            value = section.get(name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, int) and not isinstance(v, bool) and v > limit for v in values):
+                raise ConfigError(
+                    f"The model config does not describe a model that can be built: {name} is {value}, outside "
+                    f"1..{limit}. Fix config.json."
+                )
 
 
 def text_config(hf_config: Any) -> Any:  # noqa: ANN401 - a transformers config, or a plugin's

@@ -149,3 +149,15 @@ def test_a_built_engines_hf_overrides_are_read_only_and_what_the_user_gave_is_le
         copied.hf_overrides["rope_scaling"]["factor"] = 4.0
         assert copied.hf_overrides["rope_scaling"]["factor"] == 4.0
     assert llm.config.hf_overrides == mine
+
+
+def test_absurd_sizes_are_refused_before_transformers_reads_the_config(tmp_path, run_pluginhost):
+    """Qwen2's config builds a list of its layers' kinds while it is read: 10**10 layers never came back."""
+    import json
+
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**10}))
+    result = run_pluginhost("config", "--model", str(tmp_path), "--no-plugins", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "num_hidden_layers is 10000000000, outside 1..4096" in result.stderr
+    assert "Traceback" not in result.stderr
