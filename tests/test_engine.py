@@ -606,6 +606,22 @@ def test_exception_in_any_hook_aborts_the_build_and_the_next_build_works(tiny_op
     assert LLM(str(tiny_opt), load_installed_plugins=False).generate([[2, 5]], SamplingParams(max_tokens=2))
 
 
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float64], ids=["to-bfloat16", "to-float64"])
+def test_a_post_load_changing_the_dtype_the_model_computes_in_is_refused_naming_the_plugin(tiny_opt, cast):
+    """The hookspec forbids it: the engine, its KV cache and its config stayed float32, the logprobs moved silently."""
+
+    class Cast:
+        @hookimpl
+        def post_load(self, config, model):
+            model.to(cast)
+
+    with pytest.raises(ConfigError) as info:
+        LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", plugins=[Cast()])
+    message = str(info.value)
+    assert "plugin 'Cast'" in message and "post_load" in message
+    assert f"torch.float32 -> {cast}" in message and "dtype" in message
+
+
 # -- limits and bad requests ----------------------------------------------------------
 
 

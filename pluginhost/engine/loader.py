@@ -146,8 +146,10 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     report_nonfinite(model, nonfinite, dtype=dtype, refuse=config.refuse_nonfinite_weights)
     model.eval().requires_grad_(False)
     used = _used_settings(config, _USED_BEFORE_POST_LOAD)
+    placed = _placement(model)
     host.call("post_load", config=config, model=model)
     _check_changes(config, used, "post_load", plan, host)
+    _check_placement(model, placed, host)
     config.fix()
     if collectives is not None:
         from builtin_models.tp import keep_collectives
@@ -300,6 +302,41 @@ def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: 
             raise
         which = "; ".join(f"{name} was set by {ref.describe()} in {hook}" for name, ref in sorted(set_here.items()))
         raise ConfigError(f"{exc} ({which})") from None
+
+
+def _placement(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.device]]:
+    """Each parameter's and buffer's dtype and device, by name."""
+    return {name: (t.dtype, t.device) for name, t in (*model.named_parameters(), *model.named_buffers())}
+
+
+def _check_placement(model: nn.Module, before: dict[str, tuple[torch.dtype, torch.device]], host: PluginHost) -> None:
+    """Refuse a ``post_load`` that moved the model or changed the dtype it computes in (the hookspec's "must not").
+
+    The engine, its KV cache and its config stay as built: a cast to float32 took twice the memory with
+    ``dtype`` still saying bfloat16, one to bfloat16 changed the logprobs silently. A tensor kept under its
+    name in another floating dtype, or on another device, is such a change; storing weights differently
+    (a quantizer's int8 buffers in place of a weight) is not.
+    """
+    for name, (dtype, device) in _placement(model).items():
+        was = before.get(name)
+        if was is None:
+            continue
+        changed = None
+        if device != was[1]:
+            changed = f"moved the model ({name}: {was[1]} -> {device})"
+        elif dtype != was[0] and dtype.is_floating_point and was[0].is_floating_point:
+            changed = f"changed the dtype the model computes in ({name}: {was[0]} -> {dtype})"
+        if changed is None:
+            continue
+        plugins = [ref for ref in host.implementers("post_load") if ref != builtin_ref()]
+        who = plugins[0].describe() if len(plugins) == 1 else f"one of {', '.join(r.name for r in plugins)}"
+        who = who if plugins else "a post_load implementation"
+        remedy = f" {plugins[0].remedy()}" if len(plugins) == 1 else ""
+        raise ConfigError(
+            f"{who} {changed} in post_load: the engine was built for {was[0]} on {was[1]}, and its KV cache and "
+            "config stay so. Set dtype and device instead (--dtype, --device); a post_load may store weights "
+            f"differently, not move or cast the model.{remedy}"
+        )
 
 
 def _numel(model: nn.Module) -> int:
