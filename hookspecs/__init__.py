@@ -189,7 +189,8 @@ def post_load(config: EngineConfig, model: torch.nn.Module) -> None:
     ``refuse_nonfinite_weights``) are refused if changed.
 
     Must not: replace the object (the engine keeps the one it built), move it
-    to another device, or change the dtype it computes in (storing weights
+    to another device, or change the dtype it computes in (the last two are
+    refused, naming the plugin, as a ``ConfigError``; storing weights
     differently, as a quantizer does, is fine: activations, outputs and the KV
     cache stay in the engine's dtype). With tensor parallelism it runs on every
     rank with that rank's shard, and a change must give every rank the same
