@@ -15,7 +15,8 @@ file; the data is then read straight into such memory, so a tensor that needs
 no conversion is handed over as it is. ``.bin`` files are read with
 ``torch.load(weights_only=True, mmap=True)``, which refuses pickled code and
 maps the file rather than reading it whole; each tensor is then copied out of
-the mapping (by its conversion, or on its own when it needs none).
+the mapping (by its conversion, or on its own when it needs none). A legacy
+(pre-zipfile) ``.bin`` cannot be mapped: it is read whole, one file at a time.
 Files are only ever read.
 
 Before anything is read, every tensor is placed: it must come from exactly one
@@ -23,9 +24,12 @@ file (the one the index names, when there is an index), no large tensor may
 be larger than the whole model, and the weights must fit where they go: in host
 memory on the CPU; on a GPU in its free memory, host memory then holding only
 the tensor in passing (a tensor-parallel rank keeps its share of the weights,
-and the ranks on one machine share its host memory). Weight files must lie
-inside the model directory (a Hugging Face cache snapshot's links into its
-``blobs`` folder are fine); ``allow_external`` lets an index or a link point
+and the ranks on one machine share its host memory); a legacy ``.bin``'s
+tensors are known only once it is read whole, so they are placed then and not
+counted. Weight files must lie inside the model directory, or be a file in a
+Hugging Face cache's ``models--<org>--<name>/blobs`` folder (where a cache
+snapshot's links point, and those of a ``--local-dir`` download by
+huggingface_hub < 0.23); ``allow_external`` lets an index or a link point
 elsewhere. Weights that are not finite are reported by name (or refused),
 once the model has taken what it keeps: a stale buffer it skips does not count.
 
@@ -112,7 +116,7 @@ class Checkpoint:
             plan = self._place_safetensors(max_numel, dtype, device, share, sharers)
             reads = (pair for path in self.files for pair in _read_safetensors(path, plan[path]))
         else:
-            reads = self._read_bins(max_numel)
+            reads = self._read_bins(max_numel, dtype, device, share, sharers)
         # A .bin's tensors live in its memory-mapped file: each is copied out, by its conversion or on its own.
         copy = self.format == "bin"
         total = self.nbytes
@@ -202,26 +206,55 @@ class Checkpoint:
                 + (" ..." if len(absent) > 5 else "")
             )
 
-    def _read_bins(self, max_numel: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each file's tensors, checked as the safetensors ones (a .bin's names are known only once it is read)."""
-        seen: dict[str, Path] = {}
+    def _read_bins(
+        self, max_numel: int | None, dtype: torch.dtype, device: torch.device, share: float, sharers: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each file's tensors, placed and checked as the safetensors ones before any is read.
+
+        Every file is memory-mapped first, which reads only its pickle (names, shapes, dtypes), not its data: the
+        mappings are file pages the system can drop, not memory taken. A legacy (pre-zipfile) file cannot be mapped:
+        knowing its tensors means reading it whole, the memory the check is there to spare, so it is read in its turn,
+        as before, its tensors placed then and left out of the memory check.
+        """
+        held: dict[str, Path] = {}
+        states = {path: _map_bin(path) for path in self.files}
+        total_bytes = largest = 0  # in memory, as converted; the largest tensor, as mapped or converted
+        for path, state in states.items():
+            for name, tensor in (state or {}).items():
+                self._place_bin_tensor(name, tensor.numel(), path, held, max_numel)
+                stored = tensor.element_size()
+                converted = dtype.itemsize if tensor.is_floating_point() else stored
+                total_bytes += tensor.numel() * converted
+                largest = max(largest, tensor.numel() * max(stored, converted))
+        _check_memory(math.ceil(total_bytes * share), largest, device, sharers)
         for path in self.files:
-            for name, tensor in _read_bin(path):
-                if name in seen:
-                    raise CheckpointError(
-                        f"Tensor {name} is in both {seen[name].name} and {path.name}: "
-                        "a tensor must come from one place."
-                    )
-                if self.index is not None and self.index.get(name) != path:
-                    raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
-                if _not_this_models(tensor.numel(), max_numel):
-                    raise CheckpointError(
-                        f"Tensor {name} in {path.name} has {tensor.numel():,} elements, more than the whole "
-                        f"model ({max_numel:,}): it is not this model's. Is it the right checkpoint?"
-                    )
-                seen[name] = path
-                yield name, tensor
-        self._check_all_held(seen)
+            state = states.pop(path)  # dropped once handed over: its mapping (or a legacy file's memory) goes with it
+            if state is None:
+                state = _read_bin_whole(path)
+                for name, tensor in state.items():
+                    self._place_bin_tensor(name, tensor.numel(), path, held, max_numel)
+            for name in list(
+                state
+            ):  # popped as handed over: a legacy file's tensors (read whole) go as they are copied
+                yield name, state.pop(name)
+        self._check_all_held(held)
+
+    def _place_bin_tensor(
+        self, name: str, numel: int, path: Path, held: dict[str, Path], max_numel: int | None
+    ) -> None:
+        """Record that ``path`` holds tensor ``name`` in ``held``; refused from two places or larger than the model."""
+        if name in held:
+            raise CheckpointError(
+                f"Tensor {name} is in both {held[name].name} and {path.name}: a tensor must come from one place."
+            )
+        if self.index is not None and self.index.get(name) != path:
+            raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
+        if _not_this_models(numel, max_numel):
+            raise CheckpointError(
+                f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole "
+                f"model ({max_numel:,}): it is not this model's. Is it the right checkpoint?"
+            )
+        held[name] = path
 
 
 #: Elements up to which a tensor larger than the whole model is left to the model (64 MiB in float32): a
@@ -391,7 +424,11 @@ def _files_from_index(index: Path, allow_external: bool) -> tuple[tuple[Path, ..
 
 
 def _checked(model_dir: Path, path: Path, allow_external: bool) -> Path:
-    """``path`` if it is a regular file inside the model directory (or its Hugging Face cache blobs)."""
+    """``path`` if it is a regular file inside the model directory, or a blob of a Hugging Face cache.
+
+    A cache snapshot's files link into its repository's ``blobs``; so do the large files of a ``--local-dir``
+    download by huggingface_hub < 0.23 (``local_dir_use_symlinks="auto"``), from a directory anywhere.
+    """
     if not path.is_file():
         if not path.exists():
             raise CheckpointError(f"The weight file {path} is missing (or a link to nothing).")
@@ -402,13 +439,18 @@ def _checked(model_dir: Path, path: Path, allow_external: bool) -> Path:
     roots = [model_dir.resolve()]
     if model_dir.resolve().parent.name == "snapshots":  # the Hugging Face cache: snapshots link to ../../blobs
         roots.append(model_dir.resolve().parent.parent / "blobs")
-    if not any(real.is_relative_to(root) for root in roots):
+    if not any(real.is_relative_to(root) for root in roots) and not _hugging_face_blob(real):
         raise CheckpointError(
             f"The weight file {path} is {real}, outside the model directory {model_dir}: refused. Copy the "
             "weights into the directory, or pass allow_external_weights=True (--allow-external-weights) if you "
             "trust where they are."
         )
     return path
+
+
+def _hugging_face_blob(real: Path) -> bool:
+    """Whether the resolved file ``real`` lies directly in a Hugging Face cache's ``models--<org>--<name>/blobs``."""
+    return real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
 
 
 def _read_safetensors(path: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -482,15 +524,28 @@ def _read_into(raw: BinaryIO, offset: int, tensor: torch.Tensor, path: Path) -> 
     return tensor
 
 
-def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a ``torch.save``d state dict, mapped from the file (copy them before keeping them)."""
+def _map_bin(path: Path) -> dict[str, torch.Tensor] | None:
+    """The state dict of a ``torch.save``d file, memory-mapped (copy a tensor before keeping it); ``None`` for a
+    legacy (pre-zipfile) file, which cannot be mapped."""
+    return _load_bin(path, mmap=True)
+
+
+def _read_bin_whole(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a ``torch.save``d file, read whole into memory (a legacy file, which cannot be mapped)."""
+    state = _load_bin(path, mmap=False)
+    assert state is not None  # only a mapping is declined
+    return state
+
+
+def _load_bin(path: Path, *, mmap: bool) -> dict[str, torch.Tensor] | None:
+    """A ``torch.save``d state dict, refused as a CheckpointError unless it is one; ``None``: it cannot be mapped."""
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except RuntimeError as exc:
-            if "mmap" not in str(exc):  # legacy (pre-zipfile) files cannot be memory-mapped
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            if mmap and "mmap" in str(exc):  # legacy (pre-zipfile) files cannot be memory-mapped
+                return None
+            raise
     except pickle.UnpicklingError as exc:
         raise CheckpointError(_unpickling_refused(path, str(exc))) from None
     except MemoryError as exc:
@@ -510,8 +565,7 @@ def _read_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             f"{path} does not hold a flat dictionary of tensors (a state dict, tensor names to tensors): is it a "
             "model's weights? Save them with torch.save(model.state_dict(), ...), or as safetensors."
         )
-    for name in list(state):  # popped as handed over: a legacy file's tensors (read whole) go as they are copied
-        yield name, state.pop(name)
+    return state
 
 
 #: What torch's weights-only unpickler says when it refuses an object it does not allow (a class or function

@@ -454,9 +454,41 @@ def test_a_hugging_face_cache_snapshot_links_into_its_blobs(tiny_opt, tmp_path):
     assert LLM(str(snapshot_dir), load_installed_plugins=False).generate([[2, 5]])[0].token_ids
 
 
-def test_weights_larger_than_the_memory_available_are_one_clear_error(broken_copy, monkeypatch, capsys):
+def test_a_local_dir_download_by_an_older_huggingface_hub_links_into_the_caches_blobs(tiny_opt, tmp_path):
+    """`hf download ... --local-dir ./opt` with huggingface_hub < 0.23 (local_dir_use_symlinks="auto") links its large
+    files to ~/.cache/huggingface/hub/models--<org>--<name>/blobs/<hash>: refused as outside the model directory,
+    though vLLM and transformers load it. A link to a blobs folder elsewhere is still refused."""
+    blobs = tmp_path / "home" / ".cache" / "huggingface" / "hub" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    local = tmp_path / "tiny"
+    shutil.copytree(tiny_opt, local)
+    weights = local / "model.safetensors"
+    blob = blobs / hashlib.sha256(weights.read_bytes()).hexdigest()
+    shutil.move(weights, blob)
+    weights.symlink_to(os.path.relpath(blob, local))  # relative, as huggingface_hub makes it
+    assert LLM(str(local), load_installed_plugins=False).generate([[2, 5]])[0].token_ids
+    elsewhere = tmp_path / "not-a-cache" / "blobs"
+    elsewhere.mkdir(parents=True)
+    shutil.move(blob, elsewhere / blob.name)
+    weights.unlink()
+    weights.symlink_to(elsewhere / blob.name)
+    with pytest.raises(PluginhostError, match="outside the model directory"):
+        LLM(str(local), load_installed_plugins=False)
+
+
+def bin_shards(d: Path) -> None:
+    bin_shards_with_index(d)
+    (d / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize(
+    "layout", [lambda d: None, as_bin, bin_shards], ids=["safetensors", "pytorch_model.bin", ".bin shards"]
+)
+def test_weights_larger_than_the_memory_available_are_one_clear_error(broken_copy, monkeypatch, capsys, layout):
+    """A .bin was read with no memory check at all (only safetensors were counted before reading)."""
     import pluginhost.checkpoint
 
+    layout(broken_copy)
     monkeypatch.setattr(pluginhost.checkpoint, "_available_memory", lambda: 1000)
     with pytest.raises(PluginhostError, match=r"The weights need .* GiB in memory and only 0.0 GiB is available"):
         LLM(str(broken_copy), load_installed_plugins=False)
