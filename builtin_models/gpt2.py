@@ -152,9 +152,8 @@ class GPT2LMHeadModel(nn.Module):
         """Load transformers' (``transformer.h.N...``) or the original (``h.N...``) GPT-2 checkpoint names."""
         tied = getattr(self.config, "tie_word_embeddings", True)
 
-        def transposed(pairs: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
-            for name, tensor in pairs:
-                yield name, tensor.t().contiguous() if name.endswith(_CONV1D) and tensor.dim() == 2 else tensor
+        def conv1d(name: str) -> bool:  # stored (in, out): assign_weights transposes it, and reports it as stored
+            return name.endswith(_CONV1D)
 
         def rename(name: str) -> str | None:
             if name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -165,6 +164,6 @@ class GPT2LMHeadModel(nn.Module):
             return name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".c_proj.")
 
         if not tied:
-            return assign_weights(self, transposed(weights), rename)
+            return assign_weights(self, weights, rename, transposed=conv1d)
         head = TiedHead("lm_head.weight", "transformer.wte.weight")  # tied to the embeddings, as in transformers
-        return head.tie(self, assign_weights(self, head.filter(transposed(weights), "lm_head.weight"), rename))
+        return head.tie(self, assign_weights(self, head.filter(weights, "lm_head.weight"), rename, transposed=conv1d))

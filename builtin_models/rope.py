@@ -16,6 +16,8 @@ Shapes: B batch, T tokens, H heads, D head dim.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -53,7 +55,15 @@ class RotaryEmbedding(nn.Module):
         self._check()
 
     def _check(self) -> None:
-        """Refuse RoPE parameters transformers cannot compute (an unknown type, a missing key) now, not mid-request."""
+        """Refuse RoPE parameters transformers cannot compute (an unknown type, a missing key, a base frequency that
+        is not a number) now, not mid-request."""
+        # Every type: the default one computes with it only on the first request, which would fail (a string's
+        # "10000" ** tensor is a TypeError); transformers refuses such a config when it loads.
+        theta = self.theta
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0 < theta < math.inf:
+            raise ValueError(
+                f"rope_theta {theta!r} cannot be used: the base frequency must be a positive finite number"
+            )
         if self.rope_type == "default":
             return
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

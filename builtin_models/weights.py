@@ -147,6 +147,7 @@ def assign_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     rename: Callable[[str], str | Stacked | None] = lambda name: name,
+    transposed: Callable[[str], bool] = lambda name: False,
 ) -> set[str]:
     """Load ``(checkpoint name, tensor)`` pairs into ``model``'s parameters.
 
@@ -154,10 +155,16 @@ def assign_weights(
     part of one, or to ``None`` to skip that tensor on purpose. Unexpected
     names, tensors that do not fit (shape, or floating point for an integer
     parameter and back) and two tensors loading one parameter (two spellings
-    of its name) are collected and raised together as one
+    of its name, or a tensor of all of a stacked parameter beside its parts)
+    are collected and raised together as one
     ``CheckpointError``, which also names the stacked parameters with parts
     absent. The names of the loaded parameters are returned, so the caller can
     report missing ones: a stacked parameter is loaded when all its parts are.
+
+    ``transposed`` names the checkpoint tensors stored (in, out), such as
+    transformers' ``Conv1D`` weights: a 2-D one is transposed into its (out,
+    in) parameter as it loads, and a misfit is reported in the layout the
+    checkpoint stores.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     # Read once: a parameter replaced as it loads no longer carries its Shard.
@@ -167,7 +174,8 @@ def assign_weights(
     unexpected: list[str] = []
     mismatched: list[str] = []
     twice: list[str] = []
-    filled: dict[tuple[str, int | None], str] = {}  # (parameter, stacked part) -> the checkpoint name that filled it
+    filled: dict[str, dict[int | None, str]] = {}  # parameter -> {stacked part, None if whole: the checkpoint name}
+    whole_and_parts: dict[str, tuple[str, list[str]]] = {}  # parameter -> the tensor of all of it, those of parts
     for checkpoint_name, tensor in weights:
         target = rename(checkpoint_name)
         if target is None:
@@ -177,12 +185,26 @@ def assign_weights(
         if param is None:
             unexpected.append(checkpoint_name)
             continue
-        slot = (name, target.part if isinstance(target, Stacked) else None)
-        if slot in filled:  # two spellings of one name ("model.decoder.X" and "decoder.X"): the last would win
-            what = name if slot[1] is None else f"the {target.parts[target.part]} part of {name}"  # type: ignore[union-attr]
-            twice.append(f"{filled[slot]} and {checkpoint_name} both load {what}")
+        part = target.part if isinstance(target, Stacked) else None
+        fills = filled.setdefault(name, {})
+        if part in fills:  # two spellings of one name ("model.decoder.X" and "decoder.X"): the last would win
+            what = name if part is None else f"the {target.parts[part]} part of {name}"  # type: ignore[union-attr]
+            twice.append(f"{fills[part]} and {checkpoint_name} both load {what}")
             continue
-        filled[slot] = checkpoint_name
+        if fills and (part is None or None in fills):
+            # The whole parameter and parts of it (a fused "qkv_proj" beside q/k/v_proj): the later would overwrite
+            # the earlier; transformers, which knows only one of the layouts, ignores the other as unexpected.
+            if name not in whole_and_parts:
+                parts = [earlier for p, earlier in fills.items() if p is not None]
+                whole_and_parts[name] = (fills.get(None, checkpoint_name), parts)
+            if part is not None:
+                whole_and_parts[name][1].append(checkpoint_name)
+            fills[part] = checkpoint_name  # the parts that come later join this message, not one of their own
+            continue
+        fills[part] = checkpoint_name
+        flipped = transposed(checkpoint_name) and tensor.dim() == 2
+        if flipped:
+            tensor = tensor.t().contiguous()  # before the shard is cut: it slices the (out, in) parameter's rows
         shard = shards.get(name)
         if shard is not None:
             tensor = shard.take_part(tensor, target.part) if isinstance(target, Stacked) else shard.take(tensor)
@@ -190,10 +212,13 @@ def assign_weights(
             stacked_parts.setdefault(name, (target, set()))[1].add(target.part)
         expected = _part_shape(param, target) if isinstance(target, Stacked) else tuple(param.shape)
         if tuple(tensor.shape) != expected:
-            where = f"model {expected}"
+            shape = tuple(tensor.shape)
+            if flipped:  # as the checkpoint stores it, not as this model holds it
+                shape, expected = shape[::-1], expected[::-1]
+            where = f"model {expected}" + (" in the stored (in, out) layout" if flipped else "")
             if isinstance(target, Stacked):
                 where += f" (the {target.parts[target.part]} part of {name})"
-            mismatched.append(f"{checkpoint_name}: checkpoint shape {tuple(tensor.shape)}, {where}")
+            mismatched.append(f"{checkpoint_name}: checkpoint shape {shape}, {where}")
             continue
         if tensor.dtype.is_floating_point != param.dtype.is_floating_point:
             mismatched.append(f"{checkpoint_name}: checkpoint dtype {tensor.dtype}, model {param.dtype}")
@@ -205,6 +230,8 @@ def assign_weights(
             loaded.add(name)
     incomplete = []
     for name, (stacked, present) in sorted(stacked_parts.items()):
+        if name in whole_and_parts:  # named as loaded both ways, not as lacking the parts refused
+            continue
         if len(present) == len(stacked.parts):
             loaded.add(name)
             continue
@@ -212,6 +239,8 @@ def assign_weights(
         absent = ", ".join(part for i, part in enumerate(stacked.parts) if i not in present)
         setattr(params[name], PARTS_MISSING_ATTR, f"stacked from {', '.join(stacked.parts)}; no {absent}")
         incomplete.append(f"{name} ({getattr(params[name], PARTS_MISSING_ATTR)})")
+    for name, (whole, parts) in whole_and_parts.items():
+        twice.append(f"{whole} (all of it) and {', '.join(parts)} (parts of it) both load {name}")
     problems = []
     if unexpected:
         problems.append(f"unexpected tensors (not in {type(model).__name__}): {', '.join(sorted(unexpected))}")
@@ -291,29 +320,31 @@ class TiedHead:
 
     def __init__(self, head: str, embeddings: str) -> None:
         self.head, self.embeddings = head, embeddings  # parameter names, as the model names them
-        self._held: torch.Tensor | None = None
+        self._held: tuple[str, torch.Tensor] | None = None  # the head's checkpoint name, and its tensor
 
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]], *names: str) -> Iterable[tuple[str, torch.Tensor]]:
         """``weights`` without the head, whose checkpoint ``names`` are given (held back for ``tie``)."""
         for name, tensor in weights:
             if name in names:
-                self._held = tensor
+                self._held = name, tensor
                 continue
             yield name, tensor
 
     def tie(self, model: nn.Module, loaded: set[str]) -> set[str]:
         """Load the embeddings from the held head if they were missing; share them with the head. ``loaded``, grown."""
-        held, self._held = self._held, None
+        held_name, held = self._held or (self.head, None)
+        self._held = None
+        # Loaded under the checkpoint's own name: a tensor that does not fit is named as the file holds it.
         if self.embeddings not in loaded and held is not None:
-            loaded |= assign_weights(model, [(self.embeddings, held)], lambda name: name)
+            loaded |= assign_weights(model, [(held_name, held)], lambda name: self.embeddings)
         elif held is not None and not same_tensor(held, model.get_parameter(self.embeddings)):
             logger.warning(
                 "The checkpoint holds %s and %s, and they differ: they are not tied, though the config says "
                 "tie_word_embeddings (as transformers does).",
-                self.head,
+                held_name,
                 self.embeddings,
             )
-            return loaded | assign_weights(model, [(self.head, held)], lambda name: name)
+            return loaded | assign_weights(model, [(held_name, held)], lambda name: self.head)
         if self.embeddings in loaded:
             *path, leaf = self.head.split(".")
             owner = model.get_submodule(".".join(path))

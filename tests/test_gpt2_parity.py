@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel as HFGPT2
 
 from pluginhost import LLM, SamplingParams
+from pluginhost.errors import CheckpointError
 from pluginhost.testing import make_tiny_model
 
 TOLERANCE = 1e-4
@@ -86,3 +87,18 @@ def test_conv1d_weights_are_transposed_into_contiguous_linear_weights(reference_
     block = llm.model.transformer.h[0]
     assert torch.equal(block.attn.c_attn.weight, state["transformer.h.0.attn.c_attn.weight"].t())
     assert all(p.is_contiguous() for p in llm.model.parameters())
+
+
+def test_a_misshaped_conv1d_weight_is_reported_in_the_shape_the_checkpoint_stores(tmp_path, reference_dir):
+    from safetensors.torch import save_file
+
+    state = load_file(str(reference_dir / "model.safetensors"))
+    state["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(64, 255)  # (in, out), one output short of 256
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((reference_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError) as refused:
+        LLM(str(tmp_path), load_installed_plugins=False)
+    # It said "checkpoint shape (255, 64)": the tensor transposed, not as the file holds it.
+    assert (
+        "transformer.h.0.mlp.c_fc.weight: checkpoint shape (64, 255), model (64, 256) in the stored (in, out) layout"
+    ) in str(refused.value)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pluginhost import LLM, SamplingParams
+from pluginhost.errors import CheckpointError, ModelClassError
 from pluginhost.testing import make_tiny_model
 
 TOLERANCE = 1e-4
@@ -230,3 +231,48 @@ def test_tied_embeddings_need_no_lm_head_and_untied_ones_do(tmp_path):
     assert not torch.equal(
         LLM(str(untied), load_installed_plugins=False).model.lm_head.weight, state["model.embed_tokens.weight"]
     )
+
+
+def test_a_fused_tensor_beside_its_parts_is_refused_naming_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_model(tmp_path, "llama", seed=1)
+    state = load_file(str(model / "model.safetensors"))
+    attn = "model.layers.0.self_attn"
+    # A stray copy under the engine's own fused name: it and q/k/v_proj loaded one parameter, the later silently
+    # overwriting the other (other tokens than transformers', which ignores the fused name as unexpected).
+    state[f"{attn}.qkv_proj.weight"] = torch.zeros(128, 64)
+    save_file(state, str(model / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="tensors loading the same parameter") as refused:
+        LLM(str(model), load_installed_plugins=False)
+    assert (
+        f"{attn}.qkv_proj.weight (all of it) and {attn}.k_proj.weight, {attn}.q_proj.weight, {attn}.v_proj.weight "
+        f"(parts of it) both load {attn}.qkv_proj.weight"
+    ) in str(refused.value)
+
+
+def test_a_misshaped_head_of_a_tied_model_is_named_as_the_checkpoint_holds_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_model(tmp_path, "qwen2", seed=7)  # tied: the head loads the embeddings when they are absent
+    state = load_file(str(model / "model.safetensors"))
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")[:, :63].contiguous()
+    save_file(state, str(model / "model.safetensors"))
+    with pytest.raises(CheckpointError) as refused:
+        LLM(str(model), load_installed_plugins=False)
+    # It was reported as model.embed_tokens.weight, a tensor the file does not hold.
+    assert "tensors that do not fit: lm_head.weight: checkpoint shape (384, 63), model (384, 64)." in str(refused.value)
+    assert "embed_tokens" not in str(refused.value)
+
+
+@pytest.mark.parametrize("theta", ["10000", True, 0, -1.0])
+def test_a_rope_theta_that_is_not_a_positive_number_is_refused_when_the_model_is_built(tmp_path, theta):
+    import json
+
+    model = make_tiny_model(tmp_path, "llama", seed=1)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = theta
+    (model / "config.json").write_text(json.dumps(config))
+    # Accepted before, then every request failed ("10000" ** tensor) or generated with broken positions (1, 0).
+    with pytest.raises(ModelClassError, match=f"rope_theta {theta!r} cannot be used: the base frequency must be a "):
+        LLM(str(model), load_installed_plugins=False)
