@@ -42,6 +42,8 @@ from common import (
     setup_threads,
 )
 
+from builtin_models.kv_cache import KVCache
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sample_plugins" / "int8_quant" / "src"))
 
 import pluginhost_int8_quant  # noqa: E402
@@ -106,8 +108,13 @@ def measure_load_memory(name: str) -> dict[str, float]:
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(all parameters and buffers, the part read by a decode step: everything but the embedding tables)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    """(all parameters and buffers, the part read by a decode step: everything but the embedding tables).
+
+    The KV cache's buffers are not weights: left out (they grow with the longest sequence the engine has run,
+    so counting them made the figures depend on what ran before, 144 MiB after the quality step).
+    """
+    cache_buffers = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in cache_buffers}
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     streamed = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in embedded)
@@ -198,7 +205,10 @@ def main() -> None:
             f"{diff.max(-1).values.mean().item():.4f}); greedy tokens equal for the first {same} of {len(tokens)}"
         )
 
-    print("\nmemory: weights (parameters and buffers) / read by a decode step / loading in a fresh process:")
+    print(
+        "\nmemory: weights (parameters and buffers, the KV cache left out) / read by a decode step / "
+        "loading in a fresh process:"
+    )
     streamed_bytes = {}
     for name, llm in engines.items():
         total, streamed = weight_bytes(llm.model)

@@ -22,26 +22,58 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from common import checkpoint_dir, machine, median_alternating, setup_threads, timed
 
 PROMPT_LEN = 32
+T = TypeVar("T")
 
 
 def prompts(batch: int) -> list[list[int]]:
     return [[2, *range(100 + 7 * i, 100 + 7 * i + PROMPT_LEN - 1)] for i in range(batch)]
 
 
-def decode_step_seconds(llm: Any, batch: int, new: int) -> float:
+class Threads:
+    """Runs with torch's thread count of this process set to ``count``, and the counts seen while they ran.
+
+    One process holds both engines, and torch's thread count is process-wide: building the TP=2 engine
+    lowers it to rank 0's share (until ``close``), so each engine's runs set their own count first.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.seen: set[int] = set()
+
+    def __call__(self, fn: Callable[[], T]) -> T:
+        import torch
+
+        torch.set_num_threads(self.count)
+        return fn()
+
+    def note(self) -> None:
+        """Record the count in effect now (called inside the timed region)."""
+        import torch
+
+        self.seen.add(torch.get_num_threads())
+
+    def shown(self) -> str:
+        return "/".join(str(n) for n in sorted(self.seen)) or "?"
+
+
+def decode_step_seconds(llm: Any, batch: int, new: int, threads: Threads) -> float:
     """One decode step: the time of ``new`` tokens less that of the prefill and first token, over the rest."""
     from pluginhost import SamplingParams
 
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     many = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    return (timed(lambda: llm.generate(prompts(batch), many)) - timed(lambda: llm.generate(prompts(batch), first))) / (
-        new - 1
-    )
+
+    def generate(params: SamplingParams) -> None:
+        llm.generate(prompts(batch), params)
+        threads.note()
+
+    return threads(lambda: (timed(lambda: generate(many)) - timed(lambda: generate(first))) / (new - 1))
 
 
 def communication(llm: Any, batch: int) -> dict[str, float]:
@@ -136,15 +168,21 @@ def main() -> None:
     two = LLM(path, load_installed_plugins=False, dtype="float32", tensor_parallel_size=2)
     import torch
 
-    print(f"threads: TP=1 {cores}; TP=2 {torch.get_num_threads()} per rank (rank 0 shown)")
+    # Building ``two`` set this process's thread count to rank 0's share; TP=1 runs with all the cores.
+    tp1_threads, tp2_threads = Threads(cores), Threads(torch.get_num_threads())
     try:
         for batch in args.batch:
-            for llm in (one, two):  # warm: kernel choices measured, caches grown
-                decode_step_seconds(llm, batch, 4)
+            for llm, threads in ((one, tp1_threads), (two, tp2_threads)):  # warm: kernel choices measured, caches grown
+                decode_step_seconds(llm, batch, 4, threads)
+            if batch == args.batch[0]:
+                print(
+                    f"threads: TP=1 {tp1_threads.shown()}; TP=2 {tp2_threads.shown()} per rank (rank 0 shown), "
+                    "as in effect during the runs"
+                )
             steps = median_alternating(
                 args.runs,
-                tp1=lambda b=batch: decode_step_seconds(one, b, args.new),
-                tp2=lambda b=batch: decode_step_seconds(two, b, args.new),
+                tp1=lambda b=batch: decode_step_seconds(one, b, args.new, tp1_threads),
+                tp2=lambda b=batch: decode_step_seconds(two, b, args.new, tp2_threads),
             )
             t1, t2 = statistics.median(steps["tp1"]), statistics.median(steps["tp2"])
             print(
@@ -153,14 +191,16 @@ def main() -> None:
                 f"({batch / t2:.1f} tok/s; runs {', '.join(f'{s * 1000:.1f}' for s in steps['tp2'])}): "
                 f"TP=2 / TP=1 time {t2 / t1:.2f}x"
             )
-            comm = communication(two, batch)
+            comm = tp2_threads(lambda b=batch: communication(two, b))
             print(
                 f"  one decode step on rank 0: {comm['all_reduce']} all-reduces + {comm['all_gather']} all-gather, "
                 f"{comm['bytes'] / 1024:.1f} KiB; {comm['collective_s'] * 1000:.2f} ms inside them "
                 f"({comm['collective_s'] / t2:.0%} of the step), {comm['send_s'] * 1000:.2f} ms sending the step"
             )
     finally:
-        two.close()
+        two.close()  # gives back the thread count it found
+    if len(tp1_threads.seen) > 1 or len(tp2_threads.seen) > 1:
+        print(f"threads varied during the runs: TP=1 {tp1_threads.shown()}; TP=2 {tp2_threads.shown()}")
     hidden = 768
     floor = gloo_floor(hidden)
     print(
