@@ -35,7 +35,7 @@ from pluginhost.errors import ConfigError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import apply_overrides, generation_eos_ids, load_hf_config, model_directory, text_config
-from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration
+from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration, builtin_ref
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -87,7 +87,9 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     generation_eos = generation_eos_ids(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
     try:
-        registration = _pick_architecture(registry, hf_config.architectures, config.model_impl)
+        registration = _pick_architecture(
+            registry, hf_config.architectures, config.model_impl, getattr(hf_config, "model_type", None)
+        )
     except UnknownArchitectureError as exc:
         elsewhere = _registered_by_plugins_not_loaded(hf_config.architectures, host)
         if elsewhere:
@@ -197,7 +199,9 @@ def _registered_by_plugins_not_loaded(architectures: list[str], host: PluginHost
     )
 
 
-def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str], model_impl: str) -> Registration:
+def _pick_architecture(
+    registry: ArchitectureRegistry, architectures: list[str], model_impl: str, model_type: object = None
+) -> Registration:
     """The registration that builds the model, by ``model_impl``.
 
     "native": the first of the config's architectures that is registered.
@@ -206,8 +210,17 @@ def _pick_architecture(registry: ArchitectureRegistry, architectures: list[str],
     fallback when transformers can build the model, else an error naming both.
     """
     native = [a for a in architectures if a in registry and a != TRANSFORMERS_FALLBACK]
-    if model_impl == "transformers" or (model_impl == "auto" and not native and transformers_builds(architectures)):
+    if model_impl == "auto" and not native and transformers_builds(architectures):
         return registry.get(TRANSFORMERS_FALLBACK)
+    if model_impl == "transformers":
+        fallback = registry.get(TRANSFORMERS_FALLBACK)
+        if fallback.registered_by == builtin_ref() and not transformers_builds(architectures, model_type):
+            raise UnknownArchitectureError(
+                f"model_impl='transformers', but transformers has no causal LM for this checkpoint: none of its "
+                f"architectures ({', '.join(architectures)}) is a transformers causal-LM class, and "
+                f"AutoModelForCausalLM maps no class to model_type {model_type!r}."
+            )
+        return fallback
     if native:
         return registry.get(native[0])
     try:
@@ -232,6 +245,10 @@ def transformers_causal_lms() -> set[str]:
     }
 
 
-def transformers_builds(architectures: list[str]) -> bool:
-    """Whether transformers has a causal-LM class of one of these names."""
-    return bool(set(architectures) & transformers_causal_lms())
+def transformers_builds(architectures: list[str], model_type: object = None) -> bool:
+    """Whether transformers has a causal-LM class of one of these names (or, given, for this ``model_type``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return bool(set(architectures) & transformers_causal_lms()) or (
+        isinstance(model_type, str) and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )

@@ -112,7 +112,10 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
             what = "a directory" if path.is_dir() else "not a regular file"
         else:
             what = "missing"
-        raise ConfigError(f"{path} is {what}: a model directory needs a Hugging Face config.json file.")
+        hint = ""
+        if (model_dir / "snapshots").is_dir() and (model_dir / "blobs").is_dir():
+            hint = f" {model_dir} is a Hugging Face cache's folder of a model: pass one of its snapshots/<revision>."
+        raise ConfigError(f"{path} is {what}: a model directory needs a Hugging Face config.json file.{hint}")
     data = read_json(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}.")

@@ -143,6 +143,20 @@ def test_config_shows_provenance_including_plugins(install_plugin, capsys, tiny_
     assert data["architecture"] == "OPTForCausalLM" and data["implementation"] == "good_impl:BetterOPT"
 
 
+def test_every_engine_setting_an_operator_needs_has_its_flag(capsys, tiny_opt):
+    # The weights error advised --allow-external-weights, which the CLI did not take; nor could a server's operator
+    # raise max_logprobs or the prefill budget.
+    flags = ["--allow-external-weights", "--refuse-nonfinite-weights", "--max-logprobs", "5"]
+    code, out, err = run(capsys, "config", "--model", str(tiny_opt), *flags, "--max-num-batched-tokens", "64", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    given = {"allow_external_weights": True, "refuse_nonfinite_weights": True, "max_logprobs": 5}
+    assert {k: data["config"][k] for k in [*given, "max_num_batched_tokens"]} == {**given, "max_num_batched_tokens": 64}
+    assert all(data["provenance"][k] == "user" for k in [*given, "max_num_batched_tokens"])
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-logprobs", "-1")
+    assert code == 2 and "--max-logprobs: Input should be greater than or equal to 0 (got -1)" in err
+
+
 def test_config_table(capsys, tiny_opt):
     code, out, _ = run(capsys, "config", "--model", str(tiny_opt), "--hf-overrides", '{"dropout": 0}')
     assert code == 0
@@ -198,6 +212,16 @@ def test_bad_input_exits_2_with_one_message_and_no_traceback(capsys, tiny_opt, a
     assert code == 2
     assert message in err and err.startswith("error: ")
     assert "Traceback" not in err
+
+
+def test_generate_on_a_directory_that_is_no_model_says_config_json_is_missing_not_the_tokenizer(capsys, tmp_path):
+    # It blamed the tokenizer files and advised copying them in; the Python API said config.json was missing.
+    cache_repo = tmp_path / "models--facebook--opt-125m"  # the Hugging Face cache's folder, a common slip
+    for folder in ("blobs", "refs", "snapshots/abc"):
+        (cache_repo / folder).mkdir(parents=True)
+    code, _, err = run(capsys, "generate", "--model", str(cache_repo), "--prompt", "Hi", "--no-plugins")
+    assert code == 2 and "config.json is missing" in err and "tokenizer" not in err
+    assert "a Hugging Face cache's folder of a model: pass one of its snapshots/<revision>" in err
 
 
 def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt):

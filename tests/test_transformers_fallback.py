@@ -530,6 +530,17 @@ def test_a_mistral_config_with_layer_types_is_the_ministral_transformers_builds(
     assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
 
 
+def test_forcing_the_fallback_on_a_model_transformers_cannot_build_says_so_first(tmp_path):
+    # It said "The model config has no max_position_embeddings; set max_model_len", and given that, "No weights".
+    config = {"architectures": ["MyLM"], "model_type": "mine", "auto_map": {"AutoModelForCausalLM": "modeling_my.MyLM"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownArchitectureError) as info:
+        fallback(tmp_path, model_impl="transformers")
+    message = str(info.value)
+    assert "transformers has no causal LM for this checkpoint" in message and "model_type 'mine'" in message
+    assert "auto_map" in message and "max_position_embeddings" not in message
+
+
 def test_a_model_attending_both_ways_is_refused_naming_is_decoder_and_runs_once_it_is_a_decoder(tmp_path):
     # BERT's LM head with is_decoder false was served without a cache: each request's tokens changed with the
     # padding of the requests batched with it.

@@ -116,6 +116,15 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         metavar="N",
         help="split the model over N processes on this machine (under torchrun: its world size)",
     )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="prompt tokens a step prefills; a longer prompt is prefilled in pieces of N (default 2048)",
+    )
+    group.add_argument(
+        "--max-logprobs", type=int, metavar="N", help="most log-probabilities a request may ask for (default 20)"
+    )
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument(
         "--compile-decode",
@@ -132,6 +141,18 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--hf-overrides", metavar="JSON", help="JSON object set on the HF config, e.g. '{\"dropout\": 0}'"
+    )
+    group.add_argument(
+        "--allow-external-weights",
+        action="store_true",
+        default=None,
+        help="read weight files an index or a link places outside the model directory (if you trust where they are)",
+    )
+    group.add_argument(
+        "--refuse-nonfinite-weights",
+        action="store_true",
+        default=None,
+        help="refuse a checkpoint holding inf or nan weights (by default: a warning naming them)",
     )
     return parent
 
@@ -238,11 +259,15 @@ _ENGINE_FIELDS = (
     "max_model_len",
     "max_num_seqs",
     "max_waiting_seqs",
+    "max_num_batched_tokens",
+    "max_logprobs",
     "tensor_parallel_size",
     "seed",
     "compile_decode",
     "model_architecture_override",
     "model_impl",
+    "allow_external_weights",
+    "refuse_nonfinite_weights",
 )
 
 

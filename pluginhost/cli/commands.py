@@ -278,13 +278,16 @@ def _check_utf8(text: str, what: str) -> None:
 
 
 def _check_tokenizer(model: str) -> None:
-    """Before anything loads: ``--prompt`` is text, so the model directory needs a tokenizer."""
-    from pathlib import Path
+    """Before anything loads: ``--prompt`` is text, so the model directory needs a tokenizer.
 
+    A directory that is no model directory at all (no config.json) is told so first, as the engine would.
+    """
+    from pluginhost.model_dir import model_directory, read_config_json
     from pluginhost.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
-    model_dir = Path(model)
-    if model_dir.is_dir() and not has_tokenizer_files(model_dir):
+    model_dir = model_directory(model)
+    read_config_json(model_dir)
+    if not has_tokenizer_files(model_dir):
         files = f"{', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}"
         raise UsageError(
             f"{model} has no tokenizer files ({files}), and --prompt is text: copy the tokenizer's files into it, "
