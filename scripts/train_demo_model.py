@@ -10,13 +10,17 @@ docs/*.md, the sample plugins' READMEs, the hook specs' docstrings and the modul
 with code blocks dropped and tables flattened. The README's "The demo model" paragraph and
 ``pluginhost/demo.py`` are left out: they describe this very model, so the text it learns must
 not depend on its results. Training reads only corpus.txt, so a run is reproducible however the
-docs change later; ``--snapshot-corpus`` refreshes it on purpose.
+docs change later; ``--snapshot-corpus`` refreshes it on purpose. It reads ``OUT/corpus.txt``: an
+``--out`` directory without one gets a copy of the shipped corpus first, so that it holds, and its
+manifest hashes, the text its model learnt.
 
 Everything that decides the result is fixed here: the seed, the thread count, the
 hyper-parameters, the data order (a seeded shuffle per epoch) and the step count (never the
-wall clock). Two runs with the same torch on the same machine write byte-identical files; other
-CPUs or torch builds may round differently. The run writes into ``--out`` (default
-``pluginhost/demo_model``):
+wall clock). Two runs with the same torch on the same machine write byte-identical model,
+tokenizer and config files (``config.json``, ``generation_config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``); other CPUs or torch builds may round differently.
+``TRAINING.md`` records the command and the run's times, so it differs from run to run, and with it
+its line in ``SHA256SUMS``. The run writes into ``--out`` (default ``pluginhost/demo_model``):
 
 * ``config.json``, ``model.safetensors`` (float16; the tied ``lm_head`` is not stored);
 * ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, and the chat template);
@@ -38,6 +42,7 @@ import math
 import platform
 import random
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -486,6 +491,23 @@ def train(data: Data, vocab_size: int, hp: Hyper) -> tuple[OPTForCausalLM, list[
     return model.eval(), losses, durations
 
 
+def read_corpus(out: Path, *, snapshot: bool = False) -> str:
+    """The training text, ``out/corpus.txt``: first re-read from the docs if ``snapshot``, else copied from the
+    shipped corpus (``DEFAULT_OUT``) when ``out`` has none; ``SystemExit`` saying what to do if neither exists."""
+    target, shipped = out / CORPUS_NAME, DEFAULT_OUT / CORPUS_NAME
+    if snapshot:
+        target.write_text(snapshot_corpus(), encoding="utf-8")
+    elif not target.is_file():
+        if not shipped.is_file():
+            raise SystemExit(
+                f"error: no {CORPUS_NAME} in {out}, and the shipped one ({shipped}) is missing: "
+                f"run with --snapshot-corpus to re-read the docs into {target}"
+            )
+        shutil.copyfile(shipped, target)  # OUT then holds, and its manifest hashes, the text it was trained on
+        print(f"{out} had no {CORPUS_NAME}: training on a copy of the shipped one ({shipped})", flush=True)
+    return target.read_text(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: %(default)s)")
@@ -495,9 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     hp = Hyper(steps=args.steps)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    if args.snapshot_corpus:
-        (out / CORPUS_NAME).write_text(snapshot_corpus(), encoding="utf-8")
-    corpus = (out / CORPUS_NAME).read_text(encoding="utf-8")
+    corpus = read_corpus(out, snapshot=args.snapshot_corpus)
 
     import torch
     import transformers

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from pluginhost.demo import MANIFEST_NAME, demo_model_path, ensure_demo_model, v
 from pluginhost.errors import ConfigError
 
 DEMO = demo_model_path()
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
 CORPUS = (DEMO / "corpus.txt").read_text(encoding="utf-8")
 #: Prompts taken from the corpus; the model should carry on in the docs' words.
 PROMPTS = ["A plugin is", "The builtin architectures", "Every hook", "Loading a checkpoint"]
@@ -180,3 +184,30 @@ def test_a_chat_answer_comes_from_the_docs_and_stops(demo_llm):
     out = demo_llm.generate([prompt], SamplingParams(max_tokens=120, temperature=0))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
     assert corpus_word_share(out.text) >= 0.8 and longest_corpus_run(out.text) >= 5, out.text
+
+
+# -- the training script --------------------------------------------------------------------
+
+
+def test_training_into_a_fresh_directory_uses_the_shipped_corpus(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), "--out", str(out), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith(f"{out} had no corpus.txt: training on a copy of the shipped one")
+    assert (out / "corpus.txt").read_bytes() == (DEMO / "corpus.txt").read_bytes()
+    verify_demo_model(out)  # its manifest covers what it wrote, the corpus included
+
+
+def test_training_without_any_corpus_says_what_to_do(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_demo_model", TRAIN_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look their module up there
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "DEFAULT_OUT", tmp_path / "nothing shipped")
+    with pytest.raises(SystemExit, match=r"no corpus\.txt in .*, and the shipped one .* is missing: run with "):
+        script.read_corpus(tmp_path / "out")
