@@ -120,7 +120,7 @@ def _transformers_class(config: Any) -> type[PreTrainedModel]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from pluginhost.build import transformers_causal_lms
+    from pluginhost.build import no_causal_lm, transformers_causal_lms
 
     known = transformers_causal_lms()
     names = [name for name in getattr(config, "architectures", None) or [] if name in known]
@@ -136,11 +136,8 @@ def _transformers_class(config: Any) -> type[PreTrainedModel]:
     except KeyError:
         if named:
             return named[0]
-        raise ModelClassError(
-            f"transformers has no causal LM for this checkpoint: none of its architectures "
-            f"({', '.join(getattr(config, 'architectures', None) or []) or 'none'}) is a transformers causal-LM "
-            f"class, and AutoModelForCausalLM maps no class to model_type {getattr(config, 'model_type', None)!r}."
-        ) from None
+        architectures = getattr(config, "architectures", None) or []
+        raise ModelClassError(no_causal_lm(architectures, getattr(config, "model_type", None))) from None
 
 
 class TransformersForCausalLM(nn.Module):

@@ -44,6 +44,7 @@ __all__ = [
     "TRANSFORMERS_FALLBACK",
     "BuildPlan",
     "check_combination",
+    "no_causal_lm",
     "plan_build",
     "transformers_builds",
     "transformers_causal_lms",
@@ -83,7 +84,7 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     processors = host.collect_logits_processors().entries()
     host.call("modify_config", config=config)
     model_dir = model_directory(config.model)
-    hf_config = load_hf_config(model_dir)
+    hf_config = load_hf_config(model_dir, config.hf_overrides)
     generation_eos = generation_eos_ids(model_dir)
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
     try:
@@ -215,11 +216,7 @@ def _pick_architecture(
     if model_impl == "transformers":
         fallback = registry.get(TRANSFORMERS_FALLBACK)
         if fallback.registered_by == builtin_ref() and not transformers_builds(architectures, model_type):
-            raise UnknownArchitectureError(
-                f"model_impl='transformers', but transformers has no causal LM for this checkpoint: none of its "
-                f"architectures ({', '.join(architectures)}) is a transformers causal-LM class, and "
-                f"AutoModelForCausalLM maps no class to model_type {model_type!r}."
-            )
+            raise UnknownArchitectureError(f"model_impl='transformers', but {no_causal_lm(architectures, model_type)}")
         return fallback
     if native:
         return registry.get(native[0])
@@ -243,6 +240,15 @@ def transformers_causal_lms() -> set[str]:
         for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
         for name in ([names] if isinstance(names, str) else names)
     }
+
+
+def no_causal_lm(architectures: list[str], model_type: object) -> str:
+    """Why transformers cannot build the checkpoint (``transformers_builds`` said no)."""
+    return (
+        f"transformers has no causal LM for this checkpoint: none of its architectures "
+        f"({', '.join(architectures) or 'none'}) is a transformers causal-LM class, and AutoModelForCausalLM maps "
+        f"no class to model_type {model_type!r}."
+    )
 
 
 def transformers_builds(architectures: list[str], model_type: object = None) -> bool:

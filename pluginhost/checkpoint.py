@@ -153,7 +153,7 @@ class Checkpoint:
 
         where: dict[str, Path] = {}
         plan: dict[Path, list[str]] = {}
-        total_bytes = largest = 0  # in memory, as converted; the largest tensor, as read or converted
+        tally = _Tally()
         for path in self.files:
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f, path.open("rb", buffering=0) as raw:
@@ -165,34 +165,15 @@ class Checkpoint:
                 raise CheckpointError(f"Cannot read {path}: it is not a valid safetensors file ({exc}).") from None
             kept = []
             for name in names:
-                if self.index is not None and self.index.get(name) != path:
-                    listed = self.index.get(name)
-                    raise CheckpointError(
-                        f"Tensor {name} is in {path.name}, but the index places it in "
-                        f"{listed.name if listed else 'no file'}: a tensor must come from one place. "
-                        "Fix the index, or remove the stray copy."
-                    )
-                if name in where:
-                    raise CheckpointError(
-                        f"Tensor {name} is in both {where[name].name} and {path.name}: a tensor must come from one "
-                        "place. Remove the stray file (or add an index naming the right one)."
-                    )
                 numel = math.prod(entries[name]["shape"])
-                if _not_this_models(numel, max_numel):
-                    raise CheckpointError(
-                        f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole model "
-                        f"({max_numel:,}): it is not this model's. Is it the right checkpoint?"
-                    )
-                where[name] = path
+                self._place(name, numel, path, where, max_numel)
                 kept.append(name)
                 kind = entries[name]["dtype"]
                 stored = _STORED_BYTES.get(kind, 8)
-                converted = dtype.itemsize if kind.startswith(("F", "BF")) else stored
-                total_bytes += numel * converted
-                largest = max(largest, numel * max(stored, converted))
+                tally.add(numel, stored, dtype.itemsize if kind.startswith(("F", "BF")) else stored)
             plan[path] = kept
         self._check_all_held(where)
-        _check_memory(math.ceil(total_bytes * share), largest, device, sharers)
+        tally.check(share, device, sharers)
         return plan
 
     def _check_all_held(self, held: Mapping[str, Path]) -> None:
@@ -218,43 +199,64 @@ class Checkpoint:
         """
         held: dict[str, Path] = {}
         states = {path: _map_bin(path) for path in self.files}
-        total_bytes = largest = 0  # in memory, as converted; the largest tensor, as mapped or converted
+        tally = _Tally()
         for path, state in states.items():
             for name, tensor in (state or {}).items():
-                self._place_bin_tensor(name, tensor.numel(), path, held, max_numel)
+                self._place(name, tensor.numel(), path, held, max_numel)
                 stored = tensor.element_size()
-                converted = dtype.itemsize if tensor.is_floating_point() else stored
-                total_bytes += tensor.numel() * converted
-                largest = max(largest, tensor.numel() * max(stored, converted))
-        _check_memory(math.ceil(total_bytes * share), largest, device, sharers)
+                tally.add(tensor.numel(), stored, dtype.itemsize if tensor.is_floating_point() else stored)
+        if all(state is not None for state in states.values()):
+            self._check_all_held(held)  # before reading, as for safetensors (a legacy file's names are known later)
+        tally.check(share, device, sharers)
         for path in self.files:
             state = states.pop(path)  # dropped once handed over: its mapping (or a legacy file's memory) goes with it
             if state is None:
                 state = _read_bin_whole(path)
                 for name, tensor in state.items():
-                    self._place_bin_tensor(name, tensor.numel(), path, held, max_numel)
-            for name in list(
-                state
-            ):  # popped as handed over: a legacy file's tensors (read whole) go as they are copied
+                    self._place(name, tensor.numel(), path, held, max_numel)
+            for name in list(state):  # popped as handed over: a legacy file's tensors (read whole) go as copied
                 yield name, state.pop(name)
         self._check_all_held(held)
 
-    def _place_bin_tensor(
-        self, name: str, numel: int, path: Path, held: dict[str, Path], max_numel: int | None
-    ) -> None:
-        """Record that ``path`` holds tensor ``name`` in ``held``; refused from two places or larger than the model."""
+    def _place(self, name: str, numel: int, path: Path, held: dict[str, Path], max_numel: int | None) -> None:
+        """Record in ``held`` that ``path`` holds tensor ``name``, of ``numel`` elements; refused when the index places
+        it elsewhere, when another file holds it too, or when it is larger than the whole model."""
+        if self.index is not None and self.index.get(name) != path:
+            listed = self.index.get(name)
+            raise CheckpointError(
+                f"Tensor {name} is in {path.name}, but the index places it in "
+                f"{listed.name if listed else 'no file'}: a tensor must come from one place. "
+                "Fix the index, or remove the stray copy."
+            )
         if name in held:
             raise CheckpointError(
-                f"Tensor {name} is in both {held[name].name} and {path.name}: a tensor must come from one place."
+                f"Tensor {name} is in both {held[name].name} and {path.name}: a tensor must come from one "
+                "place. Remove the stray file (or add an index naming the right one)."
             )
-        if self.index is not None and self.index.get(name) != path:
-            raise CheckpointError(f"Tensor {name} is in {path.name}, but the index places it elsewhere.")
         if _not_this_models(numel, max_numel):
             raise CheckpointError(
-                f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole "
-                f"model ({max_numel:,}): it is not this model's. Is it the right checkpoint?"
+                f"Tensor {name} in {path.name} has {numel:,} elements, more than the whole model "
+                f"({max_numel:,}): it is not this model's. Is it the right checkpoint?"
             )
         held[name] = path
+
+
+@dataclass
+class _Tally:
+    """What the weights take in memory, counted before reading: all of them as converted, and the largest tensor as
+    read or as converted (it is held in both forms for a moment)."""
+
+    total: int = 0
+    largest: int = 0
+
+    def add(self, numel: int, stored: int, converted: int) -> None:
+        """A tensor of ``numel`` elements, ``stored`` bytes each in the file, ``converted`` bytes each in memory."""
+        self.total += numel * converted
+        self.largest = max(self.largest, numel * max(stored, converted))
+
+    def check(self, share: float, device: torch.device, sharers: int) -> None:
+        """``_check_memory`` for ``share`` of the total (a rank's part of a split model)."""
+        _check_memory(math.ceil(self.total * share), self.largest, device, sharers)
 
 
 #: Elements up to which a tensor larger than the whole model is left to the model (64 MiB in float32): a

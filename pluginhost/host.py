@@ -925,11 +925,17 @@ class PluginHost:
         def at(rank: int) -> Callable[[Registration], int]:
             return lambda entry: rank
 
-        in_hook: dict[int, int] = {}  # id(entry) -> its rank, never below an earlier one's of its architecture
+        # id(entry) -> its rank, never below an earlier one's of its architecture; but the builtins keep theirs,
+        # the first: any plugin overrides them, a tryfirst one too (its implementation runs before theirs).
+        builtin = builtin_ref()
+        in_hook: dict[int, int] = {}
         for latest in hooked.entries():
             rank = -1
             for entry in reversed([latest, *latest.overrides]):  # in the order the hook made them
-                rank = in_hook[id(entry)] = max(rank, ranked(entry))
+                if entry.registered_by == builtin:
+                    in_hook[id(entry)] = ranked(entry)
+                else:
+                    rank = in_hook[id(entry)] = max(rank, ranked(entry))
 
         sources: list[tuple[list[Registration], Callable[[Registration], int | None]]] = [
             (hooked.entries(), lambda entry: in_hook[id(entry)]),

@@ -142,16 +142,17 @@ def generation_eos_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_hf_config(model_dir: Path) -> PretrainedConfig:
+def load_hf_config(model_dir: Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
     """The directory's config as a transformers ``PretrainedConfig``, from one read of ``config.json``.
 
     Known ``model_type`` values get their transformers config class (as
     ``AutoConfig`` would pick; no remote code, nothing online); unknown ones,
     which plugins may well bring, become a generic ``PretrainedConfig``
-    holding every key.
+    holding every key. ``overrides`` (``hf_overrides``, applied afterwards by ``apply_overrides``) count in
+    the sizes checked before transformers reads the file.
     """
     data = read_config_json(model_dir)
-    _refuse_oversized(data)
+    _refuse_oversized({**data, **(overrides or {})})
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -197,8 +198,8 @@ def _refuse_oversized(data: dict[str, Any]) -> None:
     """Refuse sizes past ``SIZE_LIMITS`` in config.json itself, before transformers reads it.
 
     Some config classes build per-layer lists as they are read (Qwen2's ``layer_types``): 10**10
-    layers never came back. Only what is too large: what is merely wrong waits for
-    ``check_model_config``, after ``hf_overrides`` may have mended it.
+    layers never came back. ``data`` holds the ``hf_overrides`` too, which may mend a size. Only what is
+    too large: what is merely wrong waits for ``check_model_config``.
     """
     nested = data.get("text_config")
     for section in (data, nested if isinstance(nested, dict) else {}):
@@ -208,7 +209,7 @@ def _refuse_oversized(data: dict[str, Any]) -> None:
             if any(isinstance(v, int) and not isinstance(v, bool) and v > limit for v in values):
                 raise ConfigError(
                     f"The model config does not describe a model that can be built: {name} is {value}, outside "
-                    f"1..{limit}. Fix config.json."
+                    f"1..{limit}. Fix config.json (or --hf-overrides)."
                 )
 
 

@@ -293,10 +293,16 @@ class ArchitectureRegistry:
         return list(self._entries.values())
 
     def get(self, architecture: str) -> Registration:
-        """The entry for ``architecture``; an unknown name raises with close matches."""
+        """The entry for ``architecture``; an unknown name raises with close matches.
+
+        Inside its hook, a name listed beside this registry's own (``get_supported_archs``) is answered
+        as ``ModelRegistry`` answers it there.
+        """
         try:
             return self._entries[architecture]
         except KeyError:
+            if architecture in self._listed_beside():
+                return ModelRegistry.get(architecture)
             raise UnknownArchitectureError(self._unknown_message(architecture)) from None
 
     def __contains__(self, architecture: object) -> bool:

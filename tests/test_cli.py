@@ -224,6 +224,18 @@ def test_generate_on_a_directory_that_is_no_model_says_config_json_is_missing_no
     assert "a Hugging Face cache's folder of a model: pass one of its snapshots/<revision>" in err
 
 
+def test_generate_on_a_model_name_a_plugin_maps_to_a_directory(install_plugin, capsys, tiny_opt, monkeypatch, tmp_path):
+    # modify_config may set the model; the CLI's own checks of --model must not refuse the name first.
+    install_plugin(
+        "alias",
+        f"from pluginhost import hookimpl\n@hookimpl\ndef modify_config(config):\n"
+        f"    if config.model == 'tiny':\n        config.model = {str(tiny_opt)!r}\n",
+    )
+    monkeypatch.chdir(tmp_path)  # no directory named tiny here
+    code, out, err = run(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "2", "--json")
+    assert code == 0, err
+
+
 def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt):
     install_plugin("broken", "raise RuntimeError('boom')\n", dist="broken-dist", version="9")
     code, _, err = run(capsys, "config", "--model", str(tiny_opt))

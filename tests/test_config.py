@@ -161,3 +161,23 @@ def test_absurd_sizes_are_refused_before_transformers_reads_the_config(tmp_path,
     assert result.returncode == 2, result.stderr[-2000:]
     assert "num_hidden_layers is 10000000000, outside 1..4096" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_hf_overrides_mend_a_size_too_large_in_config_json(tiny_opt, tmp_path, capsys):
+    """The check before transformers reads the file counts the overrides, as the message advises them."""
+    import json
+    import shutil
+
+    from pluginhost.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_opt, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2**25}))
+    assert main(["config", "--model", str(model), "--no-plugins"]) == 2
+    assert "max_position_embeddings is 33554432, outside 1..16777216. Fix config.json (or --hf-overrides)" in (
+        capsys.readouterr().err
+    )
+    mended = ["--hf-overrides", '{"max_position_embeddings": 64}', "--json"]
+    assert main(["config", "--model", str(model), "--no-plugins", *mended]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["max_model_len"] == 64

@@ -622,6 +622,28 @@ def test_a_post_load_changing_the_dtype_the_model_computes_in_is_refused_naming_
     assert f"torch.float32 -> {cast}" in message and "dtype" in message
 
 
+def test_a_post_load_storing_weights_as_float8_beside_their_scales_is_a_quantizer_not_a_cast(tiny_opt):
+    class Float8Linear(torch.nn.Module):  # the same names, the weight stored in float8, computed in float32
+        def __init__(self, linear: torch.nn.Module) -> None:
+            super().__init__()
+            w = linear.weight.detach()
+            self.scale = torch.nn.Parameter(w.abs().amax(dim=1).clamp(min=1e-12) / 448, requires_grad=False)
+            self.weight = torch.nn.Parameter((w / self.scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
+            self.bias = linear.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype) * self.scale[:, None], self.bias)
+
+    class Float8:
+        @hookimpl
+        def post_load(self, config, model):
+            model.decoder.layers[0].fc1 = Float8Linear(model.decoder.layers[0].fc1)
+
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, dtype="float32", plugins=[Float8()])
+    assert llm.model.decoder.layers[0].fc1.weight.dtype == torch.float8_e4m3fn
+    assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
 # -- limits and bad requests ----------------------------------------------------------
 
 

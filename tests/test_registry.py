@@ -187,6 +187,13 @@ def test_the_implementation_called_last_wins_with_trylast_and_wrappers():
     assert first.implementation == "last:M"  # given first, called last: it was "plain:M"
     assert [o.implementation for o in first.overrides] == ["plain:M"]
     assert collect(Wraps(), RegistersModel("Shared", "plain:M")).get("Shared").implementation == "wrapper:M"
+    # The builtins are overridden however a plugin's implementation is placed, before theirs too.
+    class First:
+        @hookimpl(tryfirst=True)
+        def register_models(self, registry):
+            registry.register_model("OPTForCausalLM", "first:OPT")
+
+    assert collect(First()).get("OPTForCausalLM").implementation == "first:OPT"
     # Without trylast, the later plugin still wins.
     assert collect(RegistersModel("Shared", "a:M"), RegistersModel("Shared", "b:M")).get("Shared").implementation == (
         "b:M"
@@ -210,9 +217,11 @@ def test_a_hook_sees_the_architectures_earlier_plugins_registered_without_hooks(
             seen["in"], seen["listed"] = "MyArch" in registry, "MyArch" in registry.get_supported_archs()
             if "MyArch" not in registry:
                 registry.register_model("MyArch", "fallback:Model")
+            else:  # what is listed can be read too
+                seen["got"] = registry.get("MyArch").implementation
 
     entry = PluginHost(plugins=[DefaultIfMissing()]).collect_models().get("MyArch")
-    assert seen == {"in": True, "listed": True}
+    assert seen == {"in": True, "listed": True, "got": "aaa_impl:Model"}
     assert entry.implementation == "aaa_impl:Model"  # it was "fallback:Model", silently
 
 

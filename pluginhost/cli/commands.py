@@ -280,11 +280,16 @@ def _check_utf8(text: str, what: str) -> None:
 def _check_tokenizer(model: str) -> None:
     """Before anything loads: ``--prompt`` is text, so the model directory needs a tokenizer.
 
-    A directory that is no model directory at all (no config.json) is told so first, as the engine would.
+    A directory that is no model directory at all (no config.json) is told so first, as the engine would. A
+    ``model`` that is no directory is left to the engine: a plugin's ``modify_config`` may name the directory.
     """
+    from pathlib import Path
+
     from pluginhost.model_dir import model_directory, read_config_json
     from pluginhost.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
+    if not Path(model).is_dir():
+        return
     model_dir = model_directory(model)
     read_config_json(model_dir)
     if not has_tokenizer_files(model_dir):

@@ -304,6 +304,10 @@ def _check_changes(config: EngineConfig, used: dict[str, Any], hook: str, plan: 
         raise ConfigError(f"{exc} ({which})") from None
 
 
+#: The dtypes a model computes in: a tensor moved from one to another is a cast, not a quantizer's storage.
+_COMPUTE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _placement(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.device]]:
     """Each parameter's and buffer's dtype and device, by name."""
     return {name: (t.dtype, t.device) for name, t in (*model.named_parameters(), *model.named_buffers())}
@@ -314,8 +318,9 @@ def _check_placement(model: nn.Module, before: dict[str, tuple[torch.dtype, torc
 
     The engine, its KV cache and its config stay as built: a cast to float32 took twice the memory with
     ``dtype`` still saying bfloat16, one to bfloat16 changed the logprobs silently. A tensor kept under its
-    name in another floating dtype, or on another device, is such a change; storing weights differently
-    (a quantizer's int8 buffers in place of a weight) is not.
+    name in another dtype models compute in (``_COMPUTE_DTYPES``), or on another device, is such a change;
+    storing weights differently (a quantizer's int8 buffers in place of a weight, float8 weights beside
+    their scales) is not.
     """
     for name, (dtype, device) in _placement(model).items():
         was = before.get(name)
@@ -324,7 +329,7 @@ def _check_placement(model: nn.Module, before: dict[str, tuple[torch.dtype, torc
         changed = None
         if device != was[1]:
             changed = f"moved the model ({name}: {was[1]} -> {device})"
-        elif dtype != was[0] and dtype.is_floating_point and was[0].is_floating_point:
+        elif dtype != was[0] and dtype in _COMPUTE_DTYPES and was[0] in _COMPUTE_DTYPES:
             changed = f"changed the dtype the model computes in ({name}: {was[0]} -> {dtype})"
         if changed is None:
             continue
