@@ -268,6 +268,17 @@ def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens(tiny_opt):
     # Both stop tokens held back for two tokens (the model's next choice is token 0), then end-of-sequence.
     out = llm.generate([[2, 5]], SamplingParams(temperature=0, max_tokens=10, min_tokens=2, stop_token_ids=[9]))[0]
     assert (out.token_ids, out.finish_reason, out.outputs[0].stop_reason) == ([0, 0, 2], "stop", None)
+    # With ignore_eos too, as vLLM: end-of-sequence came first, from the first token on ([2, 2, 2, ...]).
+    out = llm.generate([[2, 5]], SamplingParams(temperature=0, max_tokens=5, min_tokens=3, ignore_eos=True))[0]
+    assert (out.token_ids, out.finish_reason) == ([9, 9, 9, 2, 2], "length")
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_refused_not_sampled(llm):
+    # Greedy gave token 0, silently; sampled, "no token can be drawn" ended every request of the step.
+    everything = SamplingParams(min_tokens=1, max_tokens=3, stop_token_ids=list(range(llm.vocab_size)))
+    with pytest.raises(ValueError, match=r"take in all 384 tokens of the vocabulary: min_tokens=1 would leave no"):
+        llm.generate([[2, 5]], everything)
+    assert llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids  # and it serves on
 
 
 class Sets:

@@ -88,6 +88,7 @@ class InputProcessor:
             max_tokens = self._checked(index, token_ids, request.params, exact_max_tokens)
         params, token_ids = request.params, request.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
+        held_back = _held_back(params, loaded.eos_ids)
         for sample in range(params.n):
             if params.seed is not None:  # sample i draws from seed + i, as in vLLM
                 generator = torch.Generator(loaded.device).manual_seed(params.seed + sample)
@@ -96,7 +97,9 @@ class InputProcessor:
             detokenizer = None
             if loaded.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
-            sampling = SamplingState(params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device)
+            sampling = SamplingState(
+                params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device, held_back_ids=held_back
+            )
             request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
         return request
 
@@ -187,6 +190,15 @@ class InputProcessor:
             raise InvalidParameterError(
                 f"prompt {index} has stop_token_ids {outside[:5]} outside the vocabulary [0, {loaded.vocab_size})",
                 param="stop_token_ids",
+            )
+        held_back = _held_back(params, loaded.eos_ids)
+        if params.min_tokens and sum(t < loaded.vocab_size for t in held_back) >= loaded.vocab_size:
+            # Every token would end it: the min_tokens mask would leave its row nothing to choose.
+            raise InvalidParameterError(
+                f"prompt {index} has stop_token_ids that, with the end-of-sequence ids, take in all "
+                f"{loaded.vocab_size} tokens of the vocabulary: min_tokens={params.min_tokens} would leave no token "
+                "to choose. Lower min_tokens, or stop on fewer tokens.",
+                param="min_tokens",
             )
         return max_tokens
 
@@ -289,6 +301,12 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
         return token_ids
+
+
+def _held_back(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens ``min_tokens`` holds back: ``stop_token_ids`` and end-of-sequence, ``ignore_eos`` or not (as vLLM
+    holds them back: an answer of ``min_tokens`` tokens has none of them)."""
+    return frozenset(params.stop_token_ids or ()) | eos_ids
 
 
 def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:

@@ -53,15 +53,22 @@ class SamplingState:
     output_counts: Tensor | None = None
     #: Tokens of the prompt (V,), kept only for the repetition penalty.
     prompt_mask: Tensor | None = field(default=None, repr=False)
-    #: ``stop_ids`` as an index tensor, made at the first step ``min_tokens`` masks them: made again at every
+    #: Tokens ``min_tokens`` holds back (``None``: ``stop_ids``): end-of-sequence too when it is ignored, as vLLM.
+    held_back_ids: frozenset[int] | None = None
+    #: The held-back ids as an index tensor, made at the first step ``min_tokens`` masks them: made again at every
     #: step, a request stopping at every id of the vocabulary slowed everyone's steps 3 to 15 times.
     _stop_index: Tensor | None = field(default=None, repr=False)
 
+    @property
+    def held_back(self) -> frozenset[int]:
+        """The tokens ``min_tokens`` holds back until that many are generated."""
+        return self.stop_ids if self.held_back_ids is None else self.held_back_ids
+
     def stop_index(self, width: int) -> Tensor:
-        """The stop ids below ``width`` (the logits' vocabulary: an end-of-sequence id a config puts beyond it
+        """The held-back ids below ``width`` (the logits' vocabulary: an end-of-sequence id a config puts beyond it
         cannot be sampled anyway), as one index tensor."""
         if self._stop_index is None:
-            ids = sorted(t for t in self.stop_ids if t < width)
+            ids = sorted(t for t in self.held_back if t < width)
             self._stop_index = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self._stop_index
 
@@ -104,7 +111,7 @@ def sample(
     rows = [i for i, _ in live]
     changing = [p for p in processors if not p.is_argmax_invariant()]
     keeping = [p for p in processors if p.is_argmax_invariant()]
-    masked = [(i, s) for i, s in live if s.num_generated < s.params.min_tokens and s.stop_ids]
+    masked = [(i, s) for i, s in live if s.num_generated < s.params.min_tokens and s.held_back]
     penalized = [(i, s) for i, s in live if s.params.penalized]
     if changing or masked or penalized:
         logits = logits.clone()  # the model's own tensor stays as it returned it
