@@ -26,7 +26,8 @@ aborts the build; nothing is kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,20 @@ from pluginhost.config import EngineConfig
 from pluginhost.errors import ConfigError, UnknownArchitectureError
 from pluginhost.host import PluginHost
 from pluginhost.logits_processors import RegisteredProcessor
-from pluginhost.model_dir import apply_overrides, generation_eos_ids, load_hf_config, model_directory, text_config
+from pluginhost.model_dir import (
+    apply_overrides,
+    generation_defaults,
+    generation_eos_ids,
+    load_hf_config,
+    model_directory,
+    text_config,
+)
 from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration, builtin_ref
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "TRANSFORMERS_FALLBACK",
@@ -63,6 +73,8 @@ class BuildPlan:
     logits_processors: list[RegisteredProcessor]
     #: End-of-sequence ids of ``generation_config.json``, besides the config's and the tokenizer's.
     generation_eos_ids: frozenset[int] = frozenset()
+    #: The default ``SamplingParams`` fields of ``generation_config.json`` (``generation_config="auto"``).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -86,6 +98,7 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir, config.hf_overrides)
     generation_eos = generation_eos_ids(model_dir)
+    sampling_defaults = generation_defaults(model_dir) if config.generation_config == "auto" else {}
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
     try:
         registration = _pick_architecture(
@@ -106,7 +119,17 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
         raise UnknownArchitectureError(f"{exc} {left_out}") from None
     config.settle(max_model_len=_max_model_len(config, hf_config))
     check_combination(config)
-    return BuildPlan(config, model_dir, hf_config, registry, registration, processors, generation_eos)
+    if sampling_defaults:
+        logger.warning(
+            "Default sampling parameters are those %s/generation_config.json recommends: %s (as vLLM's "
+            "generation_config='auto'); a request's own values win. For SamplingParams' own defaults, pass "
+            "generation_config='vllm' (--generation-config vllm).",
+            model_dir,
+            ", ".join(f"{k}={v}" for k, v in sampling_defaults.items()),
+        )
+    return BuildPlan(
+        config, model_dir, hf_config, registry, registration, processors, generation_eos, sampling_defaults
+    )
 
 
 def check_combination(config: EngineConfig, hf_config: Any = None) -> None:

@@ -152,6 +152,12 @@ class EngineConfig(BaseModel):
     refuse_nonfinite_weights: bool = Field(
         default=False, description="Refuse a checkpoint holding inf or nan weights (by default: a warning naming them)."
     )
+    generation_config: Literal["auto", "vllm"] = Field(
+        default="auto",
+        description="Default sampling parameters, as vLLM's: 'auto', those the model's generation_config.json "
+        "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) for what a "
+        "request leaves out; 'vllm', SamplingParams' own.",
+    )
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
     #: Set once the engine is built: a change then would describe an engine that is not the one running.

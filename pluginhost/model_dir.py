@@ -142,6 +142,38 @@ def generation_eos_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
+#: The sampling fields of ``generation_config.json`` that become the default ``SamplingParams`` (vLLM's
+#: ``generation_config="auto"``), with transformers' own defaults, which a file repeating them does not change.
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The default ``SamplingParams`` fields the directory's ``generation_config.json`` recommends (vLLM's rule).
+
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` where they differ from transformers'
+    defaults, and ``max_new_tokens`` as ``max_tokens``; checked as ``SamplingParams`` checks them.
+    """
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    if not isinstance(data, dict):
+        return {}
+    defaults = {k: data[k] for k, neutral in _SAMPLING_DEFAULTS.items() if data.get(k) not in (None, neutral)}
+    if data.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = data["max_new_tokens"]
+    from pluginhost.sampling import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{path} recommends sampling defaults SamplingParams refuses ({exc}). Fix the file, or leave its "
+            "defaults out: generation_config='vllm' (--generation-config vllm)."
+        ) from None
+    return defaults
+
+
 def load_hf_config(model_dir: Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
     """The directory's config as a transformers ``PretrainedConfig``, from one read of ``config.json``.
 

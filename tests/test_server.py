@@ -1429,3 +1429,44 @@ def test_a_model_failure_is_a_500_or_an_error_event_and_later_requests_are_serve
             assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
     finally:
         engine.shutdown()
+
+
+def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out_as_vllm(tiny_opt, tmp_path):
+    """vLLM's generation_config="auto": Llama 3 Instruct's temperature 0.6 and top_p 0.9 were temperature 1, top_p 1."""
+    import shutil
+
+    model = shutil.copytree(tiny_opt, tmp_path / "model")
+    recommended = {"top_k": 1, "temperature": 0.7, "max_new_tokens": 6}  # top_k 1: what greedy gives
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **recommended}))
+    offline = LLM(str(model), load_installed_plugins=False)
+    assert offline.sampling_defaults == {"temperature": 0.7, "top_k": 1, "max_tokens": 6}
+    expected = offline.generate(["Hi"], greedy(6, ignore_eos=True))[0].outputs[0].text
+    engine = AsyncLLM(str(model), load_installed_plugins=False)
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+            extra = {"ignore_eos": True}
+            # Left out: the model's defaults; max_tokens caps what the request asks (16 by OpenAI's default).
+            answer = client.completions.create(model="tiny", prompt="Hi", extra_body=extra)
+            assert (answer.choices[0].text, answer.usage.completion_tokens) == (expected, 6)
+            # Given: the request's own (sampled at temperature 1 over every token: not the greedy text, seeded).
+            sampled = client.completions.create(model="tiny", prompt="Hi", seed=3, extra_body={**extra, "top_k": 0})
+            assert sampled.choices[0].text != expected and sampled.usage.completion_tokens == 6
+    finally:
+        engine.shutdown()
+    # Offline: a prompt given no SamplingParams takes them too; generation_config="vllm" leaves them out.
+    assert offline.generate(["Hi"])[0].outputs[0].token_ids == offline.generate(["Hi"], greedy(6))[0].token_ids
+    plain = LLM(str(model), load_installed_plugins=False, generation_config="vllm")
+    assert plain.sampling_defaults == {} and plain.get_default_sampling_params().max_tokens == 16
+
+
+def test_a_generation_config_recommending_what_sampling_refuses_is_one_clear_error(tiny_opt, tmp_path):
+    import shutil
+
+    from pluginhost.errors import ConfigError
+
+    model = shutil.copytree(tiny_opt, tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(ConfigError, match=r"generation_config.json recommends sampling defaults SamplingParams refus"):
+        LLM(str(model), load_installed_plugins=False)
+    assert LLM(str(model), load_installed_plugins=False, generation_config="vllm").generate(["Hi"])

@@ -149,6 +149,12 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         help="read weight files an index or a link places outside the model directory (if you trust where they are)",
     )
     group.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        help="default sampling parameters: auto (default), those the model's generation_config.json recommends, "
+        "as vLLM; vllm, SamplingParams' own",
+    )
+    group.add_argument(
         "--refuse-nonfinite-weights",
         action="store_true",
         default=None,
@@ -268,6 +274,7 @@ _ENGINE_FIELDS = (
     "model_impl",
     "allow_external_weights",
     "refuse_nonfinite_weights",
+    "generation_config",
 )
 
 

@@ -273,7 +273,7 @@ class AsyncLLM(EngineFrontend):
             self._inputs.make_request,
             request_id or self._new_request_id(),
             prompt,
-            params if params is not None else SamplingParams(),
+            params if params is not None else self.get_default_sampling_params(),
             index=index,
             on_output=stream.deliver,
             streaming=True,

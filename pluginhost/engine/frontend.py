@@ -17,6 +17,7 @@ from pluginhost.engine.loader import LoadedModel, load_model, validated_config
 from pluginhost.engine.runner import ModelRunner
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.registry import Registration
+from pluginhost.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
@@ -158,6 +159,17 @@ class EngineFrontend:
     @property
     def vocab_size(self) -> int:
         return self._loaded.vocab_size
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields the model's ``generation_config.json`` recommends (``generation_config=
+        "auto"``; vLLM's ``get_diff_sampling_param()``): a request's defaults, where it leaves a field out."""
+        return dict(self._loaded.sampling_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` a prompt given none runs with, as vLLM's: ``sampling_defaults`` over
+        ``SamplingParams()``'s own."""
+        return SamplingParams(**self._loaded.sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         """The model directory's tokenizer (a transformers tokenizer), or ``None`` without one."""

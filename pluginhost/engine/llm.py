@@ -76,7 +76,7 @@ class LLM(EngineFrontend):
         """
         self._check_generates()
         prompt_list = as_prompt_list(prompts)
-        params_list = _params_for(prompt_list, sampling_params)
+        params_list = _params_for(prompt_list, sampling_params, self.get_default_sampling_params)
         if not prompt_list:
             return []
         requests = [
@@ -137,10 +137,12 @@ class _Ended:
 
 
 def _params_for(
-    prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    prompts: list[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    default: Callable[[], SamplingParams],
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in prompts]
+        return [default() for _ in prompts]
     if isinstance(params, SamplingParams):
         return [params] * len(prompts)
     if isinstance(params, str | bytes) or not isinstance(params, Sequence):

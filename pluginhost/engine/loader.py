@@ -10,7 +10,7 @@ import copy
 import inspect
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ class LoadedModel:
     code_files: frozenset[str]
     #: The logits processors plugins added (instantiated by the engine).
     logits_processors: list[RegisteredProcessor]
+    #: The default ``SamplingParams`` fields of the model's ``generation_config.json`` (``generation_config="auto"``).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -179,6 +181,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         eos_ids=_eos_ids(plan.hf_config, tokenizer) | plan.generation_eos_ids,
         code_files=_code_files(model),
         logits_processors=plan.logits_processors,
+        sampling_defaults=plan.sampling_defaults,
     )
 
 

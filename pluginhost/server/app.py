@@ -65,6 +65,7 @@ from pluginhost.server.protocol import (
     ErrorResponse,
     FieldError,
     UsageInfo,
+    capped_max_tokens,
     now,
     random_id,
 )
@@ -574,9 +575,20 @@ class _API:
             )
 
     async def _start(
-        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames, arrival: float
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        request_id: str,
+        names: _FieldNames,
+        arrival: float,
+        *,
+        exact_max_tokens: bool = True,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue)."""
+        """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue).
+
+        ``exact_max_tokens``: a ``max_tokens`` the context cannot hold is a 400 (OpenAI's rule for what a client
+        asked for); else it is cut to fit (the model's recommended ``max_tokens``, which the client never asked for).
+        """
         config = self.engine.config
         most = config.max_sequences_taken
         if len(prompts) * params.n > most:  # more than the server ever takes in: retrying cannot help (not a 503)
@@ -589,7 +601,7 @@ class _API:
             )
         requests = [(prompt, params.clone(), f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
         try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
-            return await self.engine.submit_all(requests, exact_max_tokens=True, arrival_time=arrival)
+            return await self.engine.submit_all(requests, exact_max_tokens=exact_max_tokens, arrival_time=arrival)
         except (ValueError, PluginhostError) as exc:
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
@@ -613,9 +625,13 @@ class _API:
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
         names = _FieldNames("prompt")
-        params = self._params(lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs), names)
+        defaults = self.engine.sampling_defaults
+        params = self._params(
+            lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=defaults), names
+        )
         request_id = random_id("cmpl")
-        streams = await self._start(prompts, params, request_id, names, arrival)
+        exact = _asked_exactly(body.max_tokens, defaults)
+        streams = await self._start(prompts, params, request_id, names, arrival, exact_max_tokens=exact)
         shape = _Completions(self, request_id, body)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
@@ -641,9 +657,13 @@ class _API:
             )
         except PromptTooLongError as exc:
             raise names.bad_request(exc) from None
-        params = self._params(lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top), names)
+        defaults = self.engine.sampling_defaults
+        params = self._params(
+            lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top, defaults=defaults), names
+        )
         request_id = random_id("chatcmpl")
-        streams = await self._start([prompt], params, request_id, names, arrival)
+        exact = _asked_exactly(body.token_budget, defaults)
+        streams = await self._start([prompt], params, request_id, names, arrival, exact_max_tokens=exact)
         shape = _Chat(self, request_id, body, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
@@ -766,6 +786,11 @@ def _error_code(error: Exception) -> str:
     if isinstance(error, TensorParallelError):
         return "engine_stopped"
     return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
+
+
+def _asked_exactly(asked: int | None, defaults: Mapping[str, Any]) -> bool:
+    """Whether a request's ``max_tokens`` is its own (not cut by the model's recommended one): OpenAI's 400 rule."""
+    return asked is not None and capped_max_tokens(asked, defaults) == asked
 
 
 def _status(error: Exception) -> int:

@@ -43,6 +43,7 @@ __all__ = [
     "FieldError",
     "StreamOptions",
     "UsageInfo",
+    "capped_max_tokens",
     "random_id",
 ]
 
@@ -212,18 +213,27 @@ class _SamplingFields(_Strict):
             raise FieldError("vllm_xargs", "give extra_args or vllm_xargs, not both")
         return self
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's ``SamplingParams`` (``ValueError`` for values it refuses)."""
-        optional = {
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``ValueError`` for values it refuses).
+
+        ``defaults`` (the model's ``generation_config.json``, ``AsyncLLM.sampling_defaults``) fill the fields the
+        request leaves out, and their ``max_tokens`` caps the request's, as in vLLM.
+        """
+        defaults = defaults or {}
+        given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
         }
+        optional = {k: v for k, v in defaults.items() if k in given}
+        optional.update((k, v) for k, v in given.items() if v is not None)
         return SamplingParams(
             n=self.n,
-            max_tokens=max_tokens,
+            max_tokens=capped_max_tokens(max_tokens, defaults),
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -233,8 +243,14 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
-            **{k: v for k, v in optional.items() if v is not None},
+            **optional,
         )
+
+
+def capped_max_tokens(asked: int | None, defaults: Mapping[str, Any]) -> int | None:
+    """The tokens a request may generate: what it asked for, capped by the model's recommended ``max_tokens``."""
+    caps = [n for n in (asked, defaults.get("max_tokens")) if n is not None]
+    return min(caps) if caps else None
 
 
 #: The most prompts one completion request lists, and the most messages one chat holds. Checked before the body is
