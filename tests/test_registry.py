@@ -187,6 +187,7 @@ def test_the_implementation_called_last_wins_with_trylast_and_wrappers():
     assert first.implementation == "last:M"  # given first, called last: it was "plain:M"
     assert [o.implementation for o in first.overrides] == ["plain:M"]
     assert collect(Wraps(), RegistersModel("Shared", "plain:M")).get("Shared").implementation == "wrapper:M"
+
     # The builtins are overridden however a plugin's implementation is placed, before theirs too.
     class First:
         @hookimpl(tryfirst=True)
