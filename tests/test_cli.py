@@ -236,6 +236,21 @@ def test_generate_on_a_model_name_a_plugin_maps_to_a_directory(install_plugin, c
     assert code == 0, err
 
 
+def test_generate_decodes_with_its_flags_and_leaves_the_models_sampling_defaults_unread(capsys, tiny_opt, tmp_path):
+    # It said it took generation_config.json's defaults, then decoded with its own flags; a file recommending what
+    # sampling refuses stopped it.
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_opt, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1.0, "max_new_tokens": 2}))
+    code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "5", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)[0]["token_ids"]) <= 5 and "generation_config.json" not in err
+    code, _, err = run(capsys, "generate", "--model", str(model), "--prompt", "hi", "--generation-config", "auto")
+    assert code == 2 and "recommends sampling defaults SamplingParams refuses" in err
+
+
 def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt):
     install_plugin("broken", "raise RuntimeError('boom')\n", dist="broken-dist", version="9")
     code, _, err = run(capsys, "config", "--model", str(tiny_opt))

@@ -1452,6 +1452,14 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out_as
             # Given: the request's own (sampled at temperature 1 over every token: not the greedy text, seeded).
             sampled = client.completions.create(model="tiny", prompt="Hi", seed=3, extra_body={**extra, "top_k": 0})
             assert sampled.choices[0].text != expected and sampled.usage.completion_tokens == 6
+            # A max_tokens the client gave is its own: one the context cannot hold is a 400, however far above the
+            # model's cap (asking for 100 was cut to fit, asking for 6 refused); min_tokens past the cap names it.
+            long_prompt = [2, *range(10, 133)]  # 124 tokens of 128: room for 4
+            for asked in (6, 100):
+                with pytest.raises(openai.BadRequestError, match="more than max_model_len=128"):
+                    client.completions.create(model="tiny", prompt=long_prompt, max_tokens=asked)
+            with pytest.raises(openai.BadRequestError, match=r"min_tokens \(10\) is more than the 6 tokens this model"):
+                client.completions.create(model="tiny", prompt="Hi", extra_body={"min_tokens": 10})
     finally:
         engine.shutdown()
     # Offline: a prompt given no SamplingParams takes them too; generation_config="vllm" leaves them out.

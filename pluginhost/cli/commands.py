@@ -186,6 +186,9 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     for number, prompt in enumerate(args.prompt, 1):
         _check_utf8(prompt, f"--prompt {number}")
     settings, _ = _settings_or_demo(args)
+    # Its flags are the sampling parameters (greedy unless they say otherwise): the model's recommended ones
+    # (generation_config.json) would not be used, so they are not read, unless asked for.
+    settings.setdefault("generation_config", "vllm")
     _engine_config(settings)  # first: the checks below take the values as valid
     _check_tokenizer(settings["model"])
     try:

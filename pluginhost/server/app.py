@@ -65,7 +65,6 @@ from pluginhost.server.protocol import (
     ErrorResponse,
     FieldError,
     UsageInfo,
-    capped_max_tokens,
     now,
     random_id,
 )
@@ -586,8 +585,8 @@ class _API:
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue).
 
-        ``exact_max_tokens``: a ``max_tokens`` the context cannot hold is a 400 (OpenAI's rule for what a client
-        asked for); else it is cut to fit (the model's recommended ``max_tokens``, which the client never asked for).
+        ``exact_max_tokens`` (the client gave ``max_tokens``): one the context cannot hold is a 400 (OpenAI's rule);
+        else it is cut to fit (the model's recommended ``max_tokens``, which the client never asked for).
         """
         config = self.engine.config
         most = config.max_sequences_taken
@@ -630,7 +629,7 @@ class _API:
             lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=defaults), names
         )
         request_id = random_id("cmpl")
-        exact = _asked_exactly(body.max_tokens, defaults)
+        exact = body.max_tokens is not None  # the client's own: OpenAI's 400 when the context cannot hold it
         streams = await self._start(prompts, params, request_id, names, arrival, exact_max_tokens=exact)
         shape = _Completions(self, request_id, body)
         if body.stream:
@@ -662,7 +661,7 @@ class _API:
             lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top, defaults=defaults), names
         )
         request_id = random_id("chatcmpl")
-        exact = _asked_exactly(body.token_budget, defaults)
+        exact = body.token_budget is not None
         streams = await self._start([prompt], params, request_id, names, arrival, exact_max_tokens=exact)
         shape = _Chat(self, request_id, body, top)
         if body.stream:
@@ -786,11 +785,6 @@ def _error_code(error: Exception) -> str:
     if isinstance(error, TensorParallelError):
         return "engine_stopped"
     return "model_error" if isinstance(error, ModelRunError) else "plugin_error"
-
-
-def _asked_exactly(asked: int | None, defaults: Mapping[str, Any]) -> bool:
-    """Whether a request's ``max_tokens`` is its own (not cut by the model's recommended one): OpenAI's 400 rule."""
-    return asked is not None and capped_max_tokens(asked, defaults) == asked
 
 
 def _status(error: Exception) -> int:

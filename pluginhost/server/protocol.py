@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pluginhost.errors import InvalidParameterError
 from pluginhost.sampling import SamplingParams
 
 __all__ = [
@@ -231,9 +232,16 @@ class _SamplingFields(_Strict):
         }
         optional = {k: v for k, v in defaults.items() if k in given}
         optional.update((k, v) for k, v in given.items() if v is not None)
+        capped = capped_max_tokens(max_tokens, defaults)
+        if capped is not None and capped != max_tokens and self.min_tokens > capped:
+            raise InvalidParameterError(
+                f"min_tokens ({self.min_tokens}) is more than the {capped} tokens this model generates at most for a "
+                "request (max_new_tokens in its generation_config.json)",
+                param="min_tokens",
+            )
         return SamplingParams(
             n=self.n,
-            max_tokens=capped_max_tokens(max_tokens, defaults),
+            max_tokens=capped,
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
