@@ -755,7 +755,7 @@ class PluginHost:
         except BaseException as exc:  # noqa: BLE001 - a plugin's code may raise anything, exit included
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            plugin = self._owners.in_traceback(exc.__traceback__)
+            plugin = self._owners.in_traceback(exc.__traceback__) or self._implementer_of(caller, hook, exc)
             if plugin is None:
                 raise
             raise self._hook_error(plugin, hook, exc, consequence) from exc
@@ -763,6 +763,27 @@ class PluginHost:
             if ranks is not None:
                 distributed._in_hook.reset(ranks)
             end_dispatch(token)
+
+    def _implementer_of(self, caller: Any, hook: str, exc: BaseException) -> PluginRef | None:
+        """The plugin to blame for ``exc`` when no frame of a plugin's is in its traceback (``None``: no plugin
+        implements the hook).
+
+        pluggy's own errors about an implementation (a wrapper that never yields: ``wrap_controller at 'on_output'
+        /path/plugin.py:12 did not yield``) name its file; else the only plugin implementing the hook, or the first
+        (re-raised as it was, the error escaped the engine's step: a request's stream never ended, or every running
+        request failed).
+        """
+        refs = {record.name: record.ref for record in self._records}
+        impls = [impl for impl in reversed(caller.get_hookimpls()) if impl.plugin_name in refs]
+        impls = [impl for impl in impls if refs[impl.plugin_name] != builtin_ref()] or impls
+        if not impls:
+            return None
+        text = str(exc)
+        for impl in impls:
+            source = inspect.getsourcefile(inspect.unwrap(impl.function)) or ""
+            if source and source in text:
+                return refs[impl.plugin_name]
+        return refs[impls[0].plugin_name]
 
     def _warn_returned(self, caller: Any, hook: str, results: list[Any]) -> None:
         """Once per hook: an implementation returned a value, which nothing reads (a porting slip, usually)."""

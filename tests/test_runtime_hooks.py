@@ -735,6 +735,73 @@ def test_token_ids_changed_without_their_logprobs_end_the_request_naming_the_plu
         llm.generate([PROMPTS[0]], greedy(4, logprobs=1))  # a server's answer failed on it: "internal error"
 
 
+class LeavesAnIterator:
+    @hookimpl
+    def on_output(self, request, output):
+        for sample in output.outputs:
+            sample.logprobs = iter(sample.logprobs or [])
+
+
+def test_logprobs_left_without_a_length_end_the_request_naming_the_plugin(tiny_opt):
+    # The check itself raised TypeError after the request was forgotten: its stream never ended.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[LeavesAnIterator()])
+    with pytest.raises(PluginHookError, match=r"plugin 'LeavesAnIterator' left sample\(s\) \[0\] with logprobs that"):
+        llm.generate([PROMPTS[0]], greedy(4, logprobs=1))
+
+
+class EarlyOutput:  # wrappers returning before their yield: pluggy's error names no frame of the plugin's
+    @hookimpl(wrapper=True)
+    def on_output(self, request, output):
+        if request is not None:
+            return None
+        yield
+
+
+class EarlyRequest:
+    @hookimpl(wrapper=True)
+    def on_request(self, request):
+        if request is not None:
+            return None
+        yield
+
+
+class EarlyStats:
+    @hookimpl(wrapper=True)
+    def record_stats(self, stats):
+        if stats is not None:
+            return None
+        yield
+
+
+def test_a_hook_failing_with_no_frame_of_its_own_is_still_blamed_on_its_plugin(tiny_opt, caplog):
+    """pluggy's "did not yield" escaped the step: a stream never ended, record_stats failed every request."""
+
+    async def main(plugin: object) -> tuple[object, object]:
+        engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
+        try:
+            outcomes = []
+            for request_id, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):  # the second: it serves on
+                try:
+                    async with asyncio.timeout(30):
+                        outcomes.append([out async for out in engine.generate(prompt, greedy(3), request_id)][-1])
+                except PluginHookError as exc:
+                    outcomes.append(exc)
+            return outcomes[0], outcomes[1]
+        finally:
+            engine.shutdown()
+
+    failed, after = asyncio.run(main(EarlyOutput()))
+    assert "plugin 'EarlyOutput' failed in its on_output hook: RuntimeError: wrap_controller" in str(failed)
+    assert isinstance(after, PluginHookError)  # every request's output goes through the same hook
+    refused, _ = asyncio.run(main(EarlyRequest()))
+    assert "plugin 'EarlyRequest' failed in its on_request hook" in str(refused)
+    with caplog.at_level(logging.ERROR, logger="pluginhost"):
+        llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[EarlyStats()])
+        assert len(llm.generate([PROMPTS[0]], greedy(3))[0].token_ids) == 3
+        assert len(llm.generate([PROMPTS[1]], greedy(3))[0].token_ids) == 3
+    assert caplog.text.count("plugin 'EarlyStats' failed in its record_stats hook") == 1
+
+
 def test_record_stats_sees_every_step_and_a_failing_one_is_logged_once_and_dropped(tiny_opt, caplog):
     seen = []
 

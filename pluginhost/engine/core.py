@@ -541,7 +541,10 @@ class EngineCore:
             error = None
             if request.finished:
                 self._forget(request)
-                error = self._finish(request)
+                try:
+                    error = self._finish(request)
+                except Exception as exc:  # noqa: BLE001 - forgotten already: unended here, its stream never ended
+                    request.error = error = exc
             if request.on_output is not None:
                 deliveries.append((request.on_output, None if error else request.output(), error))
         return deliveries
@@ -557,13 +560,13 @@ class EngineCore:
             except PluginHookError as exc:
                 request.error = exc
                 return exc
-            uneven = [c.index for c in output.outputs if c.logprobs is not None and len(c.logprobs) != len(c.token_ids)]
+            uneven = [c.index for c in output.outputs if not _paired(c.logprobs, c.token_ids)]
             if uneven:  # one log-probability per token: answers pair them up
                 plugins = self._host.implementers("on_output")
                 request.error = PluginHookError(
                     f"the on_output hook of {' or '.join(p.describe() for p in plugins)} left sample(s) {uneven} "
-                    "with token_ids and logprobs of different lengths: change both together, or neither. The request "
-                    "ended with this error.",
+                    "with logprobs that are not one per token of token_ids (lists of the same length): change both "
+                    "together, or neither. The request ended with this error.",
                     plugin=plugins[0].name,
                     hook="on_output",
                 )
@@ -746,6 +749,16 @@ class EngineCore:
                 del self._live[request.request_id]
         if request.on_end is not None:
             request.on_end()
+
+
+def _paired(logprobs: object, token_ids: object) -> bool:
+    """Whether a sample's ``logprobs`` (``None``, or one per token) pair up with its ``token_ids``."""
+    if logprobs is None:
+        return True
+    try:
+        return len(logprobs) == len(token_ids)  # type: ignore[arg-type]
+    except TypeError:  # an iterator, a number: what an on_output hook may leave
+        return False
 
 
 def blame(loaded: LoadedModel, exc: BaseException) -> Exception:
