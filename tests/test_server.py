@@ -19,7 +19,7 @@ import openai
 import pytest
 from fastapi import WebSocket
 
-from pluginhost import LLM, AsyncLLM, SamplingParams
+from pluginhost import LLM, AsyncLLM, SamplingParams, hookimpl
 from pluginhost.demo import ensure_demo_model
 from pluginhost.server.app import build_app
 from pluginhost.testing import RegistersModel, make_tiny_opt
@@ -1441,11 +1441,21 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out_as
     offline = LLM(str(model), load_installed_plugins=False)
     assert offline.sampling_defaults == {"temperature": 0.7, "top_k": 1, "max_tokens": 6}
     expected = offline.generate(["Hi"], greedy(6, ignore_eos=True))[0].outputs[0].text
-    engine = AsyncLLM(str(model), load_installed_plugins=False)
+
+    class SetsItsOwnLimit:  # as request_guard does for a request setting none: it saw the model's 6 and refused
+        @hookimpl
+        def on_request(self, request):
+            if request.params.max_tokens is None:
+                request.params.max_tokens = 3
+
+    engine = AsyncLLM(str(model), load_installed_plugins=False, plugins=[SetsItsOwnLimit()])
     try:
         with running_server(build_app(engine, served_model_name="tiny")) as base:
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
             extra = {"ignore_eos": True}
+            unset = {"model": "tiny", "prompt": "Hi", "max_tokens": None, **extra}
+            answer = httpx.post(f"{base}/v1/completions", json=unset, timeout=TIMEOUT).json()
+            assert answer["usage"]["completion_tokens"] == 3  # the hook's: the model's applies after the hooks
             # Left out: the model's defaults; max_tokens caps what the request asks (16 by OpenAI's default).
             answer = client.completions.create(model="tiny", prompt="Hi", extra_body=extra)
             assert (answer.choices[0].text, answer.usage.completion_tokens) == (expected, 6)

@@ -183,7 +183,8 @@ class AsyncLLM(EngineFrontend):
         The event loop goes on meanwhile (``on_request`` hooks run in that thread too); the
         errors are ``add_request``'s. ``exact_max_tokens``: a ``max_tokens`` the context cannot hold
         is a ``PromptTooLongError``, as the OpenAI API has it (else generation ends at
-        ``max_model_len``, as in vLLM's engine). ``arrival_time`` (``time.monotonic()``): when the
+        ``max_model_len``, as in vLLM's engine), and one left unset takes the model's recommended one
+        (``InputProcessor.make_request``). ``arrival_time`` (``time.monotonic()``): when the
         request arrived, if before this call (a server's HTTP request), which its latencies count from.
         """
         [stream] = await self.submit_all(

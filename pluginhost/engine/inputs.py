@@ -50,7 +50,9 @@ class InputProcessor:
 
         A ``max_tokens`` beyond what ``max_model_len`` leaves after the prompt ends generation
         there, with ``finish_reason`` "length", as in vLLM's engine; with ``exact_max_tokens`` it
-        is a ``PromptTooLongError`` instead (the OpenAI server's rule). ``arrival_time``
+        is a ``PromptTooLongError`` instead (the OpenAI server's rules), and one left unset after the
+        ``on_request`` hooks takes the model's recommended ``max_tokens`` (``generation_config.json``'s
+        ``max_new_tokens``), cut to fit, as vLLM's server. ``arrival_time``
         (``time.monotonic()``) is when the request arrived, if before now.
         """
         if not isinstance(params, SamplingParams):
@@ -63,6 +65,7 @@ class InputProcessor:
         request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        cap = loaded.sampling_defaults.get("max_tokens") if exact_max_tokens else None
         if self._on_request:
             given = (text, list(token_ids), request.params.clone())
             # Only the caller's own max_tokens can be the caller's error: what a plugin adds is cut to fit.
@@ -71,12 +74,12 @@ class InputProcessor:
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
                 self._follow_prompt(index, request, text, given[1])
-                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact)
+                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact, cap)
             except ValueError as exc:
                 now = (request.prompt, request.prompt_token_ids, request.params)
                 if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
                     raise
-                self._checked(index, *given[1:], exact_max_tokens)  # the caller's own request fails too: theirs
+                self._checked(index, *given[1:], exact_max_tokens, cap)  # the caller's own request fails too: theirs
                 plugins = loaded.host.implementers("on_request")
                 raise PluginHookError(
                     f"prompt {index} became invalid in the on_request hook of "
@@ -85,7 +88,7 @@ class InputProcessor:
                     hook="on_request",
                 ) from exc
         else:
-            max_tokens = self._checked(index, token_ids, request.params, exact_max_tokens)
+            max_tokens = self._checked(index, token_ids, request.params, exact_max_tokens, cap)
         params, token_ids = request.params, request.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
         held_back = _held_back(params, loaded.eos_ids)
@@ -122,8 +125,11 @@ class InputProcessor:
                 f"(one token of this tokenizer stands for {most} characters at most). Shorten the prompt."
             )
 
-    def _checked(self, index: int, token_ids: list[int], params: SamplingParams, exact_max_tokens: bool) -> int:
-        """Check a request's parameters against its prompt and this engine; the tokens it may generate."""
+    def _checked(
+        self, index: int, token_ids: list[int], params: SamplingParams, exact_max_tokens: bool, cap: int | None = None
+    ) -> int:
+        """Check a request's parameters against its prompt and this engine; the tokens it may generate (``cap``, the
+        model's recommended ``max_tokens``, for a request that sets none)."""
         loaded = self._loaded
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
@@ -172,6 +178,14 @@ class InputProcessor:
                 "prompt or lower max_tokens."
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is None and cap is not None:
+            if params.min_tokens > cap:
+                raise InvalidParameterError(
+                    f"min_tokens ({params.min_tokens}) is more than the {cap} tokens this model generates at most for "
+                    "a request (max_new_tokens in its generation_config.json)",
+                    param="min_tokens",
+                )
+            max_tokens = min(cap, room)
         if params.min_tokens > max_tokens:
             raise InvalidParameterError(
                 f"prompt {index} has {len(token_ids)} tokens, which leaves room for {room} within "

@@ -574,19 +574,12 @@ class _API:
             )
 
     async def _start(
-        self,
-        prompts: Sequence[Any],
-        params: SamplingParams,
-        request_id: str,
-        names: _FieldNames,
-        arrival: float,
-        *,
-        exact_max_tokens: bool = True,
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames, arrival: float
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue).
 
-        ``exact_max_tokens`` (the client gave ``max_tokens``): one the context cannot hold is a 400 (OpenAI's rule);
-        else it is cut to fit (the model's recommended ``max_tokens``, which the client never asked for).
+        As OpenAI's server (``exact_max_tokens``): a ``max_tokens`` the context cannot hold is a 400; one left out
+        takes the model's recommended one, cut to fit.
         """
         config = self.engine.config
         most = config.max_sequences_taken
@@ -600,7 +593,7 @@ class _API:
             )
         requests = [(prompt, params.clone(), f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
         try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
-            return await self.engine.submit_all(requests, exact_max_tokens=exact_max_tokens, arrival_time=arrival)
+            return await self.engine.submit_all(requests, exact_max_tokens=True, arrival_time=arrival)
         except (ValueError, PluginhostError) as exc:
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
@@ -629,8 +622,7 @@ class _API:
             lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=defaults), names
         )
         request_id = random_id("cmpl")
-        exact = body.max_tokens is not None  # the client's own: OpenAI's 400 when the context cannot hold it
-        streams = await self._start(prompts, params, request_id, names, arrival, exact_max_tokens=exact)
+        streams = await self._start(prompts, params, request_id, names, arrival)
         shape = _Completions(self, request_id, body)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
@@ -661,8 +653,7 @@ class _API:
             lambda: body.sampling_params(max_tokens=body.token_budget, logprobs=top, defaults=defaults), names
         )
         request_id = random_id("chatcmpl")
-        exact = body.token_budget is not None
-        streams = await self._start([prompt], params, request_id, names, arrival, exact_max_tokens=exact)
+        streams = await self._start([prompt], params, request_id, names, arrival)
         shape = _Chat(self, request_id, body, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))

@@ -220,7 +220,8 @@ class _SamplingFields(_Strict):
         """The engine's ``SamplingParams`` (``ValueError`` for values it refuses).
 
         ``defaults`` (the model's ``generation_config.json``, ``AsyncLLM.sampling_defaults``) fill the fields the
-        request leaves out, and their ``max_tokens`` caps the request's, as in vLLM.
+        request leaves out, and their ``max_tokens`` caps the request's, as in vLLM (one it leaves out is the
+        engine's to fill: ``exact_max_tokens``).
         """
         defaults = defaults or {}
         given = {
@@ -232,7 +233,9 @@ class _SamplingFields(_Strict):
         }
         optional = {k: v for k, v in defaults.items() if k in given}
         optional.update((k, v) for k, v in given.items() if v is not None)
-        capped = capped_max_tokens(max_tokens, defaults)
+        # A max_tokens the request gives is capped here; one it leaves out takes the model's after the on_request
+        # hooks (which may set their own), in the engine (exact_max_tokens).
+        capped = capped_max_tokens(max_tokens, defaults) if max_tokens is not None else None
         if capped is not None and capped != max_tokens and self.min_tokens > capped:
             raise InvalidParameterError(
                 f"min_tokens ({self.min_tokens}) is more than the {capped} tokens this model generates at most for a "
