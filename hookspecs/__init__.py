@@ -300,7 +300,10 @@ def on_output(request: EngineRequest, output: RequestOutput) -> None:
     an uneven pair ends the request with an error naming the plugin). When
     the request was streamed, the text already sent cannot be taken back:
     the change shows in the final output, and the server's stream sends
-    what follows the text it sent, as the changed text has it. An exception
+    what follows the text it sent, as the changed text has it; while an
+    ``on_output`` implementation is loaded, no sample of a streamed request
+    shows a ``finish_reason`` before the whole request has ended (its stream
+    ends each choice once this hook has run). An exception
     ends this request with an error naming the plugin; other requests are
     not affected. A ``PermissionError`` withholds the output by policy (a
     content filter): the request is refused, a ``RequestRefusedError`` (the

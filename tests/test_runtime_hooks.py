@@ -706,6 +706,35 @@ def test_the_server_numbers_choices_and_streams_text_as_the_hooks_left_them(tiny
         engine.shutdown()
 
 
+class Footer:
+    @hookimpl
+    def on_output(self, request, output):
+        for sample in output.outputs:
+            sample.text = (sample.text or "") + " [FOOTER]"
+
+
+def test_a_sample_finishing_before_the_others_streams_what_the_hooks_made_of_it(tiny_opt):
+    """n=2, the samples ending at different steps: the first one's stream ended before on_output ran (no footer)."""
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Footer()])
+    body = {"model": "m", "prompt": "Hello world", "max_tokens": 12, "n": 2, "seed": 3, "temperature": 1.0}
+    body["stop_token_ids"] = list(range(4, 150))  # most tokens end a sample: they end at different steps
+    try:
+        with running_server(build_app(engine, served_model_name="m")) as base:
+            whole = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"]
+            assert len({c["text"] for c in whole}) == 2 and all(c["text"].endswith(" [FOOTER]") for c in whole)
+            texts: dict[int, str] = {}
+            ends: dict[int, str] = {}
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    for c in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                        ends[c["index"]] = ends.get(c["index"]) or c["finish_reason"]
+            assert texts == {c["index"]: c["text"] for c in whole}
+            assert ends == {c["index"]: c["finish_reason"] for c in whole}
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("sent", "changed", "rest"),
     [

@@ -51,6 +51,7 @@ from pluginhost.logits_processors import AddedRequest, BatchUpdate, LogitsProces
 
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
+    from pluginhost.outputs import RequestOutput
 
 __all__ = ["EngineCore", "EngineStats", "blame"]
 
@@ -546,8 +547,18 @@ class EngineCore:
                 except Exception as exc:  # noqa: BLE001 - forgotten already: unended here, its stream never ended
                     request.error = error = exc
             if request.on_output is not None:
-                deliveries.append((request.on_output, None if error else request.output(), error))
+                deliveries.append((request.on_output, None if error else self._output(request), error))
         return deliveries
+
+    def _output(self, request: EngineRequest) -> RequestOutput:
+        """What a step hands out of ``request``: its output, where ``on_output`` hooks will still change it with no
+        sample shown finished before the request is (a stream ended a sample that finished first, and the hooks'
+        change of it never reached its client)."""
+        output = request.output()
+        if not request.finished and self._hooked["on_output"]:
+            for sample in output.outputs:
+                sample.finish_reason = sample.stop_reason = None
+        return output
 
     def _finish(self, request: EngineRequest) -> BaseException | None:
         """Fix the request's final output, through the ``on_output`` hook; the error that ended it instead, if any."""
