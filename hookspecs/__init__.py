@@ -232,7 +232,10 @@ def register_logits_processors(registry: LogitsProcessorRegistry) -> None:
     the step, for ``apply``), with an error naming the plugin; it is then
     rebuilt for the requests still running. One that leaves a request's row
     no token to choose (every logit -inf, or a NaN) ends that request alone,
-    with an error naming the plugin; the others of the step go on.
+    with an error naming the plugin; the others of the step go on: the step
+    runs again without it, so their ``apply`` (and an adapter's per-request
+    functions) is called a second time for the same token, which vLLM, which
+    has no such recovery, never does.
 
     Example::
 
