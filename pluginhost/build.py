@@ -41,6 +41,7 @@ from pluginhost.model_dir import (
     generation_eos_ids,
     load_hf_config,
     model_directory,
+    read_generation_config,
     text_config,
 )
 from pluginhost.registry import TRANSFORMERS_FALLBACK, ArchitectureRegistry, ModelRegistry, Registration, builtin_ref
@@ -97,8 +98,9 @@ def plan_build(config: EngineConfig, host: PluginHost) -> BuildPlan:
     host.call("modify_config", config=config)
     model_dir = model_directory(config.model)
     hf_config = load_hf_config(model_dir, config.hf_overrides)
-    generation_eos = generation_eos_ids(model_dir)
-    sampling_defaults = generation_defaults(model_dir) if config.generation_config == "auto" else {}
+    generation = read_generation_config(model_dir)
+    generation_eos = generation_eos_ids(model_dir, generation)
+    sampling_defaults = generation_defaults(model_dir, generation) if config.generation_config == "auto" else {}
     apply_overrides(hf_config, config.hf_overrides, config.model_architecture_override)
     try:
         registration = _pick_architecture(

@@ -29,10 +29,12 @@ __all__ = [
     "JSON_SIZE_LIMITS",
     "apply_overrides",
     "check_model_config",
+    "generation_defaults",
     "generation_eos_ids",
     "load_hf_config",
     "model_directory",
     "read_config_json",
+    "read_generation_config",
     "read_json",
     "text_config",
 ]
@@ -122,18 +124,24 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     return data
 
 
-def generation_eos_ids(model_dir: Path) -> frozenset[int]:
-    """The end-of-sequence ids of the directory's ``generation_config.json`` (none without one).
+def read_generation_config(model_dir: Path) -> dict[str, Any]:
+    """The directory's ``generation_config.json`` (empty without one, or for one holding no JSON object)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
+
+
+def generation_eos_ids(model_dir: Path, data: dict[str, Any]) -> frozenset[int]:
+    """The end-of-sequence ids of the directory's ``generation_config.json`` (``data``; none without one).
 
     Chat models often list their end-of-turn ids only there (Llama 3's
     ``<|eot_id|>`` beside ``<|end_of_text|>``); transformers' ``generate`` and
     vLLM stop at every one of them, and so does the engine.
     """
     path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return frozenset()
-    data = read_json(path)
-    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    eos = data.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ConfigError(
@@ -147,18 +155,14 @@ def generation_eos_ids(model_dir: Path) -> frozenset[int]:
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
-def generation_defaults(model_dir: Path) -> dict[str, Any]:
-    """The default ``SamplingParams`` fields the directory's ``generation_config.json`` recommends (vLLM's rule).
+def generation_defaults(model_dir: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The default ``SamplingParams`` fields the directory's ``generation_config.json`` (``data``) recommends (vLLM's
+    rule).
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` where they differ from transformers'
     defaults, and ``max_new_tokens`` as ``max_tokens``; checked as ``SamplingParams`` checks them.
     """
     path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    data = read_json(path)
-    if not isinstance(data, dict):
-        return {}
     defaults = {k: data[k] for k, neutral in _SAMPLING_DEFAULTS.items() if data.get(k) not in (None, neutral)}
     if data.get("max_new_tokens") is not None:
         defaults["max_tokens"] = data["max_new_tokens"]
@@ -239,10 +243,7 @@ def _refuse_oversized(data: dict[str, Any]) -> None:
             value = section.get(name)
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, int) and not isinstance(v, bool) and v > limit for v in values):
-                raise ConfigError(
-                    f"The model config does not describe a model that can be built: {name} is {value}, outside "
-                    f"1..{limit}. Fix config.json (or --hf-overrides)."
-                )
+                raise _unbuildable([f"{name} is {value}, outside 1..{limit}"])
 
 
 def text_config(hf_config: Any) -> Any:  # noqa: ANN401 - a transformers config, or a plugin's
@@ -284,10 +285,15 @@ def check_model_config(hf_config: PretrainedConfig) -> None:
                 problems.append(f"{name} is {value}, outside 1..{limit}")
                 break
     if problems:
-        raise ConfigError(
-            f"The model config does not describe a model that can be built: {'; '.join(problems)}. "
-            "Fix config.json (or --hf-overrides)."
-        )
+        raise _unbuildable(problems)
+
+
+def _unbuildable(problems: list[str]) -> ConfigError:
+    """The error for config sizes no model has (``problems``: what is wrong with each)."""
+    return ConfigError(
+        f"The model config does not describe a model that can be built: {'; '.join(problems)}. "
+        "Fix config.json (or --hf-overrides)."
+    )
 
 
 def _with_rope_theta(value: Any, hf_config: PretrainedConfig) -> Any:

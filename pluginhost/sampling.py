@@ -10,7 +10,7 @@ from typing import Any
 
 from pluginhost.errors import InvalidParameterError
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "SamplingParams", "check_min_tokens_within_cap"]
 
 #: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
 GREEDY_TEMPERATURE = 1e-5
@@ -194,6 +194,17 @@ class SamplingParams:
         values["extra_args"] = _copied(self.extra_args)
         values.update(changes)
         return SamplingParams(**values)
+
+
+def check_min_tokens_within_cap(min_tokens: int, cap: int) -> None:
+    """Refuse a ``min_tokens`` beyond ``cap``, the most tokens the model generates for a request (its
+    ``generation_config.json``'s ``max_new_tokens``): named so, not as a ``max_tokens`` the request never gave."""
+    if min_tokens > cap:
+        raise InvalidParameterError(
+            f"min_tokens ({min_tokens}) is more than the {cap} tokens this model generates at most for a request "
+            "(max_new_tokens in its generation_config.json)",
+            param="min_tokens",
+        )
 
 
 def _copied(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
 from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
-from pluginhost.sampling import SamplingParams
+from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap
 from pluginhost.tokenizer import most_chars_per_token
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -179,12 +179,7 @@ class InputProcessor:
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.max_tokens is None and cap is not None:
-            if params.min_tokens > cap:
-                raise InvalidParameterError(
-                    f"min_tokens ({params.min_tokens}) is more than the {cap} tokens this model generates at most for "
-                    "a request (max_new_tokens in its generation_config.json)",
-                    param="min_tokens",
-                )
+            check_min_tokens_within_cap(params.min_tokens, cap)
             max_tokens = min(cap, room)
         if params.min_tokens > max_tokens:
             raise InvalidParameterError(

@@ -32,8 +32,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pluginhost.errors import InvalidParameterError
-from pluginhost.sampling import SamplingParams
+from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap
 
 __all__ = [
     "ChatCompletionRequest",
@@ -236,12 +235,8 @@ class _SamplingFields(_Strict):
         # A max_tokens the request gives is capped here; one it leaves out takes the model's after the on_request
         # hooks (which may set their own), in the engine (exact_max_tokens).
         capped = capped_max_tokens(max_tokens, defaults) if max_tokens is not None else None
-        if capped is not None and capped != max_tokens and self.min_tokens > capped:
-            raise InvalidParameterError(
-                f"min_tokens ({self.min_tokens}) is more than the {capped} tokens this model generates at most for a "
-                "request (max_new_tokens in its generation_config.json)",
-                param="min_tokens",
-            )
+        if capped is not None and capped != max_tokens:
+            check_min_tokens_within_cap(self.min_tokens, capped)
         return SamplingParams(
             n=self.n,
             max_tokens=capped,
