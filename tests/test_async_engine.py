@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -529,6 +531,28 @@ def test_a_program_ending_without_shutdown_while_a_request_runs_exits_cleanly():
     for _ in range(3):  # it aborted four times in five
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stdout.strip()) == (0, "ended"), done.stderr[-2000:]
+
+
+def test_an_engine_dropped_without_shutdown_is_freed_and_its_streams_end(tiny_opt):
+    # The loop thread and an atexit entry held the AsyncLLM: dropped, its model stayed in memory and its thread
+    # polled for ever (one more per engine a program made), and a stream still open never ended.
+    async def scenario():
+        engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False)
+        freed = weakref.ref(engine)
+        model = weakref.ref(engine.model)
+        stream = await engine.submit([2, 5, 9], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        await stream.__anext__()  # it runs
+        loop_thread = engine._thread
+        del engine
+        gc.collect()
+        outs = [out async for out in stream]
+        return freed(), outs[-1].outputs[0].finish_reason if outs else None, loop_thread, model
+
+    alive, reason, loop_thread, model = run(scenario())
+    assert alive is None and reason == "abort"
+    loop_thread.join(TIMEOUT)
+    gc.collect()
+    assert not loop_thread.is_alive() and model() is None
 
 
 def test_requests_waiting_to_be_prepared_at_shutdown_are_told_it_was_shut_down_not_cancelled(held):

@@ -17,16 +17,16 @@ aborts the request, which frees its row at the next step.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.core import EngineCore
@@ -37,12 +37,17 @@ from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from pluginhost.engine.parallel import Ranks
+
 __all__ = ["AsyncLLM", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
 #: How often the idle loop thread looks whether it should stop.
 _IDLE_WAIT_S = 0.1
+#: How long ``shutdown`` waits for a step in progress (a plugin's hook may hold it) before giving up on it.
+_SHUTDOWN_TIMEOUT_S = 10.0
 
 T = TypeVar("T")
 
@@ -95,6 +100,7 @@ class AsyncLLM(EngineFrontend):
         # tokenizes is refused unread (``InputProcessor.check_text_length``), and a server reads no body
         # over its limit. Whole answers are built in the event loop's own executor, not here.
         self._inputs_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pluginhost-inputs")
+        self._loop = loop = _EngineLoop(self._stopping, self._inputs_thread)
         importing = _inside_an_import()
         if importing or torchrun_rank() not in (None, 0):
             if importing:
@@ -103,27 +109,30 @@ class AsyncLLM(EngineFrontend):
                     "wait for the module being imported); on a CPU its steps may then run up to ~10%% slower"
                 )
             super()._build(host, settings)
+            loop.engine, loop.ranks = self.engine, getattr(self, "_ranks", None)
             if self.engine is not None:
-                self._thread = threading.Thread(target=self._run_loop, name="pluginhost-engine", daemon=True)
+                self._thread = loop.thread = threading.Thread(target=loop.run, name="pluginhost-engine", daemon=True)
                 self._thread.start()
-            atexit.register(self.shutdown)
+            self._shut_down_when_dropped()
             return
         built: Future[None] = Future()
         abandoned = threading.Event()
+        frontend = weakref.ref(self)  # the thread must not hold the engine, which would then never be freed
 
         def build_then_run() -> None:
             try:
-                super(AsyncLLM, self)._build(host, settings)
+                super(AsyncLLM, frontend())._build(host, settings)  # the caller holds it until built
+                loop.engine, loop.ranks = frontend().engine, getattr(frontend(), "_ranks", None)
             except BaseException as exc:  # noqa: BLE001 - handed to the constructor's thread, which raises it
                 built.set_exception(exc)
                 return
             built.set_result(None)
-            if self.engine is not None:  # None on a tensor-parallel rank other than 0: it has served and ended
-                self._run_loop()  # returns at once if the caller has stopped waiting
-            if abandoned.is_set():  # nobody holds this engine to shut it down: end its ranks here
-                self.close()
+            if loop.engine is not None:  # None on a tensor-parallel rank other than 0: it has served and ended
+                loop.run()  # returns at once if the caller has stopped waiting
+            if abandoned.is_set() and loop.ranks is not None:  # nobody holds this engine to shut it down
+                loop.ranks.close()
 
-        self._thread = threading.Thread(target=build_then_run, name="pluginhost-engine", daemon=True)
+        self._thread = loop.thread = threading.Thread(target=build_then_run, name="pluginhost-engine", daemon=True)
         self._thread.start()
         try:
             built.result()
@@ -131,22 +140,14 @@ class AsyncLLM(EngineFrontend):
             abandoned.set()
             self._stopping.set()
             raise
-        atexit.register(self.shutdown)
+        self._shut_down_when_dropped()
 
-    def _run_loop(self) -> None:
-        while not self._stopping.is_set():
-            if not self.engine.wait_for_work(_IDLE_WAIT_S):
-                continue
-            try:
-                self.engine.step()
-            except BaseException as exc:  # noqa: BLE001 - the loop must outlive a bug in one step, a sys.exit() too
-                logger.exception("the engine loop failed a step; its requests end with the error")
-                if not isinstance(exc, Exception):  # a plugin's sys.exit(): the thread would end, every stream hang
-                    exc = RuntimeError(f"the engine loop failed a step: {type(exc).__name__}: {exc}")
-                self.engine.fail_all(exc)
-        # Stopped by shutdown, whose own step gives up when this thread's outlasts its timeout: the aborts it
-        # queued are handed out here (every stream hung), and anything else ends with an error.
-        self.engine.fail_all(RuntimeError("this AsyncLLM was shut down"))
+    def _shut_down_when_dropped(self) -> None:
+        """Have ``shutdown`` run when this engine is dropped, or at the program's exit if it is still held then."""
+        ranks_closer = getattr(self, "_finalizer", None)  # the frontend's: a shutdown ends the ranks too
+        if ranks_closer is not None:
+            ranks_closer.detach()
+        self._finalizer = weakref.finalize(self, self._loop.stop, _SHUTDOWN_TIMEOUT_S)
 
     async def generate(
         self,
@@ -306,26 +307,57 @@ class AsyncLLM(EngineFrontend):
                 self._aborted_early.add(i)
         self.engine.abort(ids)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the loop thread (requests still running end as aborted); idempotent.
 
-        A program that ends without calling it gets it at exit: the loop thread must not be
-        mid-step when the interpreter goes (torch's C++ then aborts the process, exit status 134).
+        An engine dropped, or still held when the program ends, gets it then: the loop thread must not
+        be mid-step when the interpreter goes (torch's C++ then aborts the process, exit status 134).
         """
-        atexit.unregister(self.shutdown)
-        if self._stopping.is_set():
-            return
+        if self._finalizer.detach() is not None:
+            self._loop.stop(timeout)
+
+
+class _EngineLoop:
+    """The engine loop's thread and what it runs on, apart from the ``AsyncLLM``: nothing here refers to it, so
+    an engine its program drops is freed (its ``weakref.finalize`` stops this) instead of kept by its own thread."""
+
+    def __init__(self, stopping: threading.Event, inputs_thread: ThreadPoolExecutor) -> None:
+        self.stopping = stopping
+        self.inputs_thread = inputs_thread
+        #: Set once the model is built; the engine is None on a tensor-parallel rank other than 0 (no loop there).
+        self.engine: EngineCore | None = None
+        self.ranks: Ranks | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if not self.engine.wait_for_work(_IDLE_WAIT_S):
+                continue
+            try:
+                self.engine.step()
+            except BaseException as exc:  # noqa: BLE001 - the loop must outlive a bug in one step, a sys.exit() too
+                logger.exception("the engine loop failed a step; its requests end with the error")
+                if not isinstance(exc, Exception):  # a plugin's sys.exit(): the thread would end, every stream hang
+                    exc = RuntimeError(f"the engine loop failed a step: {type(exc).__name__}: {exc}")
+                self.engine.fail_all(exc)
+        # Stopped by shutdown, whose own step gives up when this thread's outlasts its timeout: the aborts it
+        # queued are handed out here (every stream hung), and anything else ends with an error.
+        self.engine.fail_all(RuntimeError("this AsyncLLM was shut down"))
+
+    def stop(self, timeout: float) -> None:
+        """``AsyncLLM.shutdown``'s work; called once."""
         if self.engine is None:  # a tensor-parallel rank other than 0: no loop, its ranks end with rank 0's
-            self._stopping.set()
-            self.close()
-            return
-        deadline = time.monotonic() + timeout  # one for the whole shutdown, not one per wait
-        self.engine.abort_all(close=True)  # a request submitted from now on is refused, not left running
-        self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
-        self._stopping.set()
-        self._inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        self.close()
+            self.stopping.set()
+        else:
+            deadline = time.monotonic() + timeout  # one for the whole shutdown, not one per wait
+            self.engine.abort_all(close=True)  # a request submitted from now on is refused, not left running
+            self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
+            self.stopping.set()
+            self.inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
+            if self.thread is not threading.current_thread():  # the engine's last reference went in a step
+                self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 class RequestStream:
