@@ -48,8 +48,8 @@ IN_PLACE: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def activation(name: str, *, in_place: bool = False) -> Callable[[Tensor], Tensor]:
-    """The function for config name ``name``; an unknown name is an error listing the known ones.
+def activation(name: str, *, field: str, in_place: bool = False) -> Callable[[Tensor], Tensor]:
+    """The function for config name ``name`` (of config field ``field``); an unknown one is an error listing the known.
 
     ``in_place=True`` returns a version that overwrites its input where one
     exists (relu, silu, tanh, sigmoid): it saves allocating, and on a fresh
@@ -61,5 +61,7 @@ def activation(name: str, *, in_place: bool = False) -> Callable[[Tensor], Tenso
         return ACTIVATIONS[name]
     except KeyError:
         raise ValueError(
-            f"activation_function {name!r} is not supported; use one of {', '.join(sorted(ACTIVATIONS))}"
+            f"{field} {name!r} is not supported by the builtin models; use one of {', '.join(sorted(ACTIVATIONS))}, "
+            "or run the checkpoint through transformers' own model: model_impl='transformers' (--model-impl "
+            "transformers)"
         ) from None

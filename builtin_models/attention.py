@@ -20,17 +20,11 @@ Shapes: B batch, Hq query heads, Hkv key/value heads, T new tokens, S slots, D h
 
 from __future__ import annotations
 
-import inspect
-import logging
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cached_attention", "declared_sliding_window", "row_ends"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["cached_attention", "row_ends"]
 
 #: Row by row when padding to the longest row would read at least this many more bytes of keys and
 #: values per row than the rows' own slots: on a 2-core EPYC (AVX-512), where one more attention
@@ -96,37 +90,3 @@ def cached_attention(
             )
         )
     return torch.cat(rows).to(v.dtype)  # (B, Hq, 1, D)
-
-
-def declared_sliding_window(config: Any) -> int | None:
-    """The config's ``sliding_window``, unless transformers' model of its class has none; then ``None``.
-
-    A Hugging Face config keeps any key of config.json as an attribute, and a stale ``sliding_window``
-    (a Mistral-derived checkpoint relabelled as Llama, say) is ignored by transformers' model of a
-    class that has no window: so here too, with a warning, rather than silently windowing attention.
-    A class has a window when it declares the field, maps a key of its own to it, or sets it itself
-    (ModernBERT's decoder derives it); a class that is not transformers' own (a plugin's) is trusted.
-    """
-    window = getattr(config, "sliding_window", None)
-    cls = type(config)
-    if window is None or not cls.__module__.startswith("transformers.") or _has_window(cls):
-        return window
-    logger.warning(
-        "config.json sets sliding_window=%r, which %s does not have: ignored, as transformers ignores it.",
-        window,
-        cls.__name__,
-    )
-    return None
-
-
-def _has_window(cls: type) -> bool:
-    if "sliding_window" in inspect.signature(cls.__init__).parameters or "sliding_window" in getattr(
-        cls, "attribute_map", {}
-    ):
-        return True
-    if any("sliding_window" in getattr(klass, "__annotations__", {}) for klass in cls.__mro__):
-        return True
-    try:
-        return hasattr(cls(), "sliding_window")  # set by the class itself, from another field
-    except Exception:  # noqa: BLE001 - a class that needs arguments: trust the key, as before
-        return True

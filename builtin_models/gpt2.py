@@ -73,7 +73,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(E, eps=eps)
         self.c_fc = Linear(E, inner)
         self.c_proj = Linear(inner, E)
-        self.activation = activation(config.activation_function)
+        self.activation = activation(config.activation_function, field="activation_function")
 
     def forward(self, x: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x), positions, cache_rows, mask)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from builtin_models.activations import activation
-from builtin_models.attention import cached_attention, declared_sliding_window
+from builtin_models.attention import cached_attention
+from builtin_models.config_fields import declared_field
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.linear import Linear
 from builtin_models.rope import RotaryEmbedding, apply_rotary
@@ -98,7 +99,7 @@ class LlamaMLP(nn.Module):
         # gate and up stacked into one (2I, E) matrix: one product instead of two.
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.activation = activation(config.hidden_act)
+        self.activation = activation(config.hidden_act, field="hidden_act")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (B, T, I)
@@ -106,13 +107,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool, window: int | None) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, *, qkv_bias: bool, out_bias: bool, mlp_bias: bool, window: int | None
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, layer_idx, qkv_bias=qkv_bias, out_bias=out_bias, window=window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config, bias=mlp_bias)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: CacheRows | None, masks: dict
@@ -126,9 +129,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, *, qkv_bias: bool, out_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        window = declared_sliding_window(config)  # the model's window, for the layers that have one
+        window = declared_field(config, "sliding_window")  # the model's window, for the layers that have one
+        mlp_bias = bool(declared_field(config, "mlp_bias"))  # Llama's; Mistral and Qwen2 have none
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, out_bias=out_bias, window=window)
+            LlamaDecoderLayer(config, i, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias, window=window)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -180,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        default = bool(getattr(config, "attention_bias", False))
+        default = bool(declared_field(config, "attention_bias"))  # Llama's; Mistral has none
         qkv_bias = default if self.qkv_bias is None else self.qkv_bias
         out_bias = default if self.out_bias is None else self.out_bias
         self.model = LlamaModel(config, qkv_bias=qkv_bias, out_bias=out_bias)

@@ -84,7 +84,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
         # In place: fc1's output is a temporary of this forward alone.
-        self.activation = activation(config.activation_function, in_place=True)
+        self.activation = activation(config.activation_function, field="activation_function", in_place=True)
 
     def forward(self, x: Tensor, positions: Tensor, cache_rows: CacheRows | None, mask: Tensor | None) -> Tensor:
         if self.layer_norm_before:  # 125m, 1.3b and larger

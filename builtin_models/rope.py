@@ -64,6 +64,15 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope_theta {theta!r} cannot be used: the base frequency must be a positive finite number"
             )
+        # Rotating part of each head needs an attention that rotates only that part: transformers' Llama, Mistral
+        # and Qwen2 have none (their forward fails on such a config), nor has apply_rotary.
+        partial = (getattr(self.config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        if partial is not None and partial != 1.0:
+            raise ValueError(
+                f"rope_parameters sets partial_rotary_factor={partial!r}, but {type(self.config).__name__}'s models "
+                "rotate every dimension of a head (transformers' too): remove it from config.json (or set "
+                "hf_overrides), or install a plugin with a model that rotates part of each head"
+            )
         if self.rope_type == "default":
             return
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

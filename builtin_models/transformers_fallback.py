@@ -88,7 +88,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from builtin_models.attention import declared_sliding_window
+from builtin_models.config_fields import declared_field
 from builtin_models.kv_cache import CacheRows, KVCache
 from builtin_models.weights import assign_weights, check_all_loaded, same_tensor
 from pluginhost.errors import CheckpointError, ModelClassError
@@ -253,7 +253,7 @@ class TransformersForCausalLM(nn.Module):
         masks itself, which is right only without a cache and for causal masks.
         """
         config = self.text_config
-        window = declared_sliding_window(config)
+        window = declared_field(config, "sliding_window")
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             kinds = set(layer_types)

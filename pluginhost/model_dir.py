@@ -296,14 +296,38 @@ def _unbuildable(problems: list[str]) -> ConfigError:
     )
 
 
+#: RoPE fields config.json may give beside the RoPE dict, which transformers 5 moves into ``rope_parameters`` when
+#: it reads the file, and reads from there only.
+_ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+
+
 def _with_rope_theta(value: Any, hf_config: PretrainedConfig) -> Any:
-    """A flat RoPE dict given without ``rope_theta``, with the config's (left as it is when there is none)."""
-    if not isinstance(value, dict) or "rope_theta" in value or not ({"rope_type", "type"} & value.keys()):
+    """A flat RoPE dict given without ``rope_theta`` (or ``partial_rotary_factor``), with the config's (left as it
+    is when there is none)."""
+    if not isinstance(value, dict) or not ({"rope_type", "type"} & value.keys()):
         return value  # not a flat RoPE dict (a per-layer-type one, say): transformers' to judge
     current = getattr(hf_config, "rope_parameters", None)
-    theta = current.get("rope_theta") if isinstance(current, dict) else None
-    theta = theta if theta is not None else getattr(hf_config, "rope_theta", None)
-    return value if theta is None else {**value, "rope_theta": theta}
+    kept = {}
+    for field in _ROPE_FIELDS:
+        setting = current.get(field) if isinstance(current, dict) else None
+        setting = setting if setting is not None else getattr(hf_config, field, None)
+        if field not in value and setting is not None:
+            kept[field] = setting
+    return {**value, **kept}
+
+
+def _into_rope_parameters(hf_config: PretrainedConfig, field: str, value: Any) -> bool:
+    """Set RoPE field ``field`` (``_ROPE_FIELDS``) where transformers reads it, in ``rope_parameters`` (each layer
+    type's, when they are per layer type); False when the config has no RoPE dict (a model that reads it itself)."""
+    current = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(current, dict):
+        return False
+    updated = copy.deepcopy(current)
+    per_type = [params for params in updated.values() if isinstance(params, dict)]
+    for params in per_type or [updated]:
+        params[field] = value
+    hf_config.rope_parameters = updated
+    return True
 
 
 def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], architecture: str | None) -> None:
@@ -312,13 +336,15 @@ def apply_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any], arch
     Each value is copied first (transformers completes some dicts in place; the user's stay as given). A
     RoPE dict without ``rope_theta`` keeps the config's, as transformers does reading one from config.json:
     ``{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, ...}}``, vLLM's usual override, changes the
-    scaling, not the base frequency.
+    scaling, not the base frequency. A ``rope_theta`` (or ``partial_rotary_factor``) given beside goes into
+    the RoPE dict, where transformers 5 reads it (as vLLM moves it), in whichever order the two are given.
     """
     for key, given in overrides.items():
         value = copy.deepcopy(given)
         if key in ("rope_scaling", "rope_parameters"):
             value = _with_rope_theta(value, hf_config)
-        if not hasattr(hf_config, key):
+        moved = key in _ROPE_FIELDS and _into_rope_parameters(hf_config, key, value)
+        if not moved and not hasattr(hf_config, key):
             logger.warning(
                 "hf_overrides sets %r, which %s does not define: it is added for the model to read (a plugin's "
                 "model may); if it is a misspelt name, it changes nothing",

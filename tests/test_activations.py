@@ -13,7 +13,7 @@ def test_in_place_versions_compute_the_same_values(name):
     x = torch.randn(4, 8)
     expected = ACTIVATIONS[name](x.clone())
     buffer = x.clone()
-    result = activation(name, in_place=True)(buffer)
+    result = activation(name, field="hidden_act", in_place=True)(buffer)
     torch.testing.assert_close(result, expected)
     if name in IN_PLACE:
         assert result.data_ptr() == buffer.data_ptr()  # no second buffer
@@ -24,10 +24,12 @@ def test_in_place_versions_compute_the_same_values(name):
 def test_out_of_place_by_default():
     x = torch.randn(3)
     before = x.clone()
-    activation("relu")(x)
+    activation("relu", field="hidden_act")(x)
     assert torch.equal(x, before)
 
 
-def test_unknown_activation_lists_the_known_ones():
-    with pytest.raises(ValueError, match="'swiglu' is not supported; use one of gelu, "):
-        activation("swiglu")
+def test_unknown_activation_names_its_config_field_and_lists_the_known_ones():
+    with pytest.raises(
+        ValueError, match="hidden_act 'swiglu' is not supported by the builtin models; use one of gelu, "
+    ):
+        activation("swiglu", field="hidden_act")

@@ -120,6 +120,26 @@ def test_a_built_engines_settings_are_read_only(tiny_opt):
     assert copied.max_num_seqs == 2 and llm.config.max_num_seqs == 4
 
 
+@pytest.mark.parametrize("theta_first", [True, False])
+def test_an_overridden_rope_theta_is_the_base_frequency_the_model_runs_with(tmp_path, greedy_tokens, theta_first):
+    # transformers 5 reads the base frequency only from rope_parameters: an overridden rope_theta was set beside it,
+    # read by nothing, silently; and vLLM's context-extension override (rope_theta with a yarn rope_scaling) ran yarn
+    # at the checkpoint's base, while a warning said the key was "added for the model to read".
+    from pluginhost.testing import make_tiny_model
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    path = make_tiny_model(
+        tmp_path / "500", "llama", seed=1, rope_parameters={"rope_type": "default", "rope_theta": 500.0}
+    )
+    as_50 = make_tiny_model(tmp_path / "50", "llama", seed=1, rope_parameters={**yarn, "rope_theta": 50.0})
+    overrides = (
+        {"rope_theta": 50.0, "rope_scaling": yarn} if theta_first else {"rope_scaling": yarn, "rope_theta": 50.0}
+    )
+    tokens = greedy_tokens(path, hf_overrides=overrides)
+    assert tokens == greedy_tokens(as_50) != greedy_tokens(path, hf_overrides={"rope_scaling": yarn})
+    assert greedy_tokens(path, hf_overrides={"rope_theta": 50.0}) != greedy_tokens(path)
+
+
 def test_a_built_engines_hf_overrides_are_read_only_and_what_the_user_gave_is_left_as_given(tmp_path, greedy_tokens):
     from pluginhost import LLM
     from pluginhost.errors import ConfigError

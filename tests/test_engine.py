@@ -1157,15 +1157,40 @@ def test_max_model_len_a_build_hook_sets_is_the_engines_and_checked_against_the_
     [
         ("llama", {"rope_parameters": {"rope_type": "ntk", "rope_theta": 1e4}}, "rope_type 'ntk' is not one"),
         ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "cannot be used: it lacks 'factor'"),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor=0.5, but LlamaConfig's models rotate every dimension of a head",
+        ),
+        ("llama", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
         ("mistral", {"sliding_window": 0}, "sliding_window must be a number of positions >= 1"),
+        ("llama", {"hidden_act": "mish"}, "hidden_act 'mish' is not supported by the builtin models; use one of "),
         ("gpt2", {"n_head": 3}, "n_embd 64 is not a multiple of n_head 3"),
     ],
 )
 def test_config_values_the_model_cannot_use_are_refused_when_it_is_built(tmp_path, model_type, overrides, message):
-    # They were accepted, then failed every request (KeyError: 'ntk'), or generated garbage (a window of 0).
+    # They were accepted, then failed every request (KeyError: 'ntk'; a shape mismatch for a partial rotary
+    # factor, or none and other tokens than intended), or generated garbage (a window of 0).
     model = make_tiny_model(tmp_path, model_type)
     with pytest.raises(ModelClassError, match=message):
         LLM(str(model), load_installed_plugins=False, hf_overrides=overrides)
+
+
+def test_an_activation_the_builtin_models_lack_runs_through_transformers_as_the_refusal_advises(tmp_path):
+    model = make_tiny_model(tmp_path, "llama", hidden_act="mish")
+    with pytest.raises(ModelClassError, match=r"model_impl='transformers' \(--model-impl transformers\)"):
+        LLM(str(model), load_installed_plugins=False)
+    llm = LLM(str(model), load_installed_plugins=False, model_impl="transformers")
+    assert (
+        len(llm.generate([[2, 5, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids) == 3
+    )
 
 
 def test_a_broken_tokenizer_fails_before_anything_heavy(tiny_opt, tmp_path):

@@ -154,6 +154,25 @@ def test_a_stray_sliding_window_on_a_llama_config_is_ignored_as_transformers_ign
         assert out.token_ids == expected[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize(
+    ("model_type", "key"), [("mistral", "attention_bias"), ("mistral", "mlp_bias"), ("qwen2", "mlp_bias")]
+)
+@torch.no_grad()
+def test_a_stray_bias_key_on_a_config_without_it_is_ignored_as_transformers_ignores_it(
+    tmp_path, caplog, model_type, key
+):
+    # Mistral's and Qwen2's transformers classes have fixed biases and ignore Llama's attention_bias/mlp_bias keys;
+    # pluginhost built the biases and refused the checkpoint, which holds none ("lacks 4 tensor(s) ...").
+    path = make_tiny_model(tmp_path, model_type, seed=3, **{key: True})
+    llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
+    assert f"{key}=True, which {type(llm.hf_config).__name__} does not have: ignored" in caplog.text
+    reference = hf(path)
+    for ids in PROMPTS:
+        ours = llm.model.compute_logits(llm.model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+        theirs = reference(torch.tensor([ids])).logits[0]
+        assert (ours.log_softmax(-1) - theirs.log_softmax(-1)).abs().max().item() <= TOLERANCE
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama, multi-head", "llama, linear rope scaling", "llama 3.1 rope"])
 @torch.no_grad()
