@@ -545,6 +545,23 @@ def test_a_request_an_on_request_hook_made_invalid_is_the_plugins_error_not_the_
     assert not isinstance(caught.value, PluginHookError)
 
 
+class SetsATarget:
+    @hookimpl
+    def on_request(self, request):
+        if (request.params.extra_args or {}).get("site_target"):
+            request.params.extra_args = {"target_token": "five"}  # a value TargetToken refuses
+
+
+def test_a_processor_refusing_what_an_on_request_hook_set_is_the_hooks_error_not_the_callers(tiny_opt):
+    # It was a RequestRefusedError (a server's 400) about an option the caller never sent.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[TargetTokens(), SetsATarget(), Guard()])
+    with pytest.raises(PluginHookError, match=r"became invalid in the on_request hook of plugin 'SetsATarget'") as hook:
+        llm.generate([PROMPTS[0]], greedy(3, extra_args={"site_target": True}))
+    assert not isinstance(hook.value, RequestRefusedError) and "refused the request: target_token" in str(hook.value)
+    with pytest.raises(RequestRefusedError, match=r"TargetToken \(plugin 'TargetTokens'\) refused"):
+        llm.generate([PROMPTS[0]], greedy(10, extra_args={"target_token": "six"}))  # the caller's own: Guard changed
+
+
 class PrependsASystemPrompt:
     @hookimpl
     def on_request(self, request):

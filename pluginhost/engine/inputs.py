@@ -77,7 +77,7 @@ class InputProcessor:
                 max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact, cap)
             except ValueError as exc:
                 now = (request.prompt, request.prompt_token_ids, request.params)
-                if isinstance(exc, RequestRefusedError) or _unchanged(now, given):
+                if _unchanged(now, given):  # a processor's refusal too: of what the caller sent, or a hook set
                     raise
                 self._checked(index, *given[1:], exact_max_tokens, cap)  # the caller's own request fails too: theirs
                 plugins = loaded.host.implementers("on_request")
