@@ -69,22 +69,25 @@ def owner_of_module(
     ``pkg.models``. Of several owners the deepest target wins, so one distribution with entry
     points ``pkg`` and ``pkg.extra`` credits ``pkg``'s own code to the first, whichever of them
     imported it. A module that no target owns but that sits in a plugin's top-level package
-    (``pkg.models`` beside a single entry point ``pkg.plugin``) is that plugin's; of several such,
-    ``prefer`` (a ``(name, distribution)``: the plugin the host is running) when it is one of them,
-    else the one sharing the longest dotted prefix with ``module``. Any other ``file`` a plugin's
-    distribution installed (``acme_models`` beside the entry point's ``acme_plugin``) is that plugin's.
+    (``pkg.models`` beside a single entry point ``pkg.plugin``) is that plugin's, unless ``file`` is
+    known and its distribution, saying which files it installed, did not install it (a namespace
+    package shared by distributions, a user's own module in it); of several such, ``prefer`` (a
+    ``(name, distribution)``: the plugin the host is running) when it is one of them, else the one
+    sharing the longest dotted prefix with ``module``. Any other ``file`` a plugin's distribution
+    installed (``acme_models`` beside the entry point's ``acme_plugin``) is that plugin's.
     """
     parts = module.split(".")
     owner: InstalledPlugin | None = None
     neighbour: InstalledPlugin | None = None
     owner_depth = neighbour_depth = 0
+    path = _resolved(file)
     for plugin in discover_installed() if installed is None else installed:
         target = _module_of(plugin).split(".")
         if parts[: len(target)] == target:
             if len(target) > owner_depth:
                 owner, owner_depth = plugin, len(target)
             continue
-        if target[0] != parts[0]:
+        if target[0] != parts[0] or (path is not None and _installed(plugin, path, module) is False):
             continue
         if prefer is not None and (plugin.name, plugin.distribution) == prefer:
             neighbour, neighbour_depth = plugin, len(parts) + 1  # nothing beats the plugin being run
@@ -94,27 +97,32 @@ def owner_of_module(
         )
         if common > neighbour_depth:
             neighbour, neighbour_depth = plugin, common
-    if owner or neighbour or file is None:
+    if owner or neighbour or path is None:
         return owner or neighbour
-    return _owner_by_distribution(file, installed, prefer)
+    return _owner_by_distribution(path, module, installed, prefer)
+
+
+def _resolved(file: str | None) -> Path | None:
+    if file is None:
+        return None
+    try:
+        return Path(file).resolve()
+    except (OSError, ValueError):
+        return None
 
 
 def _owner_by_distribution(
-    file: str, installed: list[InstalledPlugin] | None, prefer: tuple[str, str | None] | None
+    path: Path, module: str, installed: list[InstalledPlugin] | None, prefer: tuple[str, str | None] | None
 ) -> InstalledPlugin | None:
-    """The plugin of the installed distribution that installed ``file``, when no entry point's package holds it.
+    """The plugin of the installed distribution that installed ``path``, when no entry point's package holds it.
 
     By the file, not the module's name: a user's own ``tests.my_models`` is not the code of a plugin whose
     distribution ships a package ``tests`` too, and a namespace package is split by what each ships. Of a
     distribution's several plugins: ``prefer`` when it is one of them, else the first by name.
     """
-    try:
-        path = Path(file).resolve()
-    except (OSError, ValueError):
-        return None
     plugins = discover_installed() if installed is None else installed
     for plugin in plugins:  # sorted by name
-        if plugin.distribution is None or not _installed(plugin, path):
+        if plugin.distribution is None or not _installed(plugin, path, module):
             continue
         if prefer is not None and prefer[1] == plugin.distribution:
             return next((p for p in plugins if (p.name, p.distribution) == prefer), plugin)
@@ -126,22 +134,40 @@ def _owner_by_distribution(
 _FILES: dict[tuple[str, str | None, str], tuple[frozenset[Path], tuple[Path, ...]]] = {}
 
 
-def _installed(plugin: InstalledPlugin, path: Path) -> bool:
-    """Whether ``plugin``'s distribution installed ``path``: listed in its RECORD, or in the project folder of an
-    editable install (which every build backend records in ``direct_url.json``; their RECORDs differ)."""
+def _installed(plugin: InstalledPlugin, path: Path, module: str) -> bool | None:
+    """Whether ``plugin``'s distribution installed ``path`` (module ``module``); None when it does not say which
+    files it installed.
+
+    Listed in its RECORD, or a module of the project folder of an editable install (which every build backend
+    records in ``direct_url.json``; their RECORDs differ): one whose top-level package or module sits at the
+    project's root or in its ``src`` folder. Not a script run from there (``__main__``), nor a module imported
+    from another of its folders (``examples``, ``scripts``): a user's experiments are the user's.
+    """
     dist = plugin.entry_point.dist
     if dist is None:
-        return False
+        return None
     try:
         location = str(dist.locate_file(""))
     except NotImplementedError:  # a distribution not on the file system
-        return False
+        return None
     key = (plugin.distribution or "", plugin.version, location)  # a reinstalled distribution is read again
     found = _FILES.get(key)
     if found is None:
         found = _FILES[key] = _files_of(dist)
     files, projects = found
-    return path in files or any(path.is_relative_to(project) for project in projects)
+    if not files and not projects:
+        return None
+    return path in files or any(_in_project(path, module, project) for project in projects)
+
+
+def _in_project(path: Path, module: str, project: Path) -> bool:
+    top = module.partition(".")[0]
+    for root in (project, project / "src"):
+        if path.is_relative_to(root) and path != root:
+            first = path.relative_to(root).parts[0]
+            if top in (first, inspect.getmodulename(first)):
+                return True
+    return False
 
 
 def _files_of(dist: metadata.Distribution) -> tuple[frozenset[Path], tuple[Path, ...]]:

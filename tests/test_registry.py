@@ -409,6 +409,83 @@ def test_a_module_is_credited_by_the_file_it_was_loaded_from(install_plugin, mon
     assert "MyArch" in applied and "BetaArch" not in applied
 
 
+def test_a_namespace_package_shared_by_distributions_is_credited_by_the_files_each_installed(
+    install_plugin, monkeypatch, request, tmp_path
+):
+    """acmens-a (entry point acmens.plugin_a) and acmens-b (acmens.plugin_b, shipping acmens.b_models) share the
+    namespace package acmens; the user's own acmens.mine is in neither. By name, both went to acmens_a, the first
+    plugin in the package: disabling it dropped acmens-b's architecture and the user's, and disabling acmens-b did
+    not drop its own."""
+    site = tmp_path / "site-packages"
+    (site / "acmens").mkdir()
+    for name in ("a", "b"):
+        install_plugin(
+            f"acmens_{name}",
+            "def register():\n    pass\n",
+            dist=f"acmens-{name}",
+            module=f"acmens/plugin_{name}",
+            target=f"acmens.plugin_{name}:register",
+        )
+    (site / "acmens" / "b_models.py").write_text(REGISTERS_AT_IMPORT.format("ArchB"))
+    (site / "acmens_a-1.0.dist-info" / "RECORD").write_text("acmens/plugin_a.py,,\n")
+    (site / "acmens_b-1.0.dist-info" / "RECORD").write_text("acmens/plugin_b.py,,\nacmens/b_models.py,,\n")
+    mine = tmp_path / "mine"
+    (mine / "acmens").mkdir(parents=True)
+    (mine / "acmens" / "mine.py").write_text(REGISTERS_AT_IMPORT.format("MineArch"))
+    monkeypatch.syspath_prepend(str(mine))
+    modules = ("acmens", "acmens.b_models", "acmens.mine", "acmens.plugin_a", "acmens.plugin_b")
+    for module in modules:
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    request.addfinalizer(lambda: [sys.modules.pop(module, None) for module in modules])
+    import acmens.b_models  # noqa: F401 - the user's script imports a distribution's code, and its own
+    import acmens.mine  # noqa: F401
+
+    registered_by = ModelRegistry.get("ArchB").registered_by
+    assert (registered_by.name, registered_by.distribution) == ("acmens_b", "acmens-b")
+    assert ModelRegistry.get("MineArch").registered_by.name == "acmens.mine"
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acmens_a")
+    assert {"ArchB", "MineArch"} <= set(PluginHost().collect_models().get_supported_archs())
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acmens_b")
+    applied = PluginHost().collect_models().get_supported_archs()
+    assert "ArchB" not in applied and "MineArch" in applied
+
+
+def test_scripts_and_examples_in_an_editable_plugins_project_folder_are_the_users(
+    install_plugin, monkeypatch, request, tmp_path
+):
+    """Every file under an editable install's project folder was its plugin's: a script in its examples/ (or one
+    imported from its scripts/) registering through ModelRegistry was dropped with the plugin not loaded."""
+    project = tmp_path / "editable"
+    (project / "src" / "gamma_models").mkdir(parents=True)
+    (project / "src" / "gamma_models" / "__init__.py").write_text(REGISTERS_AT_IMPORT.format("GammaArch"))
+    (project / "examples").mkdir()
+    (project / "scripts").mkdir()
+    (project / "scripts" / "experiment.py").write_text(REGISTERS_AT_IMPORT.format("ExperimentArch"))
+    site = install_plugin(
+        "gamma", "def register():\n    pass\n", dist="gamma-llm", module="gamma_plugin", target="gamma_plugin:register"
+    )
+    info = site / "gamma_llm-1.0.dist-info"
+    (info / "RECORD").write_text("_gamma_llm.pth,,\n")
+    (info / "direct_url.json").write_text(f'{{"url": "{project.as_uri()}", "dir_info": {{"editable": true}}}}')
+    monkeypatch.syspath_prepend(str(project / "src"))
+    monkeypatch.syspath_prepend(str(project / "scripts"))
+    modules = ("gamma_models", "experiment")
+    for module in modules:
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    request.addfinalizer(lambda: [sys.modules.pop(module, None) for module in modules])
+    import experiment  # noqa: F401
+    import gamma_models  # noqa: F401
+
+    script = project / "examples" / "run.py"  # `python examples/run.py`: the script is __main__
+    exec(compile(REGISTERS_AT_IMPORT.format("ExampleArch"), str(script), "exec"), {"__name__": "__main__"})
+    assert ModelRegistry.get("GammaArch").registered_by.distribution == "gamma-llm"  # the package is the plugin's
+    assert ModelRegistry.get("ExperimentArch").registered_by.name == "experiment"  # was ("gamma", "gamma-llm")
+    assert ModelRegistry.get("ExampleArch").registered_by.name == "__main__"
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "gamma")
+    applied = PluginHost().collect_models().get_supported_archs()
+    assert "GammaArch" not in applied and {"ExperimentArch", "ExampleArch"} <= set(applied)
+
+
 def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host, make_engine):
     """vLLM's ModelRegistry lists every registration made so far; the engines not passing the function lack it."""
 
