@@ -223,6 +223,7 @@ class PluginHost:
         """``apply_registrations_since``: also apply what ``ModelRegistry`` gained since that snapshot, whoever's
         code registered it (the test kit's engines: what the test registered itself, as vLLM tests do)."""
         self._in_process = _checked_in_process(plugins)
+        self._passed: set[tuple[str, str | None]] | None = None  # _passed_in_process, once read
         self._installed_names: set[str] = set()  # every installed plugin's name, loaded or not
         self._load_installed = load_installed
         self._selection = selection
@@ -590,11 +591,24 @@ class PluginHost:
         return {(r.name, r.distribution) for r in self._records if r.kind == "installed" and r.status == "loaded"}
 
     def _applies_directly(self, entry: Registration) -> bool:
-        """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook)."""
+        """Whether a registration made directly through ``ModelRegistry`` applies here (builtins come by hook).
+
+        An installed plugin's code's applies where the plugin is loaded, or its entry point's object is passed
+        in-process (``plugins=[register]``, the plugin not loaded): a script that called ``register()`` itself
+        first had it register everything, and the engine's call of it, under vLLM's guard, nothing.
+        """
         ref = entry.registered_by
         if self._kit_snapshot is not None and not self._kit_snapshot.holds(entry):
             return True
-        return ref.distribution is None or (ref.name, ref.distribution) in self._active
+        return ref.distribution is None or (ref.name, ref.distribution) in self._active | self._passed_in_process()
+
+    def _passed_in_process(self) -> set[tuple[str, str | None]]:
+        """The installed plugins (name, distribution) whose entry point's object is passed in-process here."""
+        if self._passed is None:
+            passed = {_entry_point_name(plugin) for plugin in self._in_process} - {None}
+            installed = discover_installed() if passed else []
+            self._passed = {(p.name, p.distribution) for p in installed if p.value.replace(" ", "") in passed}
+        return self._passed
 
     def _recorded_since(self) -> list[ArchitectureRegistry]:
         """Installed plugins' calls ``ModelRegistry`` lists since ``apply_registrations_since`` (that this host does
@@ -1116,6 +1130,17 @@ def _checked_in_process(plugins: Sequence[object]) -> list[object]:
                 "name with PLUGINHOST_PLUGINS or --plugins instead"
             )
     return plugins
+
+
+def _entry_point_name(plugin: object) -> str | None:
+    """How an entry point would name ``plugin`` (``"module"``, ``"module:qualified.name"``), for a module, class
+    or function."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    module, qualname = getattr(plugin, "__module__", None), getattr(plugin, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or not callable(plugin):
+        return None
+    return f"{module}:{qualname}"
 
 
 def _importable_name(index: int, plugin: object) -> str:

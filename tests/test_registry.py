@@ -486,6 +486,30 @@ def test_scripts_and_examples_in_an_editable_plugins_project_folder_are_the_user
     assert "GammaArch" not in applied and {"ExperimentArch", "ExampleArch"} <= set(applied)
 
 
+GUARDED_REGISTER = """
+from pluginhost import ModelRegistry
+
+def register():
+    if "GuardedArch" not in ModelRegistry.get_supported_archs():  # vLLM's guard
+        ModelRegistry.register_model("GuardedArch", "builtin_models.opt:OPTForCausalLM")
+"""
+
+
+def test_a_guarded_register_the_script_called_itself_applies_where_it_is_passed_in_process(install_plugin):
+    """The script calls the installed plugin's register() itself (as vLLM's tests do); an engine loading the plugin
+    calls it again, and the guard registers nothing; passed in-process to an engine not loading the plugin, it was
+    refused, advising exactly that: 'pass its register function in-process'."""
+    install_plugin(
+        "guarded", GUARDED_REGISTER, dist="guarded-dist", module="guarded_ext", target="guarded_ext:register"
+    )
+    import guarded_ext
+
+    guarded_ext.register()
+    assert "GuardedArch" in PluginHost().collect_models()  # the plugin loaded: its own code's registration applies
+    assert "GuardedArch" not in PluginHost(load_installed=False).collect_models()
+    assert "GuardedArch" in PluginHost(plugins=[guarded_ext.register], load_installed=False).collect_models()
+
+
 def test_an_in_process_register_functions_registrations_are_listed_and_stay_with_its_engines(make_host, make_engine):
     """vLLM's ModelRegistry lists every registration made so far; the engines not passing the function lack it."""
 
