@@ -256,6 +256,7 @@ class PluginHost:
         self._check_script_registrations()
         return {
             "plugins": plugins,
+            "plugin_types": [_type_name(plugin) for plugin in self._in_process],
             "load_installed": self._load_installed,
             "selection": self._selection or PluginSelection.from_env(),
             "skip_broken": self._skip_broken,
@@ -281,6 +282,14 @@ class PluginHost:
     def from_replica_args(cls, args: dict[str, Any]) -> PluginHost:
         """The host ``replica_args`` describes; importing the in-process plugins (any error is theirs)."""
         plugins = [_import_by_name(name) for name in args["plugins"]]
+        for name, plugin, expected in zip(args["plugins"], plugins, args["plugin_types"], strict=True):
+            if _type_name(plugin) != expected:  # rebound at run time: this rank imported what the top level made
+                raise ConfigError(
+                    f"in-process plugin {name} is {plugin!r:.80} where this rank imports it, but a {expected} in the "
+                    "process that started the ranks: the script binds the name at run time (in a function, with "
+                    "`global`, or under its main guard), and the other ranks import the script, getting what its "
+                    "top level binds. Make the plugin where its module's top level makes it."
+                )
         return cls(
             plugins=plugins,
             load_installed=args["load_installed"],
@@ -1251,6 +1260,11 @@ def _not_found_by_name(module_name: str) -> str | None:
             return f"importing {module_name!r} by name finds {found.origin or 'another module'}, not {origin}"
     where = f" (loaded from {origin} by path)" if origin else ""
     return f"module {module_name!r}{where} is not found by name on sys.path"
+
+
+def _type_name(plugin: object) -> str:
+    """The plugin's type, named alike in every process (the script is ``__mp_main__`` where a rank imports it)."""
+    return f"{process_independent_name(type(plugin).__module__)}.{type(plugin).__qualname__}"
 
 
 def _import_by_name(name: str) -> object:

@@ -333,10 +333,19 @@ class Scales:
 
 
 SCALES = Scales()
+LATE = None
+
+
+def make_late():
+    global LATE
+    LATE = MaxSeqs()
+    return [LATE]
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "made under the guard":
+    if sys.argv[2] == "rebound in a function":
+        plugins = make_late()
+    elif sys.argv[2] == "made under the guard":
         made_here = MaxSeqs()
         plugins = [made_here]
     elif sys.argv[2] == "changed under the guard":
@@ -350,7 +359,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("case", ["defined at the top level", "made under the guard", "changed under the guard"])
+@pytest.mark.parametrize(
+    "case", ["defined at the top level", "made under the guard", "changed under the guard", "rebound in a function"]
+)
 def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_at_once(tmp_path, tiny_opt, case):
     """The other rank imports the script as __mp_main__, without running its `if __name__ == "__main__":` block."""
     script = tmp_path / "generate.py"
@@ -365,6 +376,12 @@ def test_a_scripts_own_plugins_and_classes_reach_the_other_rank_or_are_refused_a
         assert result.returncode == 1 and "Traceback" in result.stderr
         assert 'plugins[0] (MaxSeqs) is made inside the script\'s `if __name__ == "__main__":` block' in result.stderr
         assert "define 'made_here' above that block" in result.stderr
+    elif case == "rebound in a function":  # rank 1 was told "plugins[0] is None, not a plugin"
+        assert result.returncode == 1, result.stderr
+        assert "Building the model failed on rank 1: in-process plugin __main__:LATE is None where this rank " in (
+            result.stderr
+        )
+        assert "a __main__.MaxSeqs in the process that started the ranks" in result.stderr
     else:  # rank 1 scaled its half of the vocabulary by 1.0, rank 0 by 3.0: wrong tokens, and no word of it
         assert result.returncode == 0, result.stderr
         assert "in-process plugin 'Scales' has factor=3.0 on rank 0 but 1.0 on rank 1" in result.stderr
@@ -915,6 +932,53 @@ def test_ctrl_c_ends_every_rank(tiny_opt, when):
         ):
             time.sleep(0.1)
         assert not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in ranks)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+SLOW_ON_RANK_1 = """
+import time
+from pathlib import Path
+from pluginhost import hookimpl
+from pluginhost.distributed import get_rank
+
+@hookimpl
+def modify_config(config):
+    if get_rank() == 1:
+        time.sleep(120)  # a slow build hook, or a slow read, on one rank: rank 0 waits for it at the plan
+    else:
+        Path({mark!r}).touch()
+"""
+
+
+def test_ctrl_c_while_rank_0_waits_for_a_slower_rank_in_the_build_exits_at_once(install_plugin, tiny_opt, tmp_path):
+    # Rank 0 waited inside gloo, where Ctrl-C is not acted on, until rank 1 came; then the interrupted gather was
+    # followed by a second one (telling the others of the failure) that met rank 1's first: gloo aborted the
+    # process (SIGABRT, "Received data size doesn't match expected size").
+    mark = tmp_path / "rank-0-planned"
+    install_plugin("slow_rank_one", SLOW_ON_RANK_1.format(mark=str(mark)), dist="slow-rank-one-dist")
+    argv = ["generate", "--model", str(tiny_opt), "--plugins", "slow_rank_one", "--tensor-parallel-size", "2"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", *argv, "--prompt", "Hi"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mark.exists(), "rank 0 never ran its modify_config"
+        time.sleep(2.0)  # rank 0 is at the plan agreement, rank 1 in its hook
+        os.killpg(process.pid, signal.SIGINT)
+        start = time.monotonic()
+        _, stderr = process.communicate(timeout=30)
+        assert (process.returncode, "terminate called" in stderr) == (130, False), stderr[-2000:]
+        assert time.monotonic() - start < 15
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

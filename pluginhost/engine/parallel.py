@@ -600,12 +600,13 @@ class Agreement:
     def _exchange(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         phase = self.PHASES[self._next]
         self._next += 1
-        reports: list[Any] = [None] * self.ranks.world_size
         took = time.monotonic() - self._since
         try:
-            dist.all_gather_object(reports, mine)
-        except Exception as exc:
-            self._next = len(self.PHASES)
+            reports = _gather_objects(mine, self.ranks.world_size)
+        except BaseException as exc:
+            self._next = len(self.PHASES)  # no later exchange: the others would meet a half-done one (gloo aborts)
+            if not isinstance(exc, Exception):  # Ctrl-C while a slower rank was awaited: stopped at once
+                raise
             doing = "planning the build" if phase == "plan" else "building and loading the model"
             limit = f"{self.ranks.timeout_s:g} s"
             hint = ""
@@ -628,6 +629,33 @@ class Agreement:
             raise error from exc
         self._since = time.monotonic()
         return reports
+
+
+def _gather_objects(mine: Any, world_size: int) -> list[Any]:
+    """Every rank's ``mine``, as ``dist.all_gather_object`` gathers them, waiting in Python rather than in gloo.
+
+    A rank waiting inside gloo for a slower one (a plugin's long build hook, a slow read on one rank) takes no
+    Ctrl-C until the wait ends; here the wait is a loop the signal interrupts. Two gathers, as torch's own:
+    each rank's size, then every rank's bytes padded to the longest.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+    _awaited(dist.all_gather(sizes, torch.tensor([data.numel()]), async_op=True))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    _awaited(dist.all_gather(gathered, padded, async_op=True))
+    return [pickle.loads(bytes(b[: int(size)].numpy())) for b, size in zip(gathered, sizes, strict=True)]
+
+
+def _awaited(work: Any) -> None:
+    """Wait for a collective's ``work`` (its errors, a timeout too, are ``wait()``'s), in steps a signal can end."""
+    pause = 1e-4
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    work.wait()
 
 
 def fingerprint(config: Any, plan: Any, host: Any) -> dict[str, Any]:
