@@ -414,6 +414,22 @@ def test_a_module_plugins_setting_changed_by_the_script_is_named(tiny_opt, tmp_p
     assert "in-process plugin 'tp_scales_module' has FACTOR=3.0 on rank 0 but 1.0 on rank 1" in caplog.text
 
 
+def test_more_ranks_than_threads_on_a_cpu_say_so(tiny_opt, caplog):
+    # They started silently: 4 ranks on 2 cores built in 30 s, against 7 s with 2, each with an interpreter of its own.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pluginhost"):
+            llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+        try:
+            assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        finally:
+            llm.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert "tensor_parallel_size=2 starts 2 processes for 1 thread(s) of this machine" in caplog.text
+
+
 DIFFERS_BY_RANK = """
 from pluginhost import hookimpl
 from pluginhost.distributed import get_rank

@@ -355,6 +355,15 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
+            if world_size > threads_before:
+                logger.warning(
+                    "tensor_parallel_size=%d starts %d processes for %d thread(s) of this machine: they take turns on "
+                    "the cores, each with an interpreter and torch of its own (some hundreds of MiB beside its "
+                    "share of the weights); on a CPU, fewer ranks than cores run faster",
+                    world_size,
+                    world_size,
+                    threads_before,
+                )
         context = multiprocessing.get_context("spawn")
         reasons = context.SimpleQueue()
         # The ranks ignore Ctrl-C from their first instruction (a terminal sends it to the whole group;
