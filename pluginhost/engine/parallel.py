@@ -647,15 +647,17 @@ def _gather_objects(mine: Any, world_size: int) -> list[Any]:
     Ctrl-C until the wait ends; here the wait is a loop the signal interrupts. Two gathers, as torch's own:
     each rank's size, then every rank's bytes padded to the longest.
     """
+    # NCCL gathers only tensors on the rank's GPU (as all_gather_object does there); gloo, CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
-    _awaited(dist.all_gather(sizes, torch.tensor([data.numel()]), async_op=True))
-    longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
+    _awaited(dist.all_gather(sizes, torch.tensor([data.numel()], device=device), async_op=True))
+    sizes_held = [int(size) for size in sizes]
+    padded = torch.zeros(max(sizes_held), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
     _awaited(dist.all_gather(gathered, padded, async_op=True))
-    return [pickle.loads(bytes(b[: int(size)].numpy())) for b, size in zip(gathered, sizes, strict=True)]
+    return [pickle.loads(bytes(b[:size].cpu().numpy())) for b, size in zip(gathered, sizes_held, strict=True)]
 
 
 def _awaited(work: Any) -> None:
