@@ -1547,6 +1547,21 @@ def test_requests_the_cache_cannot_grow_for_are_preempted_and_recomputed_not_end
     assert llm.engine.scheduler.max_num_seqs == llm.engine.loaded.config.max_num_seqs  # both ran at once again
 
 
+def test_the_row_cap_holds_while_open_ended_sequences_run_so_none_is_preempted_twice(long_opt, monkeypatch, caplog):
+    # After a long one ended, the cache shrank to what the running ones (no max_tokens) held, and the cap was lifted
+    # although they went on growing: a preempted sequence came back, to be preempted again as they grew.
+    open_ended = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    prompts = [[2, *[10 + j % 300 for j in range(3 + 60 * i)]] for i in range(8)]
+    llm = LLM(str(long_opt), load_installed_plugins=False, max_num_seqs=8)
+    monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, 3, 1024))
+    stats: list = []
+    llm.engine.stats_listeners.append(stats.append)
+    with caplog.at_level("WARNING", logger="pluginhost"):
+        outputs = llm.generate(prompts, open_ended)
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts, outputs, strict=True)] == [1024] * 8
+    assert sum(s.num_preempted for s in stats) == caplog.text.count("The KV cache cannot grow") == 3  # was 4
+
+
 def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they_were(long_opt, monkeypatch):
     """Preempted sequences keep their tokens, sampling state and penalties: each output is the one it has alone."""
     greedy = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

@@ -430,6 +430,66 @@ def test_more_ranks_than_threads_on_a_cpu_say_so(tiny_opt, caplog):
     assert "tensor_parallel_size=2 starts 2 processes for 1 thread(s) of this machine" in caplog.text
 
 
+GC_IN_A_STEP = """
+import gc
+
+import torch
+from pluginhost import hookimpl
+
+ARMED = []
+
+
+def collect(module, args, output):
+    if ARMED:  # the collector runs in whichever thread allocates when it falls due: here, the engine's, mid-forward
+        ARMED.clear()
+        gc.collect()
+
+
+@hookimpl
+def post_load(model):
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    layers[0].register_forward_hook(collect)  # before the other layers' collectives
+"""
+
+
+def test_an_engine_the_garbage_collector_frees_in_its_own_step_ends_its_streams_and_ranks(tiny_opt, tmp_path):
+    # Dropped in a reference cycle, the AsyncLLM was shut down in its own loop thread, inside the step in progress:
+    # the ranks were closed while rank 1 was in the step's collective; both hung until the timeout, the process
+    # stayed in the group, and at exit it died (status 134).
+    import asyncio
+    import gc
+
+    from pluginhost import AsyncLLM
+
+    (tmp_path / "gc_in_a_step.py").write_text(GC_IN_A_STEP)
+    sys.path.insert(0, str(tmp_path))  # the spawned rank gets this process's sys.path
+    module = importlib.import_module("gc_in_a_step")
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2, plugins=[module])
+        streams = [await engine.submit([2, 5, 9 + i], params) for i in range(4)]
+        rank_1 = engine._ranks.processes[1]
+        cycle = [engine]
+        cycle.append(cycle)  # the engine's last reference, in a cycle only the collector frees
+        del engine, cycle
+        module.ARMED.append(True)
+        reasons = [[out async for out in stream][-1].outputs[0].finish_reason for stream in streams]
+        return reasons, rank_1
+
+    gc.disable()  # no collection elsewhere first
+    try:
+        reasons, rank_1 = asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        gc.enable()
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gc_in_a_step", None)
+    assert reasons == ["abort"] * 4
+    rank_1.join(20)
+    assert not rank_1.is_alive()
+    LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2).close()  # the process left the group
+
+
 DIFFERS_BY_RANK = """
 from pluginhost import hookimpl
 from pluginhost.distributed import get_rank

@@ -346,6 +346,11 @@ class _EngineLoop:
 
     def stop(self, timeout: float) -> None:
         """``AsyncLLM.shutdown``'s work; called once."""
+        if self.thread is not None and self.thread is threading.current_thread():
+            # Dropped in a cycle the garbage collector freed while this thread was mid-step: the step must end
+            # before the aborts are handed out and the ranks closed (they are in its collectives).
+            threading.Thread(target=self.stop, args=(timeout,), name="pluginhost-shutdown", daemon=True).start()
+            return
         if self.engine is None:  # a tensor-parallel rank other than 0: no loop, its ranks end with rank 0's
             self.stopping.set()
         else:
@@ -354,8 +359,7 @@ class _EngineLoop:
             self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
             self.stopping.set()
             self.inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
-            if self.thread is not threading.current_thread():  # the engine's last reference went in a step
-                self.thread.join(max(0.0, deadline - time.monotonic()))
+            self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.ranks is not None:
             self.ranks.close()
 

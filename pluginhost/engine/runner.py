@@ -453,7 +453,8 @@ class ModelRunner:
 
         A shortage caps the rows (``row_cap``). Once the sequences that made the cache long have ended
         (what the running ones can come to, their prompt and ``max_tokens``, and what the step needs),
-        the cache shrinks to that and the cap is lifted; so it is when no sequence runs. Until then,
+        the cache shrinks to that and the cap is lifted; so it is when no sequence runs. A running
+        sequence without ``max_tokens`` keeps the cap (the cache still shrinks to what it holds). Until then,
         the cap rises as far as more memory allows, when there is more (``_memory_came_back``): memory
         another process took for a while comes back to the batch. Growing rows is checked anyway.
         Without a shortage the cache keeps what it holds, as growing it again would cost a copy (and a
@@ -461,11 +462,15 @@ class ModelRunner:
         """
         if self.row_cap >= self.max_num_seqs or not self._caches:
             return  # the common case, every step: nothing to work out
-        to_come = max((_slots_to_come(s) for s in step.rows if s.num_computed), default=0)
+        running = [s for s in step.rows if s.num_computed]
+        to_come = max((_slots_to_come(s) for s in running), default=0)
         shorter = self._slots_for(max(to_come, slots_needed))
-        if shorter < self._slots:
+        shrinks = shorter < self._slots
+        if shrinks:
             self.run(StepInputs("move", cache_shape=(self._rows, shorter)))  # every rank's cache shrinks alike
-        elif rows_in_use:
+        # A running sequence without max_tokens grows past what it holds now: shrunk to it, the cache is no bound
+        # on what it comes to need, and lifting the cap would let newcomers in to be preempted again as it grows.
+        if rows_in_use and (not shrinks or any(s.params.max_tokens is None for s in running)):
             self._memory_came_back()
             return
         self.lift_row_cap()
