@@ -141,7 +141,9 @@ def _installed(plugin: InstalledPlugin, path: Path, module: str) -> bool | None:
     Listed in its RECORD, or a module of the project folder of an editable install (which every build backend
     records in ``direct_url.json``; their RECORDs differ): one whose top-level package or module sits at the
     project's root or in its ``src`` folder. Not a script run from there (``__main__``), nor a module imported
-    from another of its folders (``examples``, ``scripts``): a user's experiments are the user's.
+    from another of its folders (``examples``, ``scripts``): a user's experiments are the user's. Of another
+    folder of the project, the packages may be the plugin's (``package_dir={"": "lib"}``): None, unknown, so
+    that a module beside the plugin's entry point is still its plugin's by name.
     """
     dist = plugin.entry_point.dist
     if dist is None:
@@ -155,9 +157,11 @@ def _installed(plugin: InstalledPlugin, path: Path, module: str) -> bool | None:
     if found is None:
         found = _FILES[key] = _files_of(dist)
     files, projects = found
-    if not files and not projects:
-        return None
-    return path in files or any(_in_project(path, module, project) for project in projects)
+    if path in files or any(_in_project(path, module, project) for project in projects):
+        return True
+    if not files and not projects or any(path.is_relative_to(project) for project in projects):
+        return None  # no list of files, or an editable project's other folder (``lib/``, a package_dir): unknown
+    return False
 
 
 def _in_project(path: Path, module: str, project: Path) -> bool:

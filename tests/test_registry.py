@@ -486,6 +486,36 @@ def test_scripts_and_examples_in_an_editable_plugins_project_folder_are_the_user
     assert "GammaArch" not in applied and {"ExperimentArch", "ExampleArch"} <= set(applied)
 
 
+def test_an_editable_plugins_package_in_another_folder_of_its_project_is_still_its_plugins(
+    monkeypatch, request, tmp_path
+):
+    """setuptools' package_dir={"": "lib"} (poetry's `from`): the package beside the entry point is in lib/, neither
+    the project's root nor src/; the module beside acme_lib.plugin is still the plugin's, by its package."""
+    project = tmp_path / "acme-llm"
+    package = project / "lib" / "acme_lib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "plugin.py").write_text("def register():\n    import acme_lib.models\n")
+    (package / "models.py").write_text(REGISTERS_AT_IMPORT.format("AcmeLibArch"))
+    site = tmp_path / "site"
+    info = site / "acme_llm-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-llm\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pluginhost.plugins]\nacme = acme_lib.plugin:register\n")
+    (info / "RECORD").write_text("__editable__.acme_llm-1.0.pth,,\n")
+    (info / "direct_url.json").write_text(f'{{"url": "{project.as_uri()}", "dir_info": {{"editable": true}}}}')
+    monkeypatch.syspath_prepend(str(project / "lib"))
+    monkeypatch.syspath_prepend(str(site))
+    modules = ("acme_lib", "acme_lib.models", "acme_lib.plugin")
+    request.addfinalizer(lambda: [sys.modules.pop(module, None) for module in modules])
+    import acme_lib.models  # noqa: F401 - the user's script imports the plugin's models
+
+    registered_by = ModelRegistry.get("AcmeLibArch").registered_by
+    assert (registered_by.name, registered_by.distribution) == ("acme", "acme-llm")
+    monkeypatch.setenv("PLUGINHOST_DISABLED_PLUGINS", "acme")
+    assert "AcmeLibArch" not in PluginHost().collect_models().get_supported_archs()
+
+
 GUARDED_REGISTER = """
 from pluginhost import ModelRegistry
 
