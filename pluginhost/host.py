@@ -614,9 +614,12 @@ class PluginHost:
     def _passed_in_process(self) -> set[tuple[str, str | None]]:
         """The installed plugins (name, distribution) whose entry point's object is passed in-process here."""
         if self._passed is None:
-            passed = {_entry_point_name(plugin) for plugin in self._in_process} - {None}
-            installed = discover_installed() if passed else []
-            self._passed = {(p.name, p.distribution) for p in installed if p.value.replace(" ", "") in passed}
+            installed = discover_installed() if self._in_process else []
+            self._passed = {
+                (p.name, p.distribution)
+                for p in installed
+                if any(plugin is _imported_target(p.value) for plugin in self._in_process)
+            }
         return self._passed
 
     def _recorded_since(self) -> list[ArchitectureRegistry]:
@@ -1141,15 +1144,14 @@ def _checked_in_process(plugins: Sequence[object]) -> list[object]:
     return plugins
 
 
-def _entry_point_name(plugin: object) -> str | None:
-    """How an entry point would name ``plugin`` (``"module"``, ``"module:qualified.name"``), for a module, class
-    or function."""
-    if inspect.ismodule(plugin):
-        return plugin.__name__
-    module, qualname = getattr(plugin, "__module__", None), getattr(plugin, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str) or not callable(plugin):
-        return None
-    return f"{module}:{qualname}"
+def _imported_target(value: str) -> object | None:
+    """What entry point ``value`` (``"module:attr"``) names, if its module is imported already (nothing is imported
+    here); by identity, a function re-exported by a package's ``__init__`` is the one its entry point names."""
+    module_name, _, attrs = value.replace(" ", "").partition(":")
+    target: object | None = sys.modules.get(module_name)
+    for attr in filter(None, attrs.split(".")):
+        target = inspect.getattr_static(target, attr, None) if target is not None else None
+    return target
 
 
 def _importable_name(index: int, plugin: object) -> str:

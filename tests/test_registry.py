@@ -525,13 +525,25 @@ def register():
 """
 
 
-def test_a_guarded_register_the_script_called_itself_applies_where_it_is_passed_in_process(install_plugin):
+@pytest.mark.parametrize("layout", ["defined in the module", "re-exported by the package"])
+def test_a_guarded_register_the_script_called_itself_applies_where_it_is_passed_in_process(
+    install_plugin, request, tmp_path, layout
+):
     """The script calls the installed plugin's register() itself (as vLLM's tests do); an engine loading the plugin
     calls it again, and the guard registers nothing; passed in-process to an engine not loading the plugin, it was
-    refused, advising exactly that: 'pass its register function in-process'."""
-    install_plugin(
-        "guarded", GUARDED_REGISTER, dist="guarded-dist", module="guarded_ext", target="guarded_ext:register"
-    )
+    refused, advising exactly that: 'pass its register function in-process'. The entry point may name the function
+    where the package's __init__ re-exports it (guarded_ext:register, defined in guarded_ext.impl)."""
+    if layout == "defined in the module":
+        install_plugin(
+            "guarded", GUARDED_REGISTER, dist="guarded-dist", module="guarded_ext", target="guarded_ext:register"
+        )
+    else:
+        package = tmp_path / "site-packages" / "guarded_ext"
+        package.mkdir(parents=True)
+        (package / "impl.py").write_text(GUARDED_REGISTER)
+        (package / "__init__.py").write_text("from guarded_ext.impl import register\n")
+        install_plugin("guarded", "", dist="guarded-dist", module="guarded_unused", target="guarded_ext:register")
+    request.addfinalizer(lambda: [sys.modules.pop(m, None) for m in ("guarded_ext", "guarded_ext.impl")])
     import guarded_ext
 
     guarded_ext.register()
