@@ -414,20 +414,25 @@ def test_a_module_plugins_setting_changed_by_the_script_is_named(tiny_opt, tmp_p
     assert "in-process plugin 'tp_scales_module' has FACTOR=3.0 on rank 0 but 1.0 on rank 1" in caplog.text
 
 
-def test_more_ranks_than_threads_on_a_cpu_say_so(tiny_opt, caplog):
+def test_more_ranks_than_cores_on_a_cpu_say_so(tiny_opt, caplog, monkeypatch):
     # They started silently: 4 ranks on 2 cores built in 30 s, against 7 s with 2, each with an interpreter of its own.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # a process allowed one core
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
     try:
-        with caplog.at_level(logging.WARNING, logger="pluginhost"):
-            llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
-        try:
-            assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
-        finally:
-            llm.close()
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
     finally:
-        torch.set_num_threads(threads)
-    assert "tensor_parallel_size=2 starts 2 processes for 1 thread(s) of this machine" in caplog.text
+        llm.close()
+    assert "tensor_parallel_size=2 starts 2 processes on the 1 core(s) this process may use" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 on 2 cores: one thread a rank, nothing shared
+    try:
+        LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2).close()
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert "starts 2 processes" not in caplog.text
 
 
 GC_IN_A_STEP = """

@@ -113,8 +113,10 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     checkpoint = find_checkpoint(plan.model_dir, allow_external=config.allow_external_weights)
     model_class = plan.registry.resolve(plan.architecture)
     device = resolve_device(config.device)
-    if ranks is not None and device.type == "cuda":  # one device per rank (torchrun's LOCAL_RANK on several machines)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", ranks.rank)))
+    if ranks is not None and device.type == "cuda":
+        from pluginhost.engine.parallel import cuda_device_of
+
+        device = cuda_device_of(ranks.rank)
     dtype = resolve_dtype(config.dtype, plan.hf_config, device)
     config.settle(device=str(device), dtype=dtype_name(dtype))
     used = _used_settings(config, _USED_BEFORE_PRE_LOAD)

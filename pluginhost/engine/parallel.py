@@ -355,14 +355,15 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
         if device.type == "cpu":  # N processes share the cores: each takes its share of the threads
             threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, threads_before // world_size))
-            if world_size > threads_before:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if world_size > cores:
                 logger.warning(
-                    "tensor_parallel_size=%d starts %d processes for %d thread(s) of this machine: they take turns on "
-                    "the cores, each with an interpreter and torch of its own (some hundreds of MiB beside its "
-                    "share of the weights); on a CPU, fewer ranks than cores run faster",
+                    "tensor_parallel_size=%d starts %d processes on the %d core(s) this process may use: they take "
+                    "turns on the cores, each with an interpreter and torch of its own (some hundreds of MiB beside "
+                    "its share of the weights); on a CPU, no more ranks than cores run faster",
                     world_size,
                     world_size,
-                    threads_before,
+                    cores,
                 )
         context = multiprocessing.get_context("spawn")
         reasons = context.SimpleQueue()
@@ -611,7 +612,7 @@ class Agreement:
         self._next += 1
         took = time.monotonic() - self._since
         try:
-            reports = _gather_objects(mine, self.ranks.world_size)
+            reports = _gather_objects(mine, self.ranks)
         except BaseException as exc:
             self._next = len(self.PHASES)  # no later exchange: the others would meet a half-done one (gloo aborts)
             if not isinstance(exc, Exception):  # Ctrl-C while a slower rank was awaited: stopped at once
@@ -640,15 +641,22 @@ class Agreement:
         return reports
 
 
-def _gather_objects(mine: Any, world_size: int) -> list[Any]:
+def cuda_device_of(rank: int) -> torch.device:
+    """The GPU of a rank: one per rank (torchrun's LOCAL_RANK when the ranks span several machines)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
+
+def _gather_objects(mine: Any, ranks: Ranks) -> list[Any]:
     """Every rank's ``mine``, as ``dist.all_gather_object`` gathers them, waiting in Python rather than in gloo.
 
     A rank waiting inside gloo for a slower one (a plugin's long build hook, a slow read on one rank) takes no
     Ctrl-C until the wait ends; here the wait is a loop the signal interrupts. Two gathers, as torch's own:
     each rank's size, then every rank's bytes padded to the longest.
     """
-    # NCCL gathers only tensors on the rank's GPU (as all_gather_object does there); gloo, CPU ones.
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # NCCL gathers only tensors on the rank's GPU (all_gather_object takes the current one there, which nothing
+    # here sets: cuda:0 on every rank); gloo, CPU ones.
+    device = cuda_device_of(ranks.rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    world_size = ranks.world_size
     data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
     _awaited(dist.all_gather(sizes, torch.tensor([data.numel()], device=device), async_op=True))
