@@ -317,16 +317,24 @@ def _with_rope_theta(value: Any, hf_config: PretrainedConfig) -> Any:
 
 
 def _into_rope_parameters(hf_config: PretrainedConfig, field: str, value: Any) -> bool:
-    """Set RoPE field ``field`` (``_ROPE_FIELDS``) where transformers reads it, in ``rope_parameters`` (each layer
-    type's, when they are per layer type); False when the config has no RoPE dict (a model that reads it itself)."""
+    """Set RoPE field ``field`` (``_ROPE_FIELDS``) where transformers reads it, in ``rope_parameters``; False when
+    the config has no RoPE dict (a model that reads it itself).
+
+    RoPE parameters per layer type (Gemma 3's full and sliding layers) are refused: transformers gives such a
+    field in config.json to some types only, by rules of each config class.
+    """
     current = getattr(hf_config, "rope_parameters", None)
     if not isinstance(current, dict):
         return False
-    updated = copy.deepcopy(current)
-    per_type = [params for params in updated.values() if isinstance(params, dict)]
-    for params in per_type or [updated]:
-        params[field] = value
-    hf_config.rope_parameters = updated
+    per_type = sorted(name for name, params in current.items() if isinstance(params, dict))
+    if per_type:
+        raise ConfigError(
+            f"hf_overrides sets {field}, but {type(hf_config).__name__}'s RoPE parameters are per layer type "
+            f"({', '.join(per_type)}), and which of them it applies to is the config class's rule. Give each "
+            f'type\'s instead: --hf-overrides \'{{"rope_parameters": {{"{per_type[0]}": {{..., "{field}": ...}}, '
+            "...}}'."
+        )
+    hf_config.rope_parameters = {**copy.deepcopy(current), field: value}
     return True
 
 

@@ -140,6 +140,23 @@ def test_an_overridden_rope_theta_is_the_base_frequency_the_model_runs_with(tmp_
     assert greedy_tokens(path, hf_overrides={"rope_theta": 50.0}) != greedy_tokens(path)
 
 
+def test_an_overridden_rope_theta_on_rope_parameters_per_layer_type_is_refused_saying_what_to_give(tmp_path):
+    # Written into every layer type, it differed from a checkpoint saying so: transformers gives config.json's
+    # rope_theta to Gemma 3's full-attention layers only (its sliding ones keep rope_local_base_freq).
+    from transformers import AutoConfig
+
+    from pluginhost import LLM
+    from pluginhost.errors import ConfigError
+
+    config = AutoConfig.for_model(
+        "gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=384, architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"per layer type \(full_attention, sliding_attention\).*rope_parameters"):
+        LLM(str(tmp_path), load_installed_plugins=False, hf_overrides={"rope_theta": 5.0})
+
+
 def test_a_built_engines_hf_overrides_are_read_only_and_what_the_user_gave_is_left_as_given(tmp_path, greedy_tokens):
     from pluginhost import LLM
     from pluginhost.errors import ConfigError
