@@ -968,29 +968,9 @@ def test_torchrun_with_another_world_size_is_one_clear_error(run_pluginhost, tin
 @pytest.mark.parametrize("when", [0.5, 2.0, 8.0], ids=["starting", "building", "generating"])
 def test_ctrl_c_ends_every_rank(tiny_opt, when):
     # 2,000 prompts of 100 tokens: far longer than the test waits.
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pluginhost",
-            "generate",
-            "--model",
-            str(tiny_opt),
-            "--no-plugins",
-            "--tensor-parallel-size",
-            "2",
-            "--max-tokens",
-            "100",
-            "--ignore-eos",
-            "--prompt",
-            "Hi",
-        ]
-        + ["--prompt", "Hello"] * 2000,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    argv = ["generate", "--model", str(tiny_opt), "--no-plugins", "--tensor-parallel-size", "2", "--max-tokens", "100"]
+    process = pluginhost_in_a_session_of_its_own(
+        [*argv, "--ignore-eos", "--prompt", "Hi", *["--prompt", "Hello"] * 2000]
     )
     try:
         ranks: set[int] = set()
@@ -1041,14 +1021,7 @@ def test_ctrl_c_while_rank_0_waits_for_a_slower_rank_in_the_build_exits_at_once(
     mark = tmp_path / "rank-0-planned"
     install_plugin("slow_rank_one", SLOW_ON_RANK_1.format(mark=str(mark)), dist="slow-rank-one-dist")
     argv = ["generate", "--model", str(tiny_opt), "--plugins", "slow_rank_one", "--tensor-parallel-size", "2"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pluginhost", *argv, "--prompt", "Hi"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    process = pluginhost_in_a_session_of_its_own([*argv, "--prompt", "Hi"])
     try:
         deadline = time.monotonic() + 60
         while not mark.exists() and time.monotonic() < deadline:
@@ -1064,6 +1037,18 @@ def test_ctrl_c_while_rank_0_waits_for_a_slower_rank_in_the_build_exits_at_once(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
+
+
+def pluginhost_in_a_session_of_its_own(argv: list[str]) -> subprocess.Popen[str]:
+    """``python -m pluginhost ARGV`` as a terminal's foreground job: a process group of its own, for its Ctrl-C."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},  # the installed plugins of this test too
+    )
 
 
 def _parent(proc: Path) -> int | None:
