@@ -542,7 +542,7 @@ def test_an_engine_dropped_without_shutdown_is_freed_and_its_streams_end(tiny_op
         model = weakref.ref(engine.model)
         stream = await engine.submit([2, 5, 9], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
         await stream.__anext__()  # it runs
-        loop_thread = engine._thread
+        loop_thread = engine._loop.thread
         del engine
         gc.collect()
         outs = [out async for out in stream]

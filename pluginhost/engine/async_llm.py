@@ -89,7 +89,6 @@ class AsyncLLM(EngineFrontend):
         module lock the caller holds (a build importing that module, a plugin's ``"module:Class"``
         model for one, would wait for it forever).
         """
-        self._stopping = threading.Event()
         #: Ids given to requests being prepared (how many of each), and those of them aborted meanwhile.
         self._preparing: Counter[str] = Counter()
         self._aborted_early: set[str] = set()
@@ -99,8 +98,7 @@ class AsyncLLM(EngineFrontend):
         # what one request can cost here is bounded instead: text too long for max_model_len however it
         # tokenizes is refused unread (``InputProcessor.check_text_length``), and a server reads no body
         # over its limit. Whole answers are built in the event loop's own executor, not here.
-        self._inputs_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pluginhost-inputs")
-        self._loop = loop = _EngineLoop(self._stopping, self._inputs_thread)
+        self._loop = loop = _EngineLoop(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pluginhost-inputs"))
         importing = _inside_an_import()
         if importing or torchrun_rank() not in (None, 0):
             if importing:
@@ -111,8 +109,8 @@ class AsyncLLM(EngineFrontend):
             super()._build(host, settings)
             loop.engine, loop.ranks = self.engine, getattr(self, "_ranks", None)
             if self.engine is not None:
-                self._thread = loop.thread = threading.Thread(target=loop.run, name="pluginhost-engine", daemon=True)
-                self._thread.start()
+                loop.thread = threading.Thread(target=loop.run, name="pluginhost-engine", daemon=True)
+                loop.thread.start()
             self._shut_down_when_dropped()
             return
         built: Future[None] = Future()
@@ -132,13 +130,13 @@ class AsyncLLM(EngineFrontend):
             if abandoned.is_set() and loop.ranks is not None:  # nobody holds this engine to shut it down
                 loop.ranks.close()
 
-        self._thread = loop.thread = threading.Thread(target=build_then_run, name="pluginhost-engine", daemon=True)
-        self._thread.start()
+        loop.thread = threading.Thread(target=build_then_run, name="pluginhost-engine", daemon=True)
+        loop.thread.start()
         try:
             built.result()
         except BaseException:
             abandoned.set()
-            self._stopping.set()
+            loop.stopping.set()
             raise
         self._shut_down_when_dropped()
 
@@ -219,7 +217,7 @@ class AsyncLLM(EngineFrontend):
             prepared = await self.off_loop(lambda: [m() for m in make])  # one hop, in order
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self._stopping.is_set() and task is not None and not task.cancelling():  # shutdown dropped it
+            if self._loop.stopping.is_set() and task is not None and not task.cancelling():  # shutdown dropped it
                 raise RuntimeError("this AsyncLLM was shut down") from None
             raise
         finally:
@@ -285,11 +283,11 @@ class AsyncLLM(EngineFrontend):
 
     async def off_loop(self, fn: Callable[..., T], /, *args: Any) -> T:
         """``fn(*args)`` in the engine's input thread, where requests are prepared; awaited, never blocking the loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._inputs_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._loop.inputs_thread, fn, *args)
 
     def _check_open(self) -> None:
         self._check_generates()
-        if self._stopping.is_set():
+        if self._loop.stopping.is_set():
             raise RuntimeError("this AsyncLLM was shut down")
 
     def abort(self, request_id: str | Iterable[str]) -> None:
@@ -321,8 +319,9 @@ class _EngineLoop:
     """The engine loop's thread and what it runs on, apart from the ``AsyncLLM``: nothing here refers to it, so
     an engine its program drops is freed (its ``weakref.finalize`` stops this) instead of kept by its own thread."""
 
-    def __init__(self, stopping: threading.Event, inputs_thread: ThreadPoolExecutor) -> None:
-        self.stopping = stopping
+    def __init__(self, inputs_thread: ThreadPoolExecutor) -> None:
+        self.stopping = threading.Event()
+        #: Where requests are prepared (``AsyncLLM.off_loop``).
         self.inputs_thread = inputs_thread
         #: Set once the model is built; the engine is None on a tensor-parallel rank other than 0 (no loop there).
         self.engine: EngineCore | None = None
