@@ -7,7 +7,10 @@ store transformers' ``Conv1D`` weights as (in, out): ``load_weights``
 transposes them into ordinary (out, in) linear layers, and accepts both the
 ``transformer.`` prefix of transformers' checkpoints and the bare names of
 the original ones, whose attention-mask buffers (``attn.bias``,
-``attn.masked_bias``) it skips.
+``attn.masked_bias``) it skips. A decoder saved from an encoder-decoder model
+(``add_cross_attention``) runs as transformers runs it alone: its
+cross-attention layers attend to an encoder's states, which a causal language
+model is never given, so their weights are skipped too.
 
 Shapes: B batch, T new tokens, S cache slots attended, H heads, D head dim,
 E hidden size, V vocabulary.
@@ -15,6 +18,7 @@ E hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +33,8 @@ from builtin_models.tp import Colwise, Heads, Rowwise, Style, VocabParallel
 from builtin_models.weights import TiedHead, assign_weights
 
 __all__ = ["GPT2Attention", "GPT2Block", "GPT2LMHeadModel"]
+
+logger = logging.getLogger(__name__)
 
 #: Conv1D weights in the checkpoint, stored (in, out).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -119,6 +125,13 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.transformer = GPT2Model(config)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.cross_attention = bool(getattr(config, "add_cross_attention", False))
+        if self.cross_attention:
+            logger.warning(
+                "config.json sets add_cross_attention: the checkpoint's cross-attention layers are left unused (they "
+                "attend to an encoder's states, which a causal language model is never given; transformers' "
+                "GPT2LMHeadModel skips them alike)"
+            )
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocate a static key/value cache in every block, on the model's device and dtype."""
@@ -158,6 +171,8 @@ class GPT2LMHeadModel(nn.Module):
         def rename(name: str) -> str | None:
             if name.endswith((".attn.bias", ".attn.masked_bias")):
                 return None  # old checkpoints' causal-mask buffers
+            if self.cross_attention and (".crossattention." in name or ".ln_cross_attn." in name):
+                return None  # an encoder-decoder's decoder: nothing here gives it encoder states
             if not name.startswith(("transformer.", "lm_head.")):
                 name = f"transformer.{name}"
             # transformers nests the MLP under "mlp."; this model keeps c_fc/c_proj on the block.

@@ -697,13 +697,21 @@ def test_no_prompts_give_no_outputs(llm):
         ([[2, 5]], SamplingParams(n=10**7), r"n=10000000 samples are more than the engine ever takes in at once"),
         # Once taken as token ids, a list of keys, or a TypeError.
         (b"hello", None, "prompts must be a string, a list of token ids, or a list of prompts, got bytes"),
-        ({"a": 1}, None, r"a dict prompt needs 'prompt' \(text\) or 'prompt_token_ids'"),
+        ({"a": 1}, None, r"prompt 0 is a dict with 'a', which pluginhost does not take: its models read text"),
         (None, None, "got NoneType"),
         ([None], None, "prompt 0 must be a string, a list of token ids or a prompt dict, got NoneType"),
         # Ids given as text ran as a text prompt; a bad item of a list of params was "got 1 items".
         ([{"prompt_token_ids": "2, 5"}], None, "prompt 0: 'prompt_token_ids' must be a list of int token ids, got str"),
         ([{"prompt_token_ids": None}], None, "prompt 0: 'prompt_token_ids' must be a list of int token ids, got None"),
         ([{"prompt": [2, 5]}], None, r"prompt 0: 'prompt' must be text \(a str\), got list"),
+        # Keys beyond the text and ids were dropped: an image ran as its text alone, a misspelt key ran the text.
+        (
+            [[2, 5], {"prompt": "hi", "multi_modal_data": {"image": object()}}],
+            None,
+            r"prompt 1 is a dict with 'multi_modal_data', which pluginhost does not take: its models read text",
+        ),
+        ([{"prompt": "hi", "prompt_token_id": [2, 5]}], None, "prompt 0 is a dict with 'prompt_token_id', which"),
+        ([{"prompt_embeds": [[0.5]]}], None, "prompt 0 is a dict with 'prompt_embeds', which pluginhost does not"),
         ([[2, 5]], [None], r"sampling_params\[0\] is NoneType, not SamplingParams: give one per prompt"),
     ],
 )
@@ -711,6 +719,14 @@ def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompt
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
     assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def test_vllm_prompt_dict_keys_that_ask_nothing_of_a_text_model_are_taken(llm):
+    """vLLM's TokensPrompt with its other keys empty (as a port builds it), and a prefix-cache salt."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = llm.generate([[2, 5, 9]], params)[0].token_ids
+    prompt = {"prompt_token_ids": [2, 5, 9], "multi_modal_data": None, "mm_processor_kwargs": {}, "cache_salt": "u1"}
+    assert llm.generate([prompt], params)[0].token_ids == plain
 
 
 def test_a_request_whose_logits_are_not_numbers_ends_with_a_clear_error_and_the_others_go_on(tiny_opt):

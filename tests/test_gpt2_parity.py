@@ -27,6 +27,8 @@ VARIANTS = {
         "activation_function": "gelu",
     },
     "untied head": {"tie_word_embeddings": False},
+    # An encoder-decoder's decoder saved alone: its cross-attention weights were "unexpected tensors".
+    "cross-attention layers, unused": {"add_cross_attention": True},
 }
 
 

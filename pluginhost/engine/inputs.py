@@ -318,7 +318,25 @@ def _held_back(params: SamplingParams, eos_ids: frozenset[int]) -> frozenset[int
     return frozenset(params.stop_token_ids or ()) | eos_ids
 
 
+#: vLLM's prompt-dict keys for inputs besides text (images, embeddings, token types): pluginhost's models read
+#: text and token ids only, so these are refused unless empty (vLLM refuses them for a text-only model too).
+_NON_TEXT_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "token_type_ids"})
+
+#: The keys a prompt dict may hold. ``cache_salt`` keeps vLLM's prefix cache from sharing a prompt's blocks with
+#: other users; pluginhost shares no cache between requests, so any salt is honoured as it is.
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"}) | _NON_TEXT_PROMPT_KEYS
+
+
 def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:
+    # A key left unread would be dropped silently: an image ran as its text alone, a misspelt key ran the text.
+    unused = sorted(
+        map(repr, (k for k in prompt if k not in _PROMPT_KEYS or (k in _NON_TEXT_PROMPT_KEYS and prompt[k])))
+    )
+    if unused:
+        raise ValueError(
+            f"prompt {index} is a dict with {', '.join(unused)}, which pluginhost does not take: its models read text "
+            "('prompt') or token ids ('prompt_token_ids') only, not images, embeddings or other inputs"
+        )
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):  # "2, 5" ran as text
