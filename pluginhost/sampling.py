@@ -10,7 +10,7 @@ from typing import Any
 
 from pluginhost.errors import InvalidParameterError
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "SamplingParams", "check_min_tokens_within_cap"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "VLLM_NEUTRAL", "SamplingParams", "check_min_tokens_within_cap"]
 
 #: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
 GREEDY_TEMPERATURE = 1e-5
@@ -56,6 +56,11 @@ class SamplingParams:
       ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
+
+    vLLM's fields for what pluginhost does not do (``best_of``, ``prompt_logprobs``,
+    ``detokenize``, ``skip_special_tokens``, ``include_stop_str_in_output``, ...; see
+    ``VLLM_NEUTRAL``) are taken at the values that ask for nothing else, as a port
+    passes them, and any other value is refused naming the field.
     """
 
     n: int = 1
@@ -74,6 +79,18 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     extra_args: dict[str, Any] | None = field(default=None)
+    # vLLM's, at their neutral values only (VLLM_NEUTRAL): kept out of the repr, which shows what decodes.
+    best_of: int | None = field(default=None, repr=False)
+    prompt_logprobs: int | None = field(default=None, repr=False)
+    detokenize: bool = field(default=True, repr=False)
+    skip_special_tokens: bool = field(default=True, repr=False)
+    spaces_between_special_tokens: bool = field(default=True, repr=False)
+    include_stop_str_in_output: bool = field(default=False, repr=False)
+    truncate_prompt_tokens: int | None = field(default=None, repr=False)
+    bad_words: list[str] | None = field(default=None, repr=False)
+    allowed_token_ids: list[int] | None = field(default=None, repr=False)
+    logit_bias: dict[int, float] | None = field(default=None, repr=False)
+    structured_outputs: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -177,6 +194,14 @@ class SamplingParams:
             self.extra_args is None or isinstance(self.extra_args, dict),
             f"extra_args must be a dict or None, got {type(self.extra_args).__name__}",
         )
+        for name, neutral in VLLM_NEUTRAL.items():
+            value = getattr(self, name)
+            check(
+                name,
+                _is_neutral(value, neutral) or (name == "best_of" and _is_int(value) and value == self.n),
+                f"{name}={value!r} is not supported by pluginhost (vLLM's field; only {_shown(neutral, name)} here, "
+                "what pluginhost does anyway): see docs/porting-from-vllm.md",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +219,32 @@ class SamplingParams:
         values["extra_args"] = _copied(self.extra_args)
         values.update(changes)
         return SamplingParams(**values)
+
+
+#: vLLM's ``SamplingParams`` fields for what pluginhost does not do, and the values that ask for nothing else
+#: (``best_of`` may also equal ``n``). The server takes the same fields of a request body alike.
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None,),
+    "prompt_logprobs": (None,),
+    "detokenize": (True,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logit_bias": (None, {}),
+    "structured_outputs": (None,),
+}
+
+
+def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral``; a boolean only as a boolean (``1`` is not ``True``)."""
+    return any(value is n if n is None or isinstance(n, bool) else value == n for n in neutral)
+
+
+def _shown(neutral: tuple[Any, ...], name: str) -> str:
+    return " or ".join([*(repr(n) for n in neutral), *(["n"] if name == "best_of" else [])])
 
 
 def check_min_tokens_within_cap(min_tokens: int, cap: int) -> None:

@@ -23,6 +23,7 @@ from pluginhost.engine.sampler import NoTokenLeft, SamplingState
 from pluginhost.testing import RegistersModel
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
+from pluginhost.tokenizer import _byte_level_alphabet, token_bytes
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
 
@@ -440,6 +441,33 @@ def test_a_prompt_ending_inside_a_character_loses_no_generated_text(llm, kind):
         assert detokenizer.text == "\u2603 a snow"  # the character the prompt began, then every generated one
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])
+def test_runs_of_tokens_without_text_are_not_decoded_again_at_every_token(llm, kind):
+    # End-of-sequence generated again and again (ignore_eos), or stray bytes that are no character: each token
+    # decoded the whole run before it again, in the loop every request shares (4,000 of them: 1.6 ms a token).
+    tokenizer = llm.tokenizer if kind == "byte-level" else byte_fallback_tokenizer()
+    byte_piece = {b: piece for piece, b in _byte_level_alphabet().items()}[0x80]  # a lone continuation byte
+    stray = tokenizer.convert_tokens_to_ids(byte_piece if kind == "byte-level" else "<0x80>")
+    assert token_bytes(tokenizer, stray) == b"\x80"
+    word = tokenizer(" snow", add_special_tokens=False)["input_ids"]
+
+    def text_of(ids: list[int], windows: list[int]) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, [1])
+        decode = detokenizer._decode
+        detokenizer._decode = lambda window: windows.append(len(window)) or decode(window)
+        for token in ids:
+            detokenizer.push(token)
+        detokenizer.flush()
+        return detokenizer.text
+
+    windows: list[int] = []
+    text = text_of(word + [tokenizer.eos_token_id] * 300 + word + [stray] * 300 + word, windows)
+    assert max(windows) <= 16  # the window decoded stays a few tokens long, whatever came before
+    # The words' text, and one U+FFFD for each stray byte (before the words' last).
+    assert text.count("\ufffd") == 300 and text.replace("\ufffd", "") == text_of(word * 3, [])
+    assert text.endswith("\ufffd" + text_of(word * 3, [])[len(text_of(word * 2, [])) :])
+
+
 # -- n samples ----------------------------------------------------------------------------
 
 
@@ -480,6 +508,36 @@ def test_seed_minus_one_means_no_seed_as_in_vllm(llm):
     assert params.seed is None
     texts = {tuple(llm.generate([PROMPTS[0]], params)[0].token_ids) for _ in range(4)}
     assert len(texts) > 1
+
+
+def test_vllm_fields_at_their_defaults_are_taken_and_at_other_values_refused_naming_them(llm):
+    """A port passes vLLM's fields at their defaults: a bare TypeError (unexpected keyword) even for those."""
+    ported = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+        n=2,
+        best_of=2,
+        prompt_logprobs=None,
+        detokenize=True,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        include_stop_str_in_output=False,
+        truncate_prompt_tokens=None,
+        bad_words=[],
+        allowed_token_ids=None,
+        logit_bias=None,
+        structured_outputs=None,
+    )
+    assert ported.skip_special_tokens is True and "skip_special_tokens" not in repr(ported)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
+    assert llm.generate([PROMPTS[0]], ported)[0].outputs == llm.generate([PROMPTS[0]], plain)[0].outputs
+    for name, value in [("detokenize", False), ("best_of", 3), ("skip_special_tokens", 1), ("logit_bias", {5: 2.0})]:
+        with pytest.raises(ValueError, match=rf"SamplingParams: {name}=.* is not supported by pluginhost") as caught:
+            SamplingParams(**{name: value})
+        assert caught.value.param == name
+    with pytest.raises(ValueError, match="include_stop_str_in_output=True is not supported"):
+        plain.clone(include_stop_str_in_output=True)
 
 
 def test_numpy_numbers_are_taken_as_python_numbers(llm):
