@@ -10,7 +10,14 @@ from typing import Any
 
 from pluginhost.errors import InvalidParameterError
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "VLLM_NEUTRAL", "SamplingParams", "check_min_tokens_within_cap"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "MAX_STOP_STRINGS",
+    "VLLM_NEUTRAL",
+    "SamplingParams",
+    "check_min_tokens_within_cap",
+    "kind_of",
+]
 
 #: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
 GREEDY_TEMPERATURE = 1e-5
@@ -245,6 +252,15 @@ def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
 
 def _shown(neutral: tuple[Any, ...], name: str) -> str:
     return " or ".join([*(repr(n) for n in neutral), *(["n"] if name == "best_of" else [])])
+
+
+def kind_of(value: object) -> str:
+    """The type of ``value``, given where a ``SamplingParams`` belongs: another package's ``SamplingParams`` (a
+    leftover ``from vllm import SamplingParams``) by its full name, with what to do."""
+    kind = type(value)
+    if kind.__name__ != SamplingParams.__name__:
+        return kind.__name__
+    return f"{kind.__module__}.{kind.__qualname__} (import SamplingParams from pluginhost instead)"
 
 
 def check_min_tokens_within_cap(min_tokens: int, cap: int) -> None:

@@ -131,12 +131,26 @@ def test_abort_takes_one_id_or_an_iterable_of_them_as_vllm_does(engine):
     async def scenario():
         streams = [await engine.submit(PROMPTS[i], greedy(200), f"many-{i}") for i in range(3)]
         engine.abort(["many-0", "many-1"])
-        engine.abort(("many-2",))
+        await engine.abort(("many-2",))  # vLLM's abort is a coroutine: ported code awaits it (a TypeError)
         with pytest.raises(TypeError, match="a request id \\(str\\) or an iterable of them, got 5"):
             engine.abort(5)
         return [[out async for out in stream][-1].outputs[0].finish_reason for stream in streams]
 
     assert run(scenario()) == ["abort"] * 3
+
+
+@pytest.mark.parametrize("request_id", [5, b"r"])
+def test_a_request_id_abort_could_not_name_is_refused_and_an_empty_one_kept(engine, request_id):
+    # An int id was taken (abort(5) then a TypeError, the request ran to its end); "" became "asyncllm-0".
+    async def scenario():
+        with pytest.raises(TypeError, match="request_id must be a str \\(or None for one the engine picks\\), got"):
+            await engine.submit(PROMPTS[0], greedy(200), request_id)
+        stream = await engine.submit(PROMPTS[0], greedy(200), "")
+        engine.abort("")
+        return [out async for out in stream][-1]
+
+    last = run(scenario())
+    assert (last.request_id, last.outputs[0].finish_reason) == ("", "abort")
 
 
 def test_leaving_the_stream_early_aborts_the_request(engine):

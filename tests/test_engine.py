@@ -679,6 +679,10 @@ def test_no_prompts_give_no_outputs(llm):
     assert llm.generate([]) == [] and llm.generate([], []) == []  # vLLM's LLM.generate([]) too
 
 
+#: vLLM's SamplingParams, as a leftover import in a ported program passes it.
+VLLM_SAMPLING_PARAMS = type("SamplingParams", (), {"__module__": "vllm.sampling_params"})()
+
+
 @pytest.mark.parametrize(
     ("prompts", "params", "message"),
     [
@@ -713,6 +717,13 @@ def test_no_prompts_give_no_outputs(llm):
         ([{"prompt": "hi", "prompt_token_id": [2, 5]}], None, "prompt 0 is a dict with 'prompt_token_id', which"),
         ([{"prompt_embeds": [[0.5]]}], None, "prompt 0 is a dict with 'prompt_embeds', which pluginhost does not"),
         ([[2, 5]], [None], r"sampling_params\[0\] is NoneType, not SamplingParams: give one per prompt"),
+        # A leftover vLLM import: "sampling_params[0] is SamplingParams, not SamplingParams".
+        (
+            [[2, 5]],
+            [VLLM_SAMPLING_PARAMS],
+            r"sampling_params\[0\] is vllm\.sampling_params\.SamplingParams \(import SamplingParams from pluginhost",
+        ),
+        ([[2, 5]], VLLM_SAMPLING_PARAMS, "got vllm.sampling_params.SamplingParams .import SamplingParams from"),
     ],
 )
 def test_bad_requests_raise_value_error_and_the_engine_keeps_serving(llm, prompts, params, message):

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -269,9 +269,10 @@ class AsyncLLM(EngineFrontend):
         arrival_time: float | None = None,
     ) -> Callable[[], EngineRequest]:
         """What makes the request ``stream`` delivers, once called (in the input thread, or at once)."""
+        _checked_request_id(request_id)
         return functools.partial(
             self._inputs.make_request,
-            request_id or self._new_request_id(),
+            request_id if request_id is not None else self._new_request_id(),
             prompt,
             params if params is not None else self.get_default_sampling_params(),
             index=index,
@@ -290,12 +291,14 @@ class AsyncLLM(EngineFrontend):
         if self._loop.stopping.is_set():
             raise RuntimeError("this AsyncLLM was shut down")
 
-    def abort(self, request_id: str | Iterable[str]) -> None:
+    def abort(self, request_id: str | Iterable[str]) -> Awaitable[None]:
         """End a request (or several: an iterable of ids, as vLLM takes) at the next step; its stream ends with
         ``finish_reason`` ``"abort"``.
 
         Also a request still being prepared (tokenized, checked) under that id: it is queued, then ended at
         the next step. The id is free at once: a new request may take it before the old one's stream has ended.
+        Done when it returns; the result may be awaited, as code written for vLLM's coroutine does
+        (``await engine.abort(request_id)``).
         """
         ids = [request_id] if isinstance(request_id, str) else _as_list(request_id)
         if ids is None or not all(isinstance(i, str) for i in ids):
@@ -304,6 +307,7 @@ class AsyncLLM(EngineFrontend):
             if i in self._preparing:
                 self._aborted_early.add(i)
         self.engine.abort(ids)
+        return _DONE
 
     def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the loop thread (requests still running end as aborted); idempotent.
@@ -422,6 +426,27 @@ class RequestStream:
         """End the request at the next step, unless it has finished."""
         if not self.request.finished:
             self._engine.abort_request(self.request)
+
+
+class _Done:
+    """Something already done that may be awaited (for nothing)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
+
+
+def _checked_request_id(request_id: object) -> None:
+    """Refuse an id ``abort`` could not name (vLLM's ids are strings): an int ran on, unabortable, to its end."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise TypeError(
+            f"request_id must be a str (or None for one the engine picks), got {type(request_id).__name__} "
+            f"{request_id!r}"
+        )
 
 
 def _as_list(items: object) -> list[object] | None:

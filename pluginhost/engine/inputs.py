@@ -17,7 +17,7 @@ from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
 from pluginhost.engine.sampler import SamplingState
 from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
-from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap
+from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap, kind_of
 from pluginhost.tokenizer import most_chars_per_token
 
 __all__ = ["InputProcessor", "Prompt", "as_prompt_list"]
@@ -56,9 +56,7 @@ class InputProcessor:
         (``time.monotonic()``) is when the request arrived, if before now.
         """
         if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling params for prompt {index} must be a SamplingParams, got {type(params).__name__}"
-            )
+            raise ValueError(f"sampling params for prompt {index} must be a SamplingParams, got {kind_of(params)}")
         loaded = self._loaded
         text, token_ids = self._encode(index, prompt)
         # The request's own parameters: plugins may change them, and one SamplingParams may serve many prompts.

@@ -19,7 +19,7 @@ from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt, as_prompt_list
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
-from pluginhost.sampling import SamplingParams
+from pluginhost.sampling import SamplingParams, kind_of
 
 if TYPE_CHECKING:
     from pluginhost.engine.core import EngineCore
@@ -146,7 +146,7 @@ def _params_for(
     if isinstance(params, SamplingParams):
         return [params] * len(prompts)
     if isinstance(params, str | bytes) or not isinstance(params, Sequence):
-        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {kind_of(params)}")
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(
@@ -155,6 +155,6 @@ def _params_for(
     bad = [i for i, p in enumerate(params) if not isinstance(p, SamplingParams)]
     if bad:
         raise ValueError(
-            f"sampling_params[{bad[0]}] is {type(params[bad[0]]).__name__}, not SamplingParams: give one per prompt"
+            f"sampling_params[{bad[0]}] is {kind_of(params[bad[0]])}, not SamplingParams: give one per prompt"
         )
     return params
