@@ -389,6 +389,19 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             400,
             "tool calls are not supported",
         ),
+        # pydantic listed every branch of the content union ("Input should be 'text'; ... refusal: unknown field").
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages.0.content: content parts of type 'image_url' are not supported: this server takes text only",
+        ),
+        (  # a parameter of transformers 5's apply_chat_template, not a template variable: blamed on the messages
+            "/v1/chat/completions",
+            {"model": "demo", "messages": USER, "chat_template_kwargs": {"sanitize_control_tokens": True}},
+            400,
+            "sanitize_control_tokens cannot be set here: the request's own fields decide it",
+        ),
         ("/v1/nothing-here", {}, 404, "Not Found"),
     ],
 )
@@ -676,7 +689,7 @@ def test_chat_template_kwargs_are_the_templates_variables(tiny_opt, tmp_path):
     model = shutil.copytree(tiny_opt, tmp_path / "model")
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = (
-        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}\n{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
     )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
@@ -687,9 +700,9 @@ def test_chat_template_kwargs_are_the_templates_variables(tiny_opt, tmp_path):
 
             messages = [{"role": "user", "content": "Hi"}]
 
-            def prompt_tokens(**extra_body) -> int:
-                answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **extra_body)
-                return answer.usage.prompt_tokens
+            def prompt_tokens(**extra) -> int:
+                given = {"messages": messages, **extra}
+                return client.chat.completions.create(model="tiny", max_tokens=1, **given).usage.prompt_tokens
 
             def rendered_tokens(text: str) -> int:
                 return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -700,6 +713,12 @@ def test_chat_template_kwargs_are_the_templates_variables(tiny_opt, tmp_path):
             )
             no_think = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
             assert no_think == rendered_tokens("Hi\n/no_think") > rendered_tokens("Hi\n")
+            # An answer's assistant message sent back as it came, with OpenAI's refusal part: its text.
+            messages = [*messages, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No"}]}]
+            assert prompt_tokens() == rendered_tokens("Hi\nNo\n")
+            # Messages the template renders to nothing: said so (it was "the request is an empty list of token ids").
+            with pytest.raises(openai.BadRequestError, match="the chat template renders these messages to an empty"):
+                prompt_tokens(messages=[{"role": "system", "content": "Be brief."}])
     finally:
         engine.shutdown()
 

@@ -682,7 +682,10 @@ def _render_chat(
             f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
         ) from None
     check_length(0, text)
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not token_ids:  # the engine would say "an empty list of token ids", which the client never sent
+        raise bad_request("the chat template renders these messages to an empty prompt", param="messages")
+    return {"prompt": text, "prompt_token_ids": token_ids}
 
 
 class _FieldNames:

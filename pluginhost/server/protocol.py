@@ -23,6 +23,8 @@ arguments left unset.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
 import types
@@ -340,6 +342,24 @@ class ChatMessage(_Strict):
     #: Checked even when left out (``validate_default``).
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: object, info: ValidationInfo) -> object:
+        """Parts other than text refused in one sentence (pydantic's own message lists every branch of the union);
+        the ``refusal`` part of an answer's message, sent back as it came, taken as its text."""
+        if not isinstance(content, list):
+            return content
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "refusal" and info.data.get("role") == "assistant" and isinstance(part.get("refusal"), str):
+                parts.append({"type": "text", "text": part["refusal"]})
+            elif isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+            else:
+                parts.append(part)
+        return parts
+
     @field_validator("content")
     @classmethod
     def _content_given(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
@@ -388,12 +408,24 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)  # as vLLM joins a message's text parts
 
 
-#: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them.
+#: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them
+#: (with the installed transformers' others: ``_template_parameters``).
 _TEMPLATE_PARAMETERS = frozenset(
     {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )  # fmt: skip
+
+
+@functools.cache
+def _template_parameters() -> frozenset[str]:
+    """``_TEMPLATE_PARAMETERS`` and every other named parameter of the installed transformers' ``apply_chat_template``
+    (5.x added ``sanitize_control_tokens``, which then failed the render, blamed on the messages)."""
+    from transformers import PreTrainedTokenizerBase
+
+    signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template)
+    named = {n for n, p in signature.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return _TEMPLATE_PARAMETERS | (named - {"self"})
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -449,7 +481,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(_TEMPLATE_PARAMETERS & (value or {}).keys())
+        taken = sorted(_template_parameters() & (value or {}).keys())
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields decide it")
         return value
