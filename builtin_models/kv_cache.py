@@ -59,9 +59,11 @@ class KVCache(nn.Module):
                 k_rows[:, :, p : p + 1].copy_(k)  # (1, H, 1, D)
                 v_rows[:, :, p : p + 1].copy_(v)
             else:
-                batch = self.row_index[:B]  # (B, 1)
-                k_rows[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
-                v_rows[batch, :, positions] = v.transpose(1, 2)  # likewise
+                # Into the cache itself, not through the rows' view: compiled, a write through a view had inductor
+                # copy the rows' every slot out and back, four copies of the whole cache rows a layer and step.
+                batch = self.row_index[rows]  # (B, 1)
+                self.k[batch, :, positions] = k.transpose(1, 2)  # (B, T, H, D) into (B, [H], T slots)
+                self.v[batch, :, positions] = v.transpose(1, 2)  # likewise
             return k_rows[:, :, :n_slots], v_rows[:, :, :n_slots]  # (B, H, S, D) views
         self.k[rows[:, None], :, positions] = k.transpose(1, 2)  # (B, T, H, D) into rows (B,), T slots each
         self.v[rows[:, None], :, positions] = v.transpose(1, 2)
