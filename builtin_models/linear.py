@@ -159,15 +159,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(x.shape[:-1] + (out_features,))  # (..., out)
 
 
-# :func:`linear` as a PyTorch operator, for compiled code (``torch.compile`` cannot follow a kernel table): one
-# opaque call in the graph, the kernel chosen when the step runs. Registered with the dispatcher directly, not
-# through ``torch.library.custom_op``, whose Python wrappers cost ~15 us a call (~3 here), 49 calls a Llama step.
-_library = torch.library.Library("pluginhost", "DEF")
-_library.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_library.impl("linear", linear, "CPU")  # reached only through linear()'s checks: fp32 on the CPU
-_linear_op = torch.ops.pluginhost.linear.default
+@torch.library.custom_op("pluginhost::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`linear` as a PyTorch operator, for compiled code (``torch.compile`` cannot follow a kernel table)."""
+    return linear(x, weight, bias)
 
 
-@torch.library.register_fake("pluginhost::linear", lib=_library)
+@_linear_op.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[:-1] + (weight.shape[0],))

@@ -229,7 +229,7 @@ class SamplingParams:
 
 
 #: vLLM's ``SamplingParams`` fields for what pluginhost does not do, and the values that ask for nothing else
-#: (``best_of`` may also equal ``n``). The server takes the same fields of a request body alike.
+#: (``best_of`` may also equal ``n``). The server's request bodies have a table of their own (``server.protocol``).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
     "prompt_logprobs": (None,),
@@ -298,6 +298,9 @@ _NUMERIC_FIELDS = (
     "repetition_penalty",
     "seed",
     "logprobs",
+    "best_of",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 
 

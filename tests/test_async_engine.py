@@ -132,6 +132,7 @@ def test_abort_takes_one_id_or_an_iterable_of_them_as_vllm_does(engine):
         streams = [await engine.submit(PROMPTS[i], greedy(200), f"many-{i}") for i in range(3)]
         engine.abort(["many-0", "many-1"])
         await engine.abort(("many-2",))  # vLLM's abort is a coroutine: ported code awaits it (a TypeError)
+        await asyncio.create_task(engine.abort("many-2"))  # or runs it as a task
         with pytest.raises(TypeError, match="a request id \\(str\\) or an iterable of them, got 5"):
             engine.abort(5)
         return [[out async for out in stream][-1].outputs[0].finish_reason for stream in streams]

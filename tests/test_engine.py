@@ -8,6 +8,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -716,6 +717,7 @@ VLLM_SAMPLING_PARAMS = type("SamplingParams", (), {"__module__": "vllm.sampling_
         ),
         ([{"prompt": "hi", "prompt_token_id": [2, 5]}], None, "prompt 0 is a dict with 'prompt_token_id', which"),
         ([{"prompt_embeds": [[0.5]]}], None, "prompt 0 is a dict with 'prompt_embeds', which pluginhost does not"),
+        ([{"prompt": "hi", "token_type_ids": np.zeros(2)}], None, "prompt 0 is a dict with 'token_type_ids', which"),
         ([[2, 5]], [None], r"sampling_params\[0\] is NoneType, not SamplingParams: give one per prompt"),
         # A leftover vLLM import: "sampling_params[0] is SamplingParams, not SamplingParams".
         (
@@ -1317,6 +1319,22 @@ def memory_beside_cache(llm: LLM, slots: int):  # noqa: ANN201 - what available_
     runner.check_memory(1, 1)  # the caches set up: what a slot costs
     per_slot = runner.slot_bytes()
     return lambda device: (slots - math.prod(runner.cache_shape)) * per_slot
+
+
+def test_compiled_decoding_under_a_memory_shortage_runs_eagerly_rather_than_compile_each_cache_size(
+    tiny_opt, monkeypatch
+):
+    # The cache's rows follow the memory free when it is short: each count compiled anew (seconds each, the batch
+    # waiting), as often as the memory changed.
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[2, 10 + i, 20 + i] for i in range(12)]
+    expected = [o.token_ids for o in LLM(str(tiny_opt), load_installed_plugins=False).generate(prompts, params)]
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, compile_decode=True, max_num_seqs=32)
+    for rows in (3, 5, 6, 7, 9):  # the memory free drifts
+        monkeypatch.setattr("pluginhost.engine.runner.available_bytes", memory_for(llm, rows, 256))
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.runner.cache_shape[0] < 32  # capped by the memory
+    assert llm.engine.runner.compiled.compile_seconds == 0
 
 
 def decode_until_slot_256(llm: LLM, requests: list) -> list:

@@ -23,7 +23,6 @@ from pluginhost.engine.sampler import NoTokenLeft, SamplingState
 from pluginhost.testing import RegistersModel
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
-from pluginhost.tokenizer import _byte_level_alphabet, token_bytes
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
 
@@ -442,13 +441,10 @@ def test_a_prompt_ending_inside_a_character_loses_no_generated_text(llm, kind):
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])
-def test_runs_of_tokens_without_text_are_not_decoded_again_at_every_token(llm, kind):
-    # End-of-sequence generated again and again (ignore_eos), or stray bytes that are no character: each token
-    # decoded the whole run before it again, in the loop every request shares (4,000 of them: 1.6 ms a token).
+def test_a_run_of_special_tokens_is_not_decoded_again_at_every_token(llm, kind):
+    # End-of-sequence generated again and again (ignore_eos): each token decoded the whole run before it again, in
+    # the loop every request shares (4,000 of them: 1.6 ms a token, growing).
     tokenizer = llm.tokenizer if kind == "byte-level" else byte_fallback_tokenizer()
-    byte_piece = {b: piece for piece, b in _byte_level_alphabet().items()}[0x80]  # a lone continuation byte
-    stray = tokenizer.convert_tokens_to_ids(byte_piece if kind == "byte-level" else "<0x80>")
-    assert token_bytes(tokenizer, stray) == b"\x80"
     word = tokenizer(" snow", add_special_tokens=False)["input_ids"]
 
     def text_of(ids: list[int], windows: list[int]) -> str:
@@ -461,11 +457,9 @@ def test_runs_of_tokens_without_text_are_not_decoded_again_at_every_token(llm, k
         return detokenizer.text
 
     windows: list[int] = []
-    text = text_of(word + [tokenizer.eos_token_id] * 300 + word + [stray] * 300 + word, windows)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or tokenizer.eos_token_id
+    assert text_of(word + [eos] * 300 + word + [pad] * 300 + word, windows) == text_of(word * 3, [])
     assert max(windows) <= 16  # the window decoded stays a few tokens long, whatever came before
-    # The words' text, and one U+FFFD for each stray byte (before the words' last).
-    assert text.count("\ufffd") == 300 and text.replace("\ufffd", "") == text_of(word * 3, [])
-    assert text.endswith("\ufffd" + text_of(word * 3, [])[len(text_of(word * 2, [])) :])
 
 
 # -- n samples ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -428,13 +428,22 @@ class RequestStream:
             self._engine.abort_request(self.request)
 
 
-class _Done:
-    """Something already done that may be awaited (for nothing)."""
+class _Done(Coroutine[None, None, None]):
+    """A coroutine already done: awaited, or run as a task (``asyncio.create_task``), it returns ``None`` at once."""
 
     __slots__ = ()
 
     def __await__(self) -> Iterator[None]:
         return iter(())
+
+    def send(self, value: object) -> None:
+        raise StopIteration
+
+    def throw(self, *exc: Any) -> None:  # noqa: ANN401 - any exception, as a coroutine takes it
+        raise exc[1] if len(exc) > 1 and exc[1] is not None else exc[0]
+
+    def close(self) -> None:
+        pass
 
 
 _DONE = _Done()

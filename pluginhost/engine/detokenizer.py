@@ -26,11 +26,6 @@ __all__ = ["IncrementalDetokenizer"]
 CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
 
-#: Generated tokens that may wait for a character to finish before the wait is checked: a UTF-8 character has at
-#: most 4 bytes. Past them, a text ending in U+FFFD is looked at byte by byte: bytes that are no character at all
-#: (a model writing stray continuation bytes) are emitted, as decoding them whole would show them.
-_PENDING_BEFORE_CHECK = 4
-
 
 class IncrementalDetokenizer:
     """The text of one sequence's generated tokens, grown token by token.
@@ -72,7 +67,7 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or (after.endswith(_INCOMPLETE) and self._may_finish()):
+        if len(after) <= len(before) or after.endswith(_INCOMPLETE):
             return None  # wait for the rest of the character (or the token decodes to nothing)
         delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
@@ -97,11 +92,6 @@ class IncrementalDetokenizer:
                 delta = delta[:-1]
             self.text += delta
         self._prefix = self._read = len(self._ids)
-
-    def _may_finish(self) -> bool:
-        """Whether the text's trailing U+FFFD may be a character still to finish (else: bytes that are none)."""
-        pending = self._ids[self._read :]
-        return len(pending) <= _PENDING_BEFORE_CHECK or _cut_off_character(self._tokenizer, pending) != (0, 0)
 
     def _unfinished_tail(self) -> int:
         """How many of the context's last tokens hold nothing but the start of a character it does not finish."""

@@ -328,7 +328,9 @@ _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"}) | _NON_TE
 def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence[int]:
     # A key left unread would be dropped silently: an image ran as its text alone, a misspelt key ran the text.
     unused = sorted(
-        map(repr, (k for k in prompt if k not in _PROMPT_KEYS or (k in _NON_TEXT_PROMPT_KEYS and prompt[k])))
+        map(
+            repr, (k for k in prompt if k not in _PROMPT_KEYS or (k in _NON_TEXT_PROMPT_KEYS and not _empty(prompt[k])))
+        )
     )
     if unused:
         raise ValueError(
@@ -348,6 +350,11 @@ def _unwrap_prompt_dict(index: int, prompt: Mapping[str, Any]) -> str | Sequence
         f"prompt {index} is a dict with keys {sorted(map(str, prompt))}; a dict prompt needs 'prompt' (text) "
         "or 'prompt_token_ids' (a list of ints)"
     )
+
+
+def _empty(value: object) -> bool:
+    """``None`` or an empty dict or list: asking for nothing (no truth test: an array has none)."""
+    return value is None or (isinstance(value, dict | list | tuple) and len(value) == 0)
 
 
 def _kind(value: object) -> str:

@@ -320,7 +320,9 @@ class ModelRunner:
         if inputs.kind == "move":
             return None  # type: ignore[return-value]  # nothing to compute
         if inputs.kind == "decode":
-            if self.compiled is not None:
+            # Compiled only at the cache's full rows: under a memory shortage its rows follow the memory free, and
+            # each count would compile anew (seconds each, the batch waiting), as often as the memory changes.
+            if self.compiled is not None and self._rows == self.max_num_seqs:
                 return self.compiled.logits(
                     inputs.tokens, inputs.positions, cache_rows=self._rows, cache_slots=self._slots
                 )
