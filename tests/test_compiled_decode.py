@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -234,3 +237,27 @@ def test_rope_following_each_rows_length_compiles_once_for_every_length(tmp_path
     assert tokens(compiled, other) == tokens(eager, other)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert compiled.engine.runner.compiled.failure is None
+
+
+def test_a_program_ending_while_the_decoding_step_compiles_exits_with_its_own_status(tiny_opt, cpp_compiler, tmp_path):
+    # The exit's shutdown gave up on the engine's thread after its timeout, mid-compile: torch's C++ aborted the
+    # process as the interpreter ended under it (status 134).
+    script = f"""
+import asyncio
+import pluginhost.engine.async_llm as async_llm
+async_llm._SHUTDOWN_TIMEOUT_S = 0.1  # shorter than any compile
+from pluginhost import AsyncLLM, SamplingParams
+
+async def main():
+    llm = AsyncLLM({str(tiny_opt)!r}, load_installed_plugins=False, dtype="float32", compile_decode=True)
+    stream = await llm.submit([2, 5, 6], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "r")
+    await stream.__anext__()  # the prefill's token: the engine's thread now compiles the decoding step
+    await asyncio.sleep(0.5)
+    return llm
+
+held = asyncio.run(main())  # the program ends holding it, without shutdown()
+"""
+    # Nothing compiled yet: seconds to compile. No kernel calibration: a step measuring kernels outlasts 0.1 s too.
+    fresh = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PLUGINHOST_KERNEL_CALIBRATION": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=fresh, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

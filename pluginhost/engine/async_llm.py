@@ -313,7 +313,8 @@ class AsyncLLM(EngineFrontend):
         """Stop the loop thread (requests still running end as aborted); idempotent.
 
         An engine dropped, or still held when the program ends, gets it then: the loop thread must not
-        be mid-step when the interpreter goes (torch's C++ then aborts the process, exit status 134).
+        be mid-step when the interpreter goes (torch's C++ then aborts the process, exit status 134). A step
+        compiling (``compile_decode``: the first at a new shape, seconds) is waited for past ``timeout``.
         """
         if self._finalizer.detach() is not None:
             self._loop.stop(timeout)
@@ -358,11 +359,19 @@ class _EngineLoop:
             self.stopping.set()
         else:
             deadline = time.monotonic() + timeout  # one for the whole shutdown, not one per wait
+            compiled = getattr(self.engine.runner, "compiled", None)
+            if compiled is not None:
+                compiled.closed = True  # no new shape compiles from now on; one compiling is waited for below
             self.engine.abort_all(close=True)  # a request submitted from now on is refused, not left running
             self.engine.step(timeout=timeout)  # hand the aborts out, unless a step stuck in a plugin holds the engine
             self.stopping.set()
             self.inputs_thread.shutdown(wait=False, cancel_futures=True)  # what is not prepared yet never will be
             self.thread.join(max(0.0, deadline - time.monotonic()))
+            if self.thread.is_alive() and compiled is not None and compiled.compiling:
+                # Past the timeout: a program ending under a compiling step aborts (status 134).
+                while compiled.compiling:
+                    self.thread.join(0.1)
+                self.thread.join(timeout)  # then the rest of that step
         if self.ranks is not None:
             self.ranks.close()
 

@@ -67,6 +67,11 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         #: Why compiling failed, once it has (decoding is eager from then on).
         self.failure: BaseException | None = None
+        #: Whether a step is compiling now (a first at a new shape, seconds): a shutdown at exit waits for it, as
+        #: the interpreter must not end under it (torch's C++ then aborts the process, status 134).
+        self.compiling = False
+        #: Set as the engine shuts down: no new shape is compiled from then on (its steps run eagerly).
+        self.closed = False
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
         try:
             self._step = torch.compile(self._forward, mode=mode)
@@ -100,8 +105,11 @@ class CompiledDecode:
         mask = (torch.arange(cache_slots, device=self.device)[None, :] <= at)[:, None, None, :]  # (R, 1, 1, S)
         shape = (R, cache_rows, cache_slots)
         seen = shape in self._shapes
+        if not seen and self.closed:  # shutting down: compiling now could outlast the program
+            return self._eager(tokens, positions)
         start = time.perf_counter()
         failure = None
+        self.compiling = not seen
         try:
             with torch._dynamo.config.patch(**self._limits):
                 logits = self._step(ids, at, mask)
@@ -109,6 +117,8 @@ class CompiledDecode:
             if seen and not isinstance(exc, self._limit_hit):
                 raise  # this shape ran compiled before: the model failed, not the compiler
             failure = exc
+        finally:
+            self.compiling = False
         if failure is not None:
             logits = self._eager(tokens, positions)  # a failure of the model's own raises here, as it would eagerly
             self._compiling_failed(failure)
