@@ -16,6 +16,7 @@ __all__ = [
     "VLLM_NEUTRAL",
     "SamplingParams",
     "check_min_tokens_within_cap",
+    "is_neutral",
     "kind_of",
 ]
 
@@ -205,7 +206,7 @@ class SamplingParams:
             value = getattr(self, name)
             check(
                 name,
-                _is_neutral(value, neutral) or (name == "best_of" and _is_int(value) and value == self.n),
+                is_neutral(value, neutral) or (name == "best_of" and _is_int(value) and value == self.n),
                 f"{name}={value!r} is not supported by pluginhost (vLLM's field; only {_shown(neutral, name)} here, "
                 "what pluginhost does anyway): see docs/porting-from-vllm.md",
             )
@@ -229,7 +230,8 @@ class SamplingParams:
 
 
 #: vLLM's ``SamplingParams`` fields for what pluginhost does not do, and the values that ask for nothing else
-#: (``best_of`` may also equal ``n``). The server's request bodies have a table of their own (``server.protocol``).
+#: (``best_of`` may also equal ``n``). The server's request bodies take the entries they share from here
+#: (``server.protocol``, which adds the fields only a route has).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
     "prompt_logprobs": (None,),
@@ -245,9 +247,12 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
-    """Whether ``value`` is one of ``neutral``; a boolean only as a boolean (``1`` is not ``True``)."""
-    return any(value is n if n is None or isinstance(n, bool) else value == n for n in neutral)
+def is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral``; a boolean only as a boolean (``1`` is not ``True``, ``False``
+    is not ``0``), ``None`` only as ``None``."""
+    return any(
+        value is n if n is None else value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral
+    )
 
 
 def _shown(neutral: tuple[Any, ...], name: str) -> str:

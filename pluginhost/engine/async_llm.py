@@ -359,7 +359,7 @@ class _EngineLoop:
             self.stopping.set()
         else:
             deadline = time.monotonic() + timeout  # one for the whole shutdown, not one per wait
-            compiled = getattr(self.engine.runner, "compiled", None)
+            compiled = self.engine.runner.compiled
             if compiled is not None:
                 compiled.closed = True  # no new shape compiles from now on; one compiling is waited for below
             self.engine.abort_all(close=True)  # a request submitted from now on is refused, not left running

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap
+from pluginhost.sampling import VLLM_NEUTRAL, SamplingParams, check_min_tokens_within_cap, is_neutral
 
 __all__ = [
     "ChatCompletionRequest",
@@ -77,7 +77,7 @@ class _Strict(BaseModel):
             return data
         fields = cls.model_fields
         for key, value in data.items():
-            if key in cls._neutral and value is not None and not _same(value, cls._neutral[key]):
+            if key in cls._neutral and value is not None and not is_neutral(value, cls._neutral[key]):
                 raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])})")
         return {
             key: value
@@ -90,11 +90,6 @@ class _Strict(BaseModel):
                 or _takes_none(fields[key].annotation)
             )
         }
-
-
-def _same(value: Any, neutral: tuple[Any, ...]) -> bool:
-    """Whether ``value`` is one of ``neutral``, a boolean only as a boolean (``1`` is not ``true``)."""
-    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 def _neutral_values(neutral: tuple[Any, ...]) -> str:
@@ -147,17 +142,23 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
-#: vLLM's extras on both routes, at their values that ask for what this server does anyway.
+#: vLLM's extras on both routes, at their values that ask for what this server does anyway: those of its
+#: ``SamplingParams`` as the Python API takes them (``null`` is neutral for every field here), and the request's.
 _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
-    "prompt_logprobs": (),
-    "truncate_prompt_tokens": (),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
+    **{
+        name: tuple(value for value in VLLM_NEUTRAL[name] if value is not None)
+        for name in (
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+            "allowed_token_ids",
+            "bad_words",
+            "structured_outputs",
+        )
+    },
     "logits_processors": (),
-    "structured_outputs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
