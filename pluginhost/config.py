@@ -142,8 +142,9 @@ class EngineConfig(BaseModel):
     )
     max_logprobs: int = Field(
         default=20,
-        ge=0,
-        description="Most log-probabilities a request may ask for per token (SamplingParams.logprobs).",
+        ge=-1,
+        description="Most log-probabilities a request may ask for per token (SamplingParams.logprobs); -1: the "
+        "whole vocabulary, as in vLLM.",
     )
     allow_external_weights: bool = Field(
         default=False,

@@ -57,7 +57,8 @@ class SamplingParams:
       and so does -1 (read as ``None``, as vLLM does: clients send it for "random").
     * ``logprobs``: ``None``, or k >= 0: each generated step reports the
       log-probabilities (of the model's distribution, before penalties,
-      temperature and filtering) of the chosen token and of the k most likely.
+      temperature and filtering) of the chosen token and of the k most likely;
+      -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
     * ``stop_token_ids``: token ids that end generation; the token is kept in
@@ -169,8 +170,8 @@ class SamplingParams:
         )
         check(
             "logprobs",
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= -1),
+            f"logprobs must be None, an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
         )
         check(
             "ignore_eos",

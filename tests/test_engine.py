@@ -786,7 +786,7 @@ def test_text_encoding_outside_the_models_vocabulary_is_refused_before_it_reache
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k must be an integer >= 0"),
-        ({"logprobs": -2}, "logprobs must be None or an integer >= 0"),
+        ({"logprobs": -2}, "logprobs must be None, an integer >= 0, or -1 for the whole vocabulary"),
         ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of token ids >= 0"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids >= 0, got 5"),
         ({"seed": 2**64}, r"seed must be in \[-2\*\*63, 2\*\*64 - n\]"),
@@ -825,6 +825,18 @@ def test_logprobs_are_capped_by_max_logprobs(tiny_opt, llm):
     wide = LLM(str(tiny_opt), load_installed_plugins=False, max_logprobs=100)
     out = wide.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=50))[0]
     assert len(out.logprobs[0]) >= 50
+
+
+def test_logprobs_minus_one_reports_the_whole_vocabulary_as_vllm_does(tiny_opt, llm):
+    vocabulary = llm.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {vocabulary}\) is more than this"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=-1))  # max_logprobs 20, as in vLLM
+    every = LLM(str(tiny_opt), load_installed_plugins=False, max_logprobs=-1)
+    out = every.generate(PROMPTS[:1], SamplingParams(max_tokens=2, logprobs=-1, temperature=0))[0]
+    for token, step in zip(out.token_ids, out.logprobs, strict=True):
+        assert sorted(step) == list(range(vocabulary))
+        assert max(step, key=step.get) == token  # greedy: the most likely
+        assert math.isclose(sum(math.exp(v) for v in step.values()), 1.0, rel_tol=1e-4)
 
 
 def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt):

@@ -141,10 +141,13 @@ class InputProcessor:
                 "fewer, or raise max_num_seqs or max_waiting_seqs",
                 param="n",
             )
-        if params.logprobs is not None and params.logprobs > loaded.config.max_logprobs:
+        vocabulary = loaded.vocab_size  # what -1 asks for, and allows (vLLM's reading)
+        allowed = vocabulary if config.max_logprobs == -1 else config.max_logprobs
+        if params.logprobs is not None and (vocabulary if params.logprobs == -1 else params.logprobs) > allowed:
+            whole = f" (the whole vocabulary, {vocabulary})" if params.logprobs == -1 else ""
             raise InvalidParameterError(
-                f"logprobs={params.logprobs} is more than this engine allows ({loaded.config.max_logprobs}): "
-                "ask for fewer, or raise max_logprobs",
+                f"logprobs={params.logprobs}{whole} is more than this engine allows ({allowed}): "
+                "ask for fewer, or raise max_logprobs (-1: the whole vocabulary)",
                 param="logprobs",
             )
         for processor in loaded.logits_processors:

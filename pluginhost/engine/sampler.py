@@ -362,8 +362,11 @@ def _draw_at_infinity(logits: Tensor, uniform: float) -> int:
 
 
 def top_logprobs(logprobs: Tensor, chosen: int, k: int) -> dict[int, float]:
-    """``{token: logprob}`` for the chosen token and the ``k`` most likely ones; ``logprobs`` is (V,)."""
+    """``{token: logprob}`` for the chosen token and the ``k`` most likely ones (-1: every token, the most likely
+    first); ``logprobs`` is (V,)."""
     result = {chosen: float(logprobs[chosen])}
+    if k == -1:
+        k = logprobs.shape[-1]
     if k > 0:
         values, indices = torch.topk(logprobs, min(k, logprobs.shape[-1]))
         result.update(zip(indices.tolist(), values.tolist(), strict=True))
