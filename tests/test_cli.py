@@ -197,6 +197,7 @@ def test_config_refuses_what_the_build_would_refuse_without_reading_weights(caps
         ),
         (["models", "--plugins", "nothing-like-this"], "matches no installed plugin"),
         (["plugins", "--plugins", " , "], "--plugins ' , ' names no plugin (an unset shell variable?)"),
+        (["plugins", "--disable-plugin", ""], "--disable-plugin '' names no plugin (an unset shell variable?)"),
         (["plugins", "--disable-plugin", "builtin_models"], "pluginhost's own builtin architectures, which cannot"),
         (["generate", "--model", "{tiny}", "--prompt", "ok", "--prompt", "ab\udcff"], "--prompt 2 is not valid UTF-8"),
         (

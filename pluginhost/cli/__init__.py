@@ -323,6 +323,11 @@ def make_host(args: argparse.Namespace):  # -> PluginHost
             f"--plugins {args.plugins!r} names no plugin (an unset shell variable?): name the plugins to load, or "
             "use --no-plugins to load none"
         )
+    for value in args.disable_plugin:
+        if not parse_name_list(value):  # a plugin meant to be blocked would load
+            raise UsageError(
+                f"--disable-plugin {value!r} names no plugin (an unset shell variable?): name the plugin to disable"
+            )
     selection = PluginSelection.from_env().with_cli(
         plugins=args.plugins, no_plugins=args.no_plugins, disable=args.disable_plugin
     )
