@@ -252,6 +252,44 @@ def test_generate_decodes_with_its_flags_and_leaves_the_models_sampling_defaults
     assert code == 2 and "recommends sampling defaults SamplingParams refuses" in err
 
 
+def test_generate_with_generation_config_auto_samples_as_the_model_recommends_under_the_flags(
+    capsys, tiny_opt, tmp_path
+):
+    # It said it took the file's defaults, then decoded with every flag's own default: the same tokens as without.
+    import shutil
+
+    from pluginhost import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_opt, model)
+    recommended = {"repetition_penalty": 5.0, "temperature": 0.7}
+    (model / "generation_config.json").write_text(json.dumps(recommended))
+    prompt = "a snow"
+    common = ["generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "12", "--ignore-eos", "--json"]
+    runs = {
+        "flags alone": [],
+        "greedy typed over the file": ["--generation-config", "auto", "--temperature", "0"],
+        "the file's sampling": ["--generation-config", "auto", "--seed", "3"],
+    }
+    tokens = {}
+    for name, extra in runs.items():
+        code, out, err = run(capsys, *common, *extra)
+        assert code == 0, err
+        tokens[name] = json.loads(out)[0]["token_ids"]
+    llm = LLM(str(model), load_installed_plugins=False, generation_config="vllm")
+    asked = {
+        "flags alone": {"temperature": 0},
+        "greedy typed over the file": recommended | {"temperature": 0},
+        "the file's sampling": recommended | {"seed": 3},
+    }
+    expected = {
+        name: llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **fields))[0].outputs[0].token_ids
+        for name, fields in asked.items()
+    }
+    assert tokens == expected
+    assert len({tuple(t) for t in expected.values()}) == 3  # the penalty and the temperature each change the tokens
+
+
 def test_broken_plugin_stops_config_with_exit_2(install_plugin, capsys, tiny_opt):
     install_plugin("broken", "raise RuntimeError('boom')\n", dist="broken-dist", version="9")
     code, _, err = run(capsys, "config", "--model", str(tiny_opt))

@@ -151,8 +151,8 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument(
         "--generation-config",
         choices=["auto", "vllm"],
-        help="default sampling parameters: auto (default), those the model's generation_config.json recommends, "
-        "as vLLM; vllm, SamplingParams' own",
+        help="default sampling parameters: auto (default, but for generate), those the model's "
+        "generation_config.json recommends, as vLLM; vllm, SamplingParams' own (generate: its flags' defaults)",
     )
     group.add_argument(
         "--refuse-nonfinite-weights",
@@ -182,11 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_selection_options(gen)
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=16, metavar="N")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    gen.add_argument("--ignore-eos", action="store_true")
+    # None: not given (--generation-config auto fills it from the model's recommendations, else GENERATE_DEFAULTS).
+    gen.add_argument("--max-tokens", type=int, metavar="N", help="16 unless given")
+    gen.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, metavar="P", help="1.0 unless given")
+    gen.add_argument("--top-k", type=int, metavar="K", help="0 = off (the default)")
+    gen.add_argument("--ignore-eos", action="store_true", default=None)
     gen.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
 
     serve = commands.add_parser(

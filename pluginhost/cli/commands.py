@@ -155,6 +155,23 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+#: ``generate``'s sampling where neither its flags nor (``--generation-config auto``) the model's
+#: ``generation_config.json`` say otherwise: greedy, 16 tokens.
+GENERATE_DEFAULTS: dict[str, Any] = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def _sampling_params(fields: dict[str, Any]):  # -> SamplingParams
+    """``SamplingParams(**fields)``, refused in the flags' words: "--top-p must be in (0, 1]"."""
+    from pluginhost.sampling import SamplingParams
+
+    try:
+        return SamplingParams(**fields)
+    except InvalidParameterError as exc:
+        flag = _flag(exc.param)
+        message = str(exc).removeprefix("SamplingParams: ").replace(" (or None)", "")  # a flag cannot be None
+        raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
+
+
 def show_config(args: argparse.Namespace, out: ResultStream) -> int:
     from pluginhost.build import plan_build
 
@@ -187,23 +204,13 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
         _check_utf8(prompt, f"--prompt {number}")
     settings, _ = _settings_or_demo(args)
     # Its flags are the sampling parameters (greedy unless they say otherwise): the model's recommended ones
-    # (generation_config.json) would not be used, so they are not read, unless asked for.
+    # (generation_config.json) are not read unless asked for, and then fill what the flags leave out.
     settings.setdefault("generation_config", "vllm")
     _engine_config(settings)  # first: the checks below take the values as valid
     _check_tokenizer(settings["model"])
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-    except InvalidParameterError as exc:  # in the flags' words: "--top-p must be in (0, 1]"
-        flag = _flag(exc.param)
-        message = str(exc).removeprefix("SamplingParams: ").replace(" (or None)", "")  # a flag cannot be None
-        raise UsageError(re.sub(rf"\b{exc.param}\b", flag, message)) from None
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    params = _sampling_params(GENERATE_DEFAULTS | given)  # the flags' mistakes before the model loads
     host = make_host(args)
     _import_torch()
     from pluginhost.engine import LLM
@@ -215,6 +222,9 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     llm = LLM._from_host(host, **settings)
     if llm.rank != 0:  # a torchrun rank: it served rank 0's steps until rank 0 was done
         return EXIT_OK
+    recommended = {k: v for k, v in llm.sampling_defaults.items() if k in SamplingParams.__dataclass_fields__}
+    if recommended:  # generation_config "auto": the file's recommendations, the flags typed over them
+        params = _sampling_params(GENERATE_DEFAULTS | recommended | given)
     try:
         outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
     except (PluginhostError, ValueError) as exc:
