@@ -256,6 +256,57 @@ def _refused(url: str) -> bool:
     return False
 
 
+def test_no_connection_is_taken_before_the_model_is_loaded(install_plugin, tmp_path):
+    # The socket listened from the start: a connection made during the load was taken (a TCP readiness probe said
+    # ready), its request hung until the load ended, or was reset when the load failed.
+    loading = tmp_path / "loading"
+    install_plugin(
+        "slow_load",
+        f"""
+        import pathlib, time
+        from pluginhost import hookimpl
+
+        @hookimpl
+        def pre_load(config, model_class):
+            pathlib.Path({str(loading)!r}).touch()
+            time.sleep(3)
+        """,
+    )
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", "serve", "--port", str(port), "--plugins", "slow_load"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        start_new_session=True,
+    )
+    try:
+        assert wait_until(lambda: loading.exists() or process.poll() is not None, TIMEOUT)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT).close()
+        url, lines = served_url(process, TIMEOUT)
+        assert url == f"http://127.0.0.1:{port}", "".join(lines)
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        process.kill()
+        process.communicate(timeout=TIMEOUT)
+
+
+def test_a_loopback_address_named_otherwise_still_refuses_other_sites_names(tiny_opt):
+    # Whether a Host is checked was decided from the name typed: --host 127.1 (or this machine's name, resolving
+    # to 127.0.0.1) listened on loopback and answered a DNS-rebinding page's requests.
+    with serving("--model", str(tiny_opt), "--host", "127.1") as (process, url):
+        port = url.rsplit(":", 1)[1]
+        assert url == f"http://127.0.0.1:{port}"
+        rebound = httpx.get(f"{url}/v1/models", headers={"Host": f"attacker.example:{port}"}, timeout=TIMEOUT)
+        assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+        for name in ("127.1", "127.0.0.1", "localhost"):
+            assert httpx.get(f"{url}/health", headers={"Host": f"{name}:{port}"}, timeout=TIMEOUT).status_code == 200
+
+
 def test_a_busy_port_is_one_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

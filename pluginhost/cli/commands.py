@@ -25,6 +25,8 @@ from pluginhost.distributed import launched_world_size, torchrun_rank
 from pluginhost.errors import InvalidParameterError, PluginhostError
 
 if TYPE_CHECKING:
+    import socket
+
     from pluginhost.config import EngineConfig
 
 __all__ = ["generate", "list_models", "list_plugins", "serve", "show_config"]
@@ -360,13 +362,15 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise _StoppedBeforeServing
 
 
-def _own_names(host: str, allowed: list[str]) -> set[str] | None:
-    """The names a server listening on ``host`` answers to: on a loopback address, its own and ``allowed``
-    (``--allowed-host``; a DNS-rebinding page names another), else any (``None``: reached from other machines,
-    by names only the operator knows)."""
+def _own_names(sock: socket.socket, host: str, allowed: list[str]) -> set[str] | None:
+    """The names a server on ``sock`` (bound to ``host``, as typed) answers to: on a loopback address, its own
+    and ``allowed`` (``--allowed-host``; a DNS-rebinding page names another), else any (``None``: reached from
+    other machines, by names only the operator knows). The address bound decides, not the name typed
+    (``--host 127.1``, or this machine's name resolving to 127.0.0.1, is loopback too)."""
     from pluginhost.server.run import is_loopback
 
-    return {"localhost", "127.0.0.1", "::1", host, *allowed} if is_loopback(host) else None
+    address = sock.getsockname()[0]
+    return {"localhost", "127.0.0.1", "::1", host, address, *allowed} if is_loopback(address) else None
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -460,7 +464,7 @@ def _start_serving(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, A
         from pluginhost.server.app import build_app
 
         engine = AsyncLLM._from_host(make_host(args), **settings)
-        allowed = _own_names(args.host, args.allowed_host)
+        allowed = _own_names(sock, args.host, args.allowed_host)
         app = build_app(engine, served_model_name=served, api_key=api_key, allowed_hosts=allowed)
     except BaseException:
         sock.close()

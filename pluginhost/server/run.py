@@ -18,6 +18,7 @@ same way as a signal, and ``run_server`` then raises its error.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import ipaddress
 import logging
@@ -35,19 +36,27 @@ from fastapi import FastAPI
 from pluginhost.engine.async_llm import AsyncLLM
 from pluginhost.errors import ConfigError
 
-__all__ = ["bind", "run_server"]
+__all__ = ["bind", "is_loopback", "listen", "run_server"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds uvicorn still waits, after the grace period, for the aborted answers to be sent.
 _ABORTED_ANSWERS_TIMEOUT = 5.0
 
+#: Connections waiting to be accepted (uvicorn's default).
+_BACKLOG = 2048
+
 #: Seconds a second Ctrl-C leaves the aborted answers to be sent before the server quits regardless.
 _FORCED_EXIT_WAIT = 2.0
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (``ConfigError`` saying why when it cannot be had)."""
+    """A TCP socket bound to ``host``:``port`` (``ConfigError`` saying why when it cannot be had).
+
+    It does not listen yet: ``run_server`` listens once the app is built, so no connection is taken (and left
+    hanging, or reset when the model fails to load) before the server can answer. A port another server
+    listens on fails here already.
+    """
     if not 0 <= port <= 65535:  # getaddrinfo would wrap 99999 round to another port, or blame the host
         raise ConfigError(f"Cannot listen on {host}:{port}: a port is a number from 0 to 65535 (0: any free one).")
     try:
@@ -61,13 +70,24 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-        sock.listen(2048)
     except OSError as exc:
         sock.close()
-        hint = " Pass another --port, or stop what uses it." if exc.errno in (98, 48) else ""
-        raise ConfigError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}.{hint}") from None
+        raise _cannot_listen(host, port, exc) from None
     sock.set_inheritable(True)
     return sock
+
+
+def listen(sock: socket.socket) -> None:
+    """Start taking connections on a socket of ``bind`` (``ConfigError`` when another server took the port since)."""
+    try:
+        sock.listen(_BACKLOG)
+    except OSError as exc:
+        raise _cannot_listen(*sock.getsockname()[:2], exc) from None
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> ConfigError:
+    hint = " Pass another --port, or stop what uses it." if exc.errno == errno.EADDRINUSE else ""
+    return ConfigError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}.{hint}")
 
 
 class _Server(uvicorn.Server):
@@ -192,6 +212,7 @@ def run_server(
     gc.collect()
     gc.freeze()
     try:
+        listen(sock)  # the app is built: connections can be answered from now on
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
@@ -202,7 +223,8 @@ def run_server(
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address, or ``localhost``) is this machine's loopback."""
+    """Whether ``host`` (an address, or ``localhost``) is this machine's loopback (say which address a name
+    stands for with the socket bound to it: ``sock.getsockname()[0]``)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
