@@ -65,7 +65,7 @@ invalid_field = st.one_of(
     st.tuples(st.just("repetition_penalty"), st.floats(max_value=0) | st.just(math.nan)),
     st.tuples(st.just("stop"), st.just("") | st.lists(st.integers(), min_size=1, max_size=2)),
     st.tuples(st.just("extra_args"), st.lists(st.integers(), max_size=2) | st.text(max_size=3)),
-    st.tuples(st.just("logprobs"), st.integers(max_value=-1) | st.text(max_size=3)),
+    st.tuples(st.just("logprobs"), st.integers(max_value=-2) | st.text(max_size=3)),
     st.tuples(st.just("seed"), finite | st.text(max_size=3)),
     st.tuples(st.just("stop_token_ids"), st.lists(st.integers(max_value=-1), min_size=1, max_size=3)),
 )
