@@ -18,10 +18,12 @@
    weights are loaded straight onto the target device and dtype, and
    ``post_load`` sees the loaded model.
 
-``plan_build`` is steps 1 to 5, so ``pluginhost config`` can show what would
-be built without reading weights or importing the model class (transformers'
-config classes, and with them torch, are imported). An exception anywhere
-aborts the build; nothing is kept.
+``plan_build`` is steps 1 to 5; ``pluginhost config`` goes on through step 6
+but the tokenizer and the weight files (``loader.settle_for_pre_load``), so it
+shows the settings the engine runs with, device, dtype and ``pre_load``'s
+changes included, without reading weights (only ``post_load``, which needs the
+built model, may change more). An exception anywhere aborts the build;
+nothing is kept.
 """
 
 from __future__ import annotations

@@ -131,16 +131,38 @@ def test_models_lists_a_plugin_whose_hook_raises_as_failed(install_plugin, capsy
     assert row["status"] == "failed" and "ZeroDivisionError" in row["reason"]
 
 
-def test_config_shows_provenance_including_plugins(install_plugin, capsys, tiny_opt):
-    install_plugin("good", GOOD_PLUGIN)
+def test_config_shows_the_settings_the_engine_runs_with_and_who_set_each(install_plugin, capsys, tiny_opt):
+    # What pre_load changed was left out (max_num_seqs shown as 256 "default", the engine ran 3), and so were
+    # the device and dtype the engine decides ("auto").
+    plugin = """
+        from pluginhost import hookimpl
+
+        @hookimpl
+        def register_models(registry):
+            registry.register_model("OPTForCausalLM", "builtin_models.opt:OPTForCausalLM")
+
+        @hookimpl
+        def modify_config(config):
+            config.max_model_len = 64
+
+        @hookimpl
+        def pre_load(config, model_class):
+            config.max_num_seqs = 3
+        """
+    install_plugin("good", plugin)
     code, out, err = run(capsys, "config", "--model", str(tiny_opt), "--dtype", "float32", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["config"]["max_model_len"] == 64
-    assert data["provenance"]["max_model_len"] == "plugin:good"
-    assert data["provenance"]["dtype"] == "user"
+    from pluginhost import LLM
+
+    engine = LLM(str(tiny_opt), dtype="float32")
+    assert data["config"] == engine.config.model_dump(mode="json")
+    assert data["provenance"] == engine.config.provenance
+    assert data["config"]["max_model_len"] == 64 and data["provenance"]["max_model_len"] == "plugin:good"
+    assert data["config"]["max_num_seqs"] == 3 and data["provenance"]["max_num_seqs"] == "plugin:good"
+    assert data["config"]["device"] == "cpu" and data["provenance"]["dtype"] == "user"
     assert data["provenance"]["seed"] == "default"
-    assert data["architecture"] == "OPTForCausalLM" and data["implementation"] == "good_impl:BetterOPT"
+    assert data["architecture"] == "OPTForCausalLM" and data["registered_by"] == "good"
 
 
 def test_every_engine_setting_an_operator_needs_has_its_flag(capsys, tiny_opt):
@@ -153,8 +175,8 @@ def test_every_engine_setting_an_operator_needs_has_its_flag(capsys, tiny_opt):
     given = {"allow_external_weights": True, "refuse_nonfinite_weights": True, "max_logprobs": 5}
     assert {k: data["config"][k] for k in [*given, "max_num_batched_tokens"]} == {**given, "max_num_batched_tokens": 64}
     assert all(data["provenance"][k] == "user" for k in [*given, "max_num_batched_tokens"])
-    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-logprobs", "-1")
-    assert code == 2 and "--max-logprobs: Input should be greater than or equal to 0 (got -1)" in err
+    code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-logprobs", "-2")
+    assert code == 2 and "--max-logprobs: Input should be greater than or equal to -1 (got -2)" in err
 
 
 def test_config_table(capsys, tiny_opt):

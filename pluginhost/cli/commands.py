@@ -179,7 +179,11 @@ def show_config(args: argparse.Namespace, out: ResultStream) -> int:
 
     settings, demo = _settings_or_demo(args)
     config = _engine_config(settings)
-    plan = plan_build(config, make_host(args))
+    host = make_host(args)
+    plan = plan_build(config, host)
+    from pluginhost.engine.loader import settle_for_pre_load
+
+    settle_for_pre_load(plan, host)  # device, dtype, and what pre_load hooks change: the settings the engine runs
     provenance = plan.config.provenance
     if demo and provenance["model"] == "user":  # the CLI passed the demo model's path; nobody chose it
         provenance["model"] = "default"

@@ -111,17 +111,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         agreement.reach("plan", fingerprint(config, plan, host))
     tokenizer = load_tokenizer(plan.model_dir)
     checkpoint = find_checkpoint(plan.model_dir, allow_external=config.allow_external_weights)
-    model_class = plan.registry.resolve(plan.architecture)
-    device = resolve_device(config.device)
-    if ranks is not None and device.type == "cuda":
-        from pluginhost.engine.parallel import cuda_device_of
-
-        device = cuda_device_of(ranks.rank)
-    dtype = resolve_dtype(config.dtype, plan.hf_config, device)
-    config.settle(device=str(device), dtype=dtype_name(dtype))
-    used = _used_settings(config, _USED_BEFORE_PRE_LOAD)
-    host.call("pre_load", config=config, model_class=model_class)
-    _check_changes(config, used, "pre_load", plan, host)
+    model_class, device, dtype = settle_for_pre_load(plan, host, rank=ranks.rank if ranks is not None else None)
 
     model = _construct(model_class, plan.registration, plan.hf_config, dtype)
     # The whole model's size, before a rank keeps its share of it: the checkpoint's tensors are whole.
@@ -218,6 +208,27 @@ class _Constructing(TorchFunctionMode):
         ):
             result = result.to(self.dtype)
         return result
+
+
+def settle_for_pre_load(
+    plan: BuildPlan, host: PluginHost, *, rank: int | None = None
+) -> tuple[type, torch.device, torch.dtype]:
+    """Step 6 but the tokenizer and the weight files: the model class resolved, device and dtype decided and written
+    into the config, then ``pre_load`` (its changes checked). ``pluginhost config`` stops here: the settings the
+    engine runs with, but for what ``post_load`` changes with the model built."""
+    config = plan.config
+    model_class = plan.registry.resolve(plan.architecture)
+    device = resolve_device(config.device)
+    if rank is not None and device.type == "cuda":
+        from pluginhost.engine.parallel import cuda_device_of
+
+        device = cuda_device_of(rank)
+    dtype = resolve_dtype(config.dtype, plan.hf_config, device)
+    config.settle(device=str(device), dtype=dtype_name(dtype))
+    used = _used_settings(config, _USED_BEFORE_PRE_LOAD)
+    host.call("pre_load", config=config, model_class=model_class)
+    _check_changes(config, used, "pre_load", plan, host)
+    return model_class, device, dtype
 
 
 def _factories() -> frozenset:
