@@ -1792,6 +1792,25 @@ def test_a_cgroup_limit_counts_with_its_parents_and_without_reclaimable_page_cac
     assert memory._cgroup_headroom() is None  # the root: no limit
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's size from /proc")
+def test_an_address_space_limit_counts_as_the_memory_left(tmp_path):
+    # Under ulimit -v, MemAvailable promised what the process could not map: a cache growth the check allowed
+    # failed in the allocator, an "internal error" with a traceback, instead of the cache's own capping.
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from pluginhost.engine.memory import _kib, available_bytes
+size = _kib("/proc/self/status", "VmSize")
+resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+print(available_bytes(torch.device("cpu")) >> 20)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert 0 < int(result.stdout) <= 256
+
+
 @pytest.mark.parametrize(
     ("settings", "rows", "prompts"),
     [({}, 5, 8), ({"max_num_seqs": 4}, 3, 4), ({"compile_decode": True}, 4, 2)],

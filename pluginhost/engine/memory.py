@@ -7,10 +7,12 @@ machine cannot hold ends with an error saying so, instead of the allocator
 failing mid-step or, on a CPU, the kernel's out-of-memory killer ending the
 whole process (Linux hands out memory it does not have until it is touched).
 
-On a CPU: ``MemAvailable`` of ``/proc/meminfo``, and under cgroup limits (a
+On a CPU: ``MemAvailable`` of ``/proc/meminfo``; under cgroup limits (a
 container, a systemd slice) what the tightest of the process's cgroup and its
-parents leaves, reclaimable page cache not counted as used; whichever is
-smaller. On CUDA: the device's free memory plus what torch's caching allocator
+parents leaves, reclaimable page cache not counted as used; under an
+address-space limit (``ulimit -v``) what it leaves of the process's size; under
+strict overcommit (``vm.overcommit_memory=2``) what may still be committed;
+whichever is smallest. On CUDA: the device's free memory plus what torch's caching allocator
 holds unused. Elsewhere (or when nothing can be read): unknown, and the cache
 grows unchecked, as before.
 """
@@ -22,6 +24,11 @@ import os
 from pathlib import Path
 
 import torch
+
+try:
+    import resource
+except ImportError:  # Windows: no address-space limit to read
+    resource = None  # type: ignore[assignment]
 
 __all__ = ["CACHE_SHARE", "available_bytes", "keep_freed_memory"]
 
@@ -70,18 +77,46 @@ def available_bytes(device: torch.device) -> int | None:
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type != "cpu":
         return None
-    known = [b for b in (_mem_available(), _cgroup_headroom()) if b is not None]
+    limits = (_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom(), _address_space_headroom(), _commit_headroom())
+    known = [b for b in limits if b is not None]
     return min(known) if known else None
 
 
-def _mem_available() -> int | None:
+def _kib(path: str, name: str) -> int | None:
+    """Bytes of the ``name:`` line of a ``/proc`` file that reports kB (``/proc/meminfo``, ``/proc/self/status``)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # reported in kB
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{name}:"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _address_space_headroom() -> int | None:
+    """What the address-space limit (``ulimit -v``, ``RLIMIT_AS``) leaves of the process's size; ``None`` without one.
+
+    MemAvailable does not see it: a cache growth the machine had room for failed in the allocator.
+    """
+    if resource is None:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    size = _kib("/proc/self/status", "VmSize")
+    if limit == resource.RLIM_INFINITY or size is None:
+        return None
+    return max(0, limit - size)
+
+
+def _commit_headroom() -> int | None:
+    """Under strict overcommit (``vm.overcommit_memory=2``) what may still be committed; ``None`` otherwise."""
+    try:
+        strict = Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2"
+    except OSError:
+        return None
+    limit, committed = _kib("/proc/meminfo", "CommitLimit"), _kib("/proc/meminfo", "Committed_AS")
+    if not strict or limit is None or committed is None:
+        return None
+    return max(0, limit - committed)
 
 
 def _cgroup_headroom() -> int | None:
