@@ -27,6 +27,7 @@ from pluginhost.engine.parallel import free_port
 from pluginhost.errors import ConfigError, ModelClassError, ModelRunError, PluginhostError, TensorParallelError
 from pluginhost.logits_processors import LogitsProcessor
 from pluginhost.testing import make_tiny_model
+from pluginhost.testing.server import wait_until
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
@@ -243,6 +244,44 @@ def test_a_failure_after_the_model_is_built_ends_the_ranks_and_the_process_can_s
         assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
     finally:
         llm.close()
+
+
+def test_close_while_another_thread_generates_waits_for_its_step(tiny_opt):
+    # close() sent its stop message while the generating thread's step went out on the same channel: a rank read
+    # one message's size and the other's bytes (UnpicklingError on rank 1), the generating thread got gloo's
+    # "Connection closed by peer" instead of the engine's own word.
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    ranks, sends = llm._ranks, []
+    send = ranks.send_step
+
+    def slow_send(inputs):  # a step's message takes a while to go out (a large batch, a slow machine)
+        sends.append(("start", inputs is None))
+        if inputs is not None:
+            time.sleep(0.3)
+        send(inputs)
+        sends.append(("end", inputs is None))
+
+    ranks.send_step = slow_send
+    failures: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            failures.append(exc)
+
+    thread = threading.Thread(target=generate)
+    try:
+        thread.start()
+        assert wait_until(lambda: len(sends) >= 3, 60)  # a step sent, the next going out
+        llm.close()
+        thread.join(60)
+    finally:
+        llm.close()
+    assert not thread.is_alive()
+    assert all(a[0] == "start" and b == ("end", a[1]) for a, b in zip(sends[::2], sends[1::2], strict=True)), sends
+    assert sends[-1] == ("end", True)  # the stop message went out alone, after the step in flight
+    assert len(failures) == 1 and "this tensor-parallel engine was closed" in str(failures[0])
 
 
 class PlainLinear(torch.nn.Module):

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineFrontend"]
 
+#: Seconds ``close`` waits for a step in flight before ending a tensor-parallel engine's ranks regardless.
+_CLOSE_WAIT_S = 10.0
+
 
 class EngineFrontend:
     """A built model with its engine loop; subclasses say how requests come in."""
@@ -79,10 +82,22 @@ class EngineFrontend:
             self._finalizer = weakref.finalize(self, ranks.close)
 
     def close(self) -> None:
-        """End the engine's other processes (tensor parallelism); nothing to do otherwise. Idempotent."""
+        """End the engine's other processes (tensor parallelism); nothing to do otherwise. Idempotent.
+
+        A step another thread runs is waited for (up to ``_CLOSE_WAIT_S``, then the ranks are ended regardless):
+        its message to the ranks and the stop message, sent at once on one channel, interleaved, so a rank read
+        one's size and the other's bytes. That thread's next step then says the engine was closed.
+        """
         ranks = getattr(self, "_ranks", None)
-        if ranks is not None:
+        if ranks is None:
+            return
+        engine = getattr(self, "engine", None)
+        held = engine is not None and engine._step_lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
             ranks.close()
+        finally:
+            if held:
+                engine._step_lock.release()
 
     def _check_generates(self) -> None:
         if getattr(self, "engine", None) is None:
