@@ -323,6 +323,27 @@ def test_a_busy_port_is_one_clear_error():
     assert "Traceback" not in result.stderr
 
 
+def test_a_port_another_server_has_bound_while_it_loads_is_taken():
+    # Bound with SO_REUSEADDR and not yet listening, the port held against nobody else binding so: a second
+    # server loaded its whole model, then one of the two (maybe the first) failed to listen.
+    from pluginhost.errors import ConfigError
+    from pluginhost.server.run import bind, listen
+
+    first = bind("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=rf"Cannot listen on 127.0.0.1:{port}: Address already in use"):
+            bind("127.0.0.1", port).close()
+        listen(first)
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT):
+            first.accept()[0].close()  # the server's end closes first: its port has a connection in TIME_WAIT
+    finally:
+        first.close()
+    again = bind("127.0.0.1", port)  # a server restarted at once gets its port back
+    listen(again)
+    again.close()
+
+
 @pytest.mark.parametrize("port", ["99999", "-1"])
 def test_a_port_out_of_range_is_one_clear_error(port):
     result = subprocess.run(

@@ -1376,6 +1376,30 @@ def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):
         engine.shutdown()
 
 
+def test_logprobs_minus_one_lists_the_whole_vocabulary_when_the_server_allows_it():
+    # vLLM's -1 (every token): chat's top_logprobs cut the list at [:-1], every token but the least likely.
+    from fastapi.testclient import TestClient
+
+    engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False, max_logprobs=-1)
+    vocabulary = engine.vocab_size
+    chat = {"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": -1}
+    try:
+        with TestClient(build_app(engine, served_model_name="demo")) as client:
+            for stream in (False, True):
+                answer = client.post("/v1/chat/completions", json=chat | {"stream": stream})
+                assert answer.status_code == 200, answer.text
+                events = [json.loads(line[6:]) for line in answer.text.splitlines() if line[6:].startswith("{")]
+                tokens = [
+                    token
+                    for body in (events if stream else [answer.json()])
+                    for choice in body["choices"]
+                    for token in (choice.get("logprobs") or {}).get("content") or []
+                ]
+                assert len(tokens) == 2 and all(len(t["top_logprobs"]) == vocabulary for t in tokens)
+    finally:
+        engine.shutdown()
+
+
 def test_a_full_queue_answers_503_and_the_server_recovers(tmp_path):
     engine = AsyncLLM(str(ensure_demo_model()), load_installed_plugins=False, max_num_seqs=1, max_waiting_seqs=1)
     body = {"model": "busy", "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}

@@ -1160,7 +1160,7 @@ class _Chat(_Shape):
         k = self.top_logprobs
         content = []
         for token, step in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
-            ranked = sorted(step.items(), key=lambda item: -item[1])[:k]
+            ranked = sorted(step.items(), key=lambda item: -item[1])[: None if k == -1 else k]  # -1: all
             content.append(
                 {
                     "token": self.token_text(token),

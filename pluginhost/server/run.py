@@ -67,12 +67,15 @@ def bind(host: str, port: int) -> socket.socket:
         ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port of a server just stopped (TIME_WAIT)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
         raise _cannot_listen(host, port, exc) from None
+    # Until it listens, a socket bound with SO_REUSEADDR holds the port against nobody else binding so: a second
+    # server would load its whole model, then one of the two fail to listen. Off, the port is this one's.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     sock.set_inheritable(True)
     return sock
 
@@ -80,6 +83,7 @@ def bind(host: str, port: int) -> socket.socket:
 def listen(sock: socket.socket) -> None:
     """Start taking connections on a socket of ``bind`` (``ConfigError`` when another server took the port since)."""
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as bound: TIME_WAIT connections do not block
         sock.listen(_BACKLOG)
     except OSError as exc:
         raise _cannot_listen(*sock.getsockname()[:2], exc) from None
