@@ -23,6 +23,7 @@ from pluginhost.engine.sampler import NoTokenLeft, SamplingState
 from pluginhost.testing import RegistersModel
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
+from pluginhost.tokenizer import token_bytes
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150, 42]]
 
@@ -456,6 +457,15 @@ def test_a_prompt_whose_last_tokens_begin_inside_a_character_loses_no_generated_
         detokenizer.push(token)
     detokenizer.flush()
     assert detokenizer.text == answer
+    if kind == "byte fallback":  # a context of nothing but a character's last byte (ids cut, sent back): kept,
+        tail = ids[cut - 1]  # or the first word lost its space ('a snow' for ' a snow')
+        assert 0x80 <= token_bytes(tokenizer, tail)[0] < 0xC0
+        words = tokenizer("a snow", add_special_tokens=False)["input_ids"]  # '▁', 'a', '▁', 's', ...
+        detokenizer = IncrementalDetokenizer(tokenizer, [1, tail])
+        for token in words:
+            detokenizer.push(token)
+        detokenizer.flush()
+        assert detokenizer.text == " a snow"
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "byte fallback"])

@@ -123,7 +123,10 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         help="prompt tokens a step prefills; a longer prompt is prefilled in pieces of N (default 2048)",
     )
     group.add_argument(
-        "--max-logprobs", type=int, metavar="N", help="most log-probabilities a request may ask for (default 20)"
+        "--max-logprobs",
+        type=int,
+        metavar="N",
+        help="most log-probabilities a request may ask for (default 20; -1: the whole vocabulary, a request's -1)",
     )
     group.add_argument("--seed", type=int, metavar="S")
     group.add_argument(
@@ -183,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection_options(gen)
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt (repeatable)")
     # None: not given (--generation-config auto fills it from the model's recommendations, else GENERATE_DEFAULTS).
-    gen.add_argument("--max-tokens", type=int, metavar="N", help="16 unless given")
+    gen.add_argument(
+        "--max-tokens", type=int, metavar="N", help="16 unless given (--generation-config auto: max_new_tokens if set)"
+    )
     gen.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (the default)")
     gen.add_argument("--top-p", type=float, metavar="P", help="1.0 unless given")
     gen.add_argument("--top-k", type=int, metavar="K", help="0 = off (the default)")

@@ -63,7 +63,10 @@ class IncrementalDetokenizer:
     def push(self, token_id: int, *, check_stop: bool = True) -> str | None:
         """Add a generated token; return the stop string it completed, if any (``check_stop``)."""
         if not self._tail_checked:
-            self._prefix = self._finished_head()
+            head = self._finished_head()
+            # Kept whole when nothing would be left: an empty window loses the first token's leading space
+            # (SentencePiece's decoder strips the text's first), and a lone stray byte breaks no run of bytes.
+            self._prefix = head if head < len(self._ids) else 0
             self._read = max(self._prefix, self._read - self._unfinished_tail())
             self._tail_checked = True
         if token_id in self._skipped:
