@@ -548,6 +548,40 @@ def test_a_program_ending_without_shutdown_while_a_request_runs_exits_cleanly():
         assert (done.returncode, done.stdout.strip()) == (0, "ended"), done.stderr[-2000:]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_an_engine_used_in_a_forked_child_says_to_build_one_there(tiny_opt):
+    # A child forked after the build (multiprocessing's default on Linux, gunicorn --preload) has the engine without
+    # its threads: AsyncLLM's request waited for ever, LLM's first product hung in torch's thread pool.
+    script = textwrap.dedent(f"""
+        import asyncio, os, sys
+        from pluginhost import LLM, AsyncLLM, SamplingParams
+        params = SamplingParams(max_tokens=2)
+        llm = LLM({str(tiny_opt)!r}, load_installed_plugins=False)
+        engine = AsyncLLM({str(tiny_opt)!r}, load_installed_plugins=False)
+
+        async def stream():
+            async for _ in engine.generate([2, 7], params, "r"):
+                pass
+
+        pid = os.fork()
+        if pid == 0:
+            for use in (lambda: llm.generate([[2, 7]], params, use_tqdm=False), lambda: asyncio.run(stream())):
+                try:
+                    use()
+                    print("generated", flush=True)
+                except RuntimeError as exc:
+                    print(str(exc).split(":")[0], flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(len(llm.generate([[2, 7]], params, use_tqdm=False)[0].outputs[0].token_ids), flush=True)
+        engine.shutdown()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 3, done.stdout + done.stderr[-2000:]
+    assert all(line.startswith("this engine was built in process") for line in lines[:2]) and lines[2] == "2"
+
+
 def test_an_engine_dropped_without_shutdown_is_freed_and_its_streams_end(tiny_opt):
     # The loop thread and an atexit entry held the AsyncLLM: dropped, its model stayed in memory and its thread
     # polled for ever (one more per engine a program made), and a stream still open never ended.

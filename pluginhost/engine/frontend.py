@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,9 @@ __all__ = ["EngineFrontend"]
 
 #: Seconds ``close`` waits for a step in flight before ending a tensor-parallel engine's ranks regardless.
 _CLOSE_WAIT_S = 10.0
+
+#: The pid of the process that built each engine (``os.fork`` copies an engine without its threads).
+_BUILT_IN: weakref.WeakKeyDictionary[EngineFrontend, int] = weakref.WeakKeyDictionary()
 
 
 class EngineFrontend:
@@ -78,6 +82,7 @@ class EngineFrontend:
                 ranks.close()
             raise
         self._request_ids = itertools.count()
+        _BUILT_IN[self] = os.getpid()
         if ranks is not None:  # the other ranks end with this engine, or with the interpreter at the latest
             self._finalizer = weakref.finalize(self, ranks.close)
 
@@ -100,6 +105,15 @@ class EngineFrontend:
                 engine._step_lock.release()
 
     def _check_generates(self) -> None:
+        built_in = _BUILT_IN.get(self)
+        if built_in is not None and built_in != os.getpid():
+            # A forked child has the engine's objects but none of its threads (AsyncLLM's loop: a request waited
+            # for ever) and torch's thread pool in a state the child cannot use (LLM's first product hung).
+            raise RuntimeError(
+                f"this engine was built in process {built_in}, before it forked this one ({os.getpid()}): its "
+                "threads did not come with it. Build the engine in this process (after the fork), or start "
+                "processes with multiprocessing's 'spawn' or 'forkserver' method"
+            )
         if getattr(self, "engine", None) is None:
             raise RuntimeError(
                 f"this is rank {self.rank} of a tensor-parallel engine, whose rank 0 has closed it: only rank 0 "
