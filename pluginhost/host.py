@@ -840,9 +840,9 @@ class PluginHost:
                 f"{plugin.describe()} refused the request's output: {exc}", plugin=plugin.name, hook=hook
             )
         if isinstance(exc, PermissionError):  # a policy said no, as it should: not a fault to fix or disable
-            message = f"{plugin.describe()} refused, in its {hook} hook: {exc}. {consequence}".strip()
+            message = f"{plugin.describe()} refused, in its {hook} hook: {_sentence(str(exc))} {consequence}".strip()
             return PluginHookError(message, plugin=plugin.name, hook=hook)
-        message = f"{plugin.describe()} failed in its {hook} hook: {_describe_exception(exc)}."
+        message = f"{plugin.describe()} failed in its {hook} hook: {_sentence(_describe_exception(exc))}"
         return PluginHookError(
             f"{message} {consequence} {remedy}".replace("  ", " ").strip(), plugin=plugin.name, hook=hook
         )
@@ -1103,6 +1103,11 @@ def _raised_at(exc: BaseException, module: str) -> str:
         if filename == own or own in filename.parents:
             where = f" (at {filename}:{line})"
     return where
+
+
+def _sentence(text: str) -> str:
+    """``text`` ended with a full stop, unless it ends a sentence already (a plugin's message often does)."""
+    return text if text.rstrip().endswith((".", "!", "?")) else f"{text}."
 
 
 def _describe_exception(exc: BaseException) -> str:
