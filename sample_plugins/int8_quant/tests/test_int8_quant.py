@@ -146,8 +146,8 @@ def test_non_finite_weights_are_refused_with_the_layer_name():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with torch.no_grad():
         model[1].weight[2, 3] = float("inf")
-    with pytest.raises(ValueError, match=r"1\.weight has NaN or infinite values"):
-        quantize_model(model)
+    with pytest.raises(ValueError, match=r"1\.weight has NaN or infinite values.*PLUGINHOST_INT8=0 to run"):
+        quantize_model(model)  # the way out, as for the other models it cannot quantize
 
 
 # -- the product ------------------------------------------------------------------------------
@@ -446,6 +446,64 @@ def test_layers_with_their_own_forward_are_left_alone_and_shared_ones_quantized_
     assert model[0] is model[2] and isinstance(model[0], Int8Linear)
     assert model[3].qweight is model[0].qweight and report.quantized == ["0", "3"]
     assert report.float_bytes == 8 * 8 * 4  # one weight, quantized once
+
+
+def test_the_linear_layers_inside_a_layer_left_in_float_stay_as_it_uses_them():
+    # A LoRA layer (its own forward) was left alone, its lora_a and lora_b quantized: its forward, reading
+    # self.lora_b.weight, failed at the first request.
+    class LoRALinear(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 8)
+            self.lora_a, self.lora_b = nn.Linear(8, 2, bias=False), nn.Linear(2, 8, bias=False)
+
+        def forward(self, x):
+            return super().forward(x) + x @ self.lora_a.weight.T @ self.lora_b.weight.T
+
+    model = nn.Sequential(LoRALinear(), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    expected = model[0](x).detach()
+    report = quantize_model(model)
+    assert report.quantized == ["1"] and report.skipped["0.lora_b"] == "inside 0, left in float"
+    assert type(model[0].lora_a) is nn.Linear and torch.equal(model[0](x), expected)
+
+
+def test_gpt2_through_the_transformers_fallback_is_quantized_too(make_engine, tmp_path):
+    # transformers' Conv1D layers (GPT-2 served by the fallback, openai-gpt) were left in float without a word,
+    # and the "int8" engine was larger than the float one (its tied head quantized apart).
+    from pluginhost.testing.models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "gpt2", "gpt2")
+    settings = {"model": str(path), "model_impl": "transformers", "dtype": "float32"}
+    floats, int8 = make_engine(**settings), make_engine(pluginhost_int8_quant, **settings)
+    conv1d = [n for n, m in floats.model.named_modules() if type(m).__name__ == "Conv1D"]
+    report = int8.model.int8_report
+    assert conv1d and set(conv1d) <= set(report.quantized) and not report.skipped
+
+    def size(llm) -> int:
+        return sum(t.numel() * t.element_size() for t in [*llm.model.parameters(), *llm.model.buffers()])
+
+    assert size(int8) < 0.6 * size(floats)
+    ids = [0, 17, 100, 31, 99, 5, 64, 11]
+    assert (logprobs(int8, ids) - logprobs(floats, ids)).abs().max() <= TOLERANCE
+
+
+def test_a_skip_pattern_matching_no_layer_is_said_and_compiling_advised_against(make_engine, monkeypatch, caplog):
+    monkeypatch.setenv("PLUGINHOST_INT8_SKIP", "lm-head")  # a typo: everything was quantized, silently
+    with caplog.at_level(logging.WARNING, logger="pluginhost_int8_quant"):
+        llm = make_engine(pluginhost_int8_quant, compile_decode=True)
+    assert "lm_head" in llm.model.int8_report.quantized
+    assert "PLUGINHOST_INT8_SKIP pattern 'lm-head' matches no linear layer of OPTForCausalLM" in caplog.text
+    assert "named like" in caplog.text and "lm_head" in caplog.text.split("named like")[1]
+    assert "compile_decode cannot trace the int8 products" in caplog.text
+
+
+def test_a_kernel_forced_while_the_engine_is_built_holds_for_its_products(make_engine, monkeypatch):
+    # The variable was checked at the build but read at the first product: set for the build alone, it was ignored.
+    monkeypatch.setenv("PLUGINHOST_INT8_KERNEL", "dequant")
+    llm = make_engine(pluginhost_int8_quant)
+    monkeypatch.delenv("PLUGINHOST_INT8_KERNEL")
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert set(int8_linear.kernel_choices().values()) == {"dequant"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

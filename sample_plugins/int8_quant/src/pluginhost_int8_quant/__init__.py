@@ -25,6 +25,7 @@ engine build stops with an error naming this plugin and the way out
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -68,5 +69,21 @@ def post_load(config, model):
     model.int8_report = report
     if not report.quantized:
         logger.warning("int8_quant: %s has no linear layer to quantize; nothing changed", type(model).__name__)
-    else:
-        logger.info("int8_quant: %s", report.summary())
+        return
+    logger.info("int8_quant: %s", report.summary())
+    if next(model.parameters()).device.type == "cpu":
+        _give_back_freed_memory()
+    if getattr(config, "compile_decode", False):
+        logger.warning(
+            "int8_quant: compile_decode cannot trace the int8 products: the decoding step compiles in pieces and "
+            "runs slower than without compiling; leave compile_decode off with this plugin"
+        )
+
+
+def _give_back_freed_memory() -> None:
+    """Hand the float weights just freed back to the system: glibc's malloc keeps them otherwise, and the int8
+    engine's process stayed larger than the float one's."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass

@@ -100,7 +100,10 @@ def quantize_weight(weight: Tensor, *, name: str = "weight") -> tuple[Tensor, Te
         block = w[start : start + step].float()  # a view when already fp32: never written to
         amax = block.abs().amax(dim=1)
         if not bool(torch.isfinite(amax).all()):
-            raise ValueError(f"{name} has NaN or infinite values, which int8 cannot represent")
+            raise ValueError(
+                f"{name} has NaN or infinite values, which int8 cannot represent. "
+                "Set PLUGINHOST_INT8=0 to run this model unquantized."
+            )
         # Rounded to bfloat16 once, here: every kernel then multiplies by exactly the same scales.
         s = (amax / 127).to(torch.bfloat16)
         s = torch.where(s > 0, s, torch.ones_like(s))  # a channel of zeros (or below bf16's range): any scale
@@ -365,11 +368,12 @@ def _kernel_table() -> _KernelTable:
 
 
 def configure_kernels() -> None:
-    """Read ``PLUGINHOST_INT8_KERNEL`` now (``ValueError`` if unknown); a changed value starts a new table."""
+    """Read ``PLUGINHOST_INT8_KERNEL`` now (``ValueError`` if unknown) and make the table the products use from it
+    (a changed value starts a new one): a value set only while the engine is built holds for its products."""
     global _table
     forced = forced_kernel()
-    if _table is not None and _table.forced != forced:
-        _table = None
+    if _table is None or _table.forced != forced:
+        _table = _KernelTable(forced)
 
 
 def reset_kernel_choice() -> None:
@@ -445,33 +449,41 @@ def quantize_model(model: nn.Module, skip: Iterable[str] = ()) -> QuantizationRe
     """
     skip = tuple(skip)
     plain = _plain_linear_forwards()
+    conv1d = _conv1d_class()
     report = QuantizationReport()
+
+    def linear(m: nn.Module) -> bool:
+        return isinstance(m, nn.Linear) or (conv1d is not None and type(m) is conv1d)
+
     # Names only: holding the modules would keep every float weight alive until the end.
-    names = [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
+    names = [name for name, m in model.named_modules(remove_duplicate=False) if linear(m)]
     _check_supported(model, names)
     owners = _parameter_owners(model)
     done: dict[int, Int8Linear] = {}  # id of a replaced layer -> its replacement (a layer used in two places)
     shared: dict[int, tuple[Tensor, Tensor]] = {}  # id of a float weight -> its int8 values and scales
+    kept: list[str] = []  # layers left in float: what is inside them stays as they use it (LoRA's lora_a, lora_b)
     for name in names:
         module = model.get_submodule(name)
-        if not isinstance(module, nn.Linear):  # replaced already, through another name
+        if not linear(module):  # replaced already, through another name
             continue
         if id(module) in done:
             _set_submodule(model, name, done[id(module)])
             continue
-        reason = _skip_reason(name, module, skip, plain)
+        outer = next((k for k in kept if name.startswith(k + ".")), None)
+        reason = f"inside {outer}, left in float" if outer else _skip_reason(name, module, skip, plain, conv1d)
         if reason is not None:
             report.skipped[name] = reason
+            kept.append(name)
             continue
         weight = module.weight
         if id(weight) not in shared:
-            shared[id(weight)] = quantize_weight(weight, name=f"{name}.weight")
+            # transformers' Conv1D (GPT-2 through the fallback) holds the weight transposed: (in, out).
+            values = weight.t() if type(module) is conv1d else weight
+            shared[id(weight)] = quantize_weight(values, name=f"{name}.weight")
             report.float_bytes += weight.numel() * weight.element_size()
             q, scales = shared[id(weight)]
             report.int8_bytes += q.numel() * q.element_size() + scales.numel() * scales.element_size()
-            others = [
-                owner for owner in owners.get(id(weight), ()) if not isinstance(model.get_submodule(owner), nn.Linear)
-            ]
+            others = [owner for owner in owners.get(id(weight), ()) if not linear(model.get_submodule(owner))]
             if others:
                 report.tied[name] = others[0]
                 report.tied_bytes += weight.numel() * weight.element_size()
@@ -481,13 +493,33 @@ def quantize_model(model: nn.Module, skip: Iterable[str] = ()) -> QuantizationRe
         _set_submodule(model, name, replacement)
         report.quantized.append(name)
         del module, weight  # the float weight goes now, not at the end of the loop
+    for pattern in skip:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):  # a typo, or another model's names
+            logger.warning(
+                "int8_quant: PLUGINHOST_INT8_SKIP pattern %r matches no linear layer of %s, so it keeps nothing in "
+                "float (its linear layers are named like %s)",
+                pattern,
+                type(model).__name__,
+                ", ".join(names[-3:]),
+            )
     return report
 
 
-def _skip_reason(name: str, module: nn.Linear, skip: tuple[str, ...], plain: set) -> str | None:
+def _conv1d_class() -> type | None:
+    """transformers' ``Conv1D``, a linear layer with its weight transposed (GPT-2 under the fallback)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - pluginhost depends on transformers
+        return None
+    return Conv1D
+
+
+def _skip_reason(name: str, module: nn.Module, skip: tuple[str, ...], plain: set, conv1d: type | None) -> str | None:
     for pattern in skip:
         if fnmatch.fnmatchcase(name, pattern):
             return f"PLUGINHOST_INT8_SKIP matches {pattern!r}"
+    if type(module) is conv1d:
+        return None if module.weight.dim() == 2 else f"weight of shape {tuple(module.weight.shape)}"
     if type(module).forward not in plain:
         return f"{type(module).__name__} has its own forward"
     if module.weight.dim() != 2:
