@@ -487,14 +487,28 @@ def test_gpt2_through_the_transformers_fallback_is_quantized_too(make_engine, tm
     assert (logprobs(int8, ids) - logprobs(floats, ids)).abs().max() <= TOLERANCE
 
 
-def test_a_skip_pattern_matching_no_layer_is_said_and_compiling_advised_against(make_engine, monkeypatch, caplog):
+def test_a_skip_pattern_matching_no_layer_is_said(make_engine, monkeypatch, caplog):
     monkeypatch.setenv("PLUGINHOST_INT8_SKIP", "lm-head")  # a typo: everything was quantized, silently
     with caplog.at_level(logging.WARNING, logger="pluginhost_int8_quant"):
-        llm = make_engine(pluginhost_int8_quant, compile_decode=True)
+        llm = make_engine(pluginhost_int8_quant)
     assert "lm_head" in llm.model.int8_report.quantized
     assert "PLUGINHOST_INT8_SKIP pattern 'lm-head' matches no linear layer of OPTForCausalLM" in caplog.text
     assert "named like" in caplog.text and "lm_head" in caplog.text.split("named like")[1]
-    assert "compile_decode cannot trace the int8 products" in caplog.text
+
+
+@pytest.mark.parametrize("forced_kernel", [INT8PACK], indirect=True)  # one kernel: the same tokens either way
+def test_the_compiled_decoding_step_runs_the_int8_products_in_one_graph(make_engine, forced_kernel):
+    # Dynamo could not follow the kernel table: the step compiled in six pieces, the products eager between them,
+    # slower than not compiling at all.
+    from torch._dynamo.utils import counters
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = make_engine(pluginhost_int8_quant).generate(PROMPTS[:2], params)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = make_engine(pluginhost_int8_quant, compile_decode=True)
+    assert [o.token_ids for o in compiled.generate(PROMPTS[:2], params)] == [o.token_ids for o in eager]
+    assert compiled.engine.runner.compiled.failure is None
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one shape (2 rows), one graph
 
 
 def test_a_kernel_forced_while_the_engine_is_built_holds_for_its_products(make_engine, monkeypatch):

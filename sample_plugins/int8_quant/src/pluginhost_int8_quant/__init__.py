@@ -73,11 +73,6 @@ def post_load(config, model):
     logger.info("int8_quant: %s", report.summary())
     if next(model.parameters()).device.type == "cpu":
         _give_back_freed_memory()
-    if getattr(config, "compile_decode", False):
-        logger.warning(
-            "int8_quant: compile_decode cannot trace the int8 products: the decoding step compiles in pieces and "
-            "runs slower than without compiling; leave compile_decode off with this plugin"
-        )
 
 
 def _give_back_freed_memory() -> None:

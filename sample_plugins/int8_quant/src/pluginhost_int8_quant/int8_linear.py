@@ -219,6 +219,8 @@ _RUNNERS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]] =
 
 def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ (q * scales[:, None]).T + bias`` by the kernel chosen for this shape and row count."""
+    if torch.compiler.is_compiling():  # one opaque operation: the kernel is chosen when the step runs
+        return _int8_linear_op(x, q, scales, bias)
     out_features, in_features = q.shape
     rows = x.numel() // in_features if in_features else 0
     if rows == 0 or x.shape[-1] != in_features:
@@ -227,6 +229,18 @@ def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None
     kernel = table.kernel(q, scales, bias, x, rows)
     y = _RUNNERS[kernel](x.reshape(rows, in_features), q, scales, bias)
     return y.view(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("pluginhost_int8::linear", mutates_args=())
+def _int8_linear_op(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`int8_linear` as a PyTorch operator, for compiled code (``torch.compile`` cannot follow the kernel
+    table: a decoding step compiled in six pieces and ran slower than eager)."""
+    return int8_linear(x, q, scales, bias)
+
+
+@_int8_linear_op.register_fake
+def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[:-1] + (q.shape[0],))
 
 
 Key = tuple[int, int, bool, torch.dtype, str, int]  # out, in, bias, activation dtype, device type, row bucket
