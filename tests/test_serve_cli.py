@@ -112,10 +112,8 @@ def exit_on_signal(process: subprocess.Popen, signum: int, *, once: Path) -> str
     return stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_plugin, tmp_path, signum):
-    """As documented for SIGINT and SIGTERM: exit 0 (SIGTERM killed it silently with -15, SIGINT exited 130)."""
-    loading = tmp_path / "loading"
+def serving_slowly(install_plugin, loading: Path, seconds: float, *args: str) -> subprocess.Popen:  # noqa: ANN001
+    """``pluginhost serve ARGS`` with a plugin whose ``pre_load`` creates the file ``loading``, then sleeps."""
     install_plugin(
         "slow_load",
         f"""
@@ -125,17 +123,24 @@ def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_p
         @hookimpl
         def pre_load(config, model_class):
             pathlib.Path({str(loading)!r}).touch()
-            time.sleep({TIMEOUT})  # still loading when the signal comes
+            time.sleep({seconds})
         """,
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pluginhost", "serve", "--port", "0", "--plugins", "slow_load"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "pluginhost", "serve", *args, "--plugins", "slow_load"],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         start_new_session=True,
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_exits_0_saying_it_never_served(install_plugin, tmp_path, signum):
+    """As documented for SIGINT and SIGTERM: exit 0 (SIGTERM killed it silently with -15, SIGINT exited 130)."""
+    loading = tmp_path / "loading"
+    process = serving_slowly(install_plugin, loading, TIMEOUT, "--port", "0")  # still loading when the signal comes
     stderr = exit_on_signal(process, signum, once=loading)
     name = signal.Signals(signum).name
     assert (
@@ -260,29 +265,10 @@ def test_no_connection_is_taken_before_the_model_is_loaded(install_plugin, tmp_p
     # The socket listened from the start: a connection made during the load was taken (a TCP readiness probe said
     # ready), its request hung until the load ended, or was reset when the load failed.
     loading = tmp_path / "loading"
-    install_plugin(
-        "slow_load",
-        f"""
-        import pathlib, time
-        from pluginhost import hookimpl
-
-        @hookimpl
-        def pre_load(config, model_class):
-            pathlib.Path({str(loading)!r}).touch()
-            time.sleep(3)
-        """,
-    )
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pluginhost", "serve", "--port", str(port), "--plugins", "slow_load"],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        start_new_session=True,
-    )
+    process = serving_slowly(install_plugin, loading, 3, "--port", str(port))
     try:
         assert wait_until(lambda: loading.exists() or process.poll() is not None, TIMEOUT)
         with pytest.raises(ConnectionRefusedError):
