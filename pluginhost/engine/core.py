@@ -22,12 +22,13 @@ interrupted half-way (Ctrl-C) can simply be run again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -247,6 +248,19 @@ class EngineCore:
             if not (self._inbox or self.scheduler.has_work()):
                 self._work.wait(timeout)
             return bool(self._inbox) or self.scheduler.has_work()
+
+    @contextlib.contextmanager
+    def between_steps(self, timeout: float) -> Iterator[bool]:
+        """Run the body with no step in flight: the one running is waited for, up to ``timeout`` seconds.
+
+        Yields whether it was (``False``: the step outlasted ``timeout``, and the body runs beside it).
+        """
+        held = self._step_lock.acquire(timeout=timeout)
+        try:
+            yield held
+        finally:
+            if held:
+                self._step_lock.release()
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step until ``done()``; other threads' requests are served by the same steps."""

@@ -28,9 +28,6 @@ __all__ = ["EngineFrontend"]
 #: Seconds ``close`` waits for a step in flight before ending a tensor-parallel engine's ranks regardless.
 _CLOSE_WAIT_S = 10.0
 
-#: The pid of the process that built each engine (``os.fork`` copies an engine without its threads).
-_BUILT_IN: weakref.WeakKeyDictionary[EngineFrontend, int] = weakref.WeakKeyDictionary()
-
 
 class EngineFrontend:
     """A built model with its engine loop; subclasses say how requests come in."""
@@ -82,7 +79,7 @@ class EngineFrontend:
                 ranks.close()
             raise
         self._request_ids = itertools.count()
-        _BUILT_IN[self] = os.getpid()
+        self._built_in = os.getpid()  # ``os.fork`` copies an engine without its threads
         if ranks is not None:  # the other ranks end with this engine, or with the interpreter at the latest
             self._finalizer = weakref.finalize(self, ranks.close)
 
@@ -97,15 +94,14 @@ class EngineFrontend:
         if ranks is None:
             return
         engine = getattr(self, "engine", None)
-        held = engine is not None and engine._step_lock.acquire(timeout=_CLOSE_WAIT_S)
-        try:
+        if engine is None:
             ranks.close()
-        finally:
-            if held:
-                engine._step_lock.release()
+            return
+        with engine.between_steps(timeout=_CLOSE_WAIT_S):
+            ranks.close()
 
     def _check_generates(self) -> None:
-        built_in = _BUILT_IN.get(self)
+        built_in = getattr(self, "_built_in", None)
         if built_in is not None and built_in != os.getpid():
             # A forked child has the engine's objects but none of its threads (AsyncLLM's loop: a request waited
             # for ever) and torch's thread pool in a state the child cannot use (LLM's first product hung).
