@@ -204,8 +204,6 @@ def show_config(args: argparse.Namespace, out: ResultStream) -> int:
 
 
 def generate(args: argparse.Namespace, out: ResultStream) -> int:
-    from pluginhost.sampling import SamplingParams
-
     for number, prompt in enumerate(args.prompt, 1):
         _check_utf8(prompt, f"--prompt {number}")
     settings, _ = _settings_or_demo(args)
@@ -228,7 +226,7 @@ def generate(args: argparse.Namespace, out: ResultStream) -> int:
     llm = LLM._from_host(host, **settings)
     if llm.rank != 0:  # a torchrun rank: it served rank 0's steps until rank 0 was done
         return EXIT_OK
-    recommended = {k: v for k, v in llm.sampling_defaults.items() if k in SamplingParams.__dataclass_fields__}
+    recommended = llm.sampling_defaults  # SamplingParams fields, as vLLM's get_default_sampling_params takes them
     if recommended:  # generation_config "auto": the file's recommendations, the flags typed over them
         params = _sampling_params(GENERATE_DEFAULTS | recommended | given)
     try:
