@@ -1802,7 +1802,7 @@ def test_an_address_space_limit_counts_as_the_memory_left(tmp_path):
     code = """
 import resource, torch
 from pluginhost.engine.memory import _kib, available_bytes
-size = _kib("/proc/self/status", "VmSize")
+size = _kib("/proc/self/status")["VmSize"]
 resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
 print(available_bytes(torch.device("cpu")) >> 20)
 """

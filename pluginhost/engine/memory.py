@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -77,20 +78,23 @@ def available_bytes(device: torch.device) -> int | None:
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type != "cpu":
         return None
-    limits = (_kib("/proc/meminfo", "MemAvailable"), _cgroup_headroom(), _address_space_headroom(), _commit_headroom())
+    meminfo = _kib("/proc/meminfo")
+    limits = (meminfo.get("MemAvailable"), _cgroup_headroom(), _address_space_headroom(), _commit_headroom(meminfo))
     known = [b for b in limits if b is not None]
     return min(known) if known else None
 
 
-def _kib(path: str, name: str) -> int | None:
-    """Bytes of the ``name:`` line of a ``/proc`` file that reports kB (``/proc/meminfo``, ``/proc/self/status``)."""
+def _kib(path: str) -> dict[str, int]:
+    """Bytes of each ``name: <n> kB`` line of a ``/proc`` file (meminfo, self/status); ``{}`` if it cannot be read."""
+    fields = {}
     try:
         for line in Path(path).read_text().splitlines():
-            if line.startswith(f"{name}:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+            name, _, value = line.partition(":")
+            if value.rstrip().endswith(" kB"):
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return fields
 
 
 def _address_space_headroom() -> int | None:
@@ -101,19 +105,19 @@ def _address_space_headroom() -> int | None:
     if resource is None:
         return None
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    size = _kib("/proc/self/status", "VmSize")
-    if limit == resource.RLIM_INFINITY or size is None:
+    size = _kib("/proc/self/status").get("VmSize") if limit != resource.RLIM_INFINITY else None
+    if size is None:
         return None
     return max(0, limit - size)
 
 
-def _commit_headroom() -> int | None:
+def _commit_headroom(meminfo: Mapping[str, int]) -> int | None:
     """Under strict overcommit (``vm.overcommit_memory=2``) what may still be committed; ``None`` otherwise."""
     try:
         strict = Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2"
     except OSError:
         return None
-    limit, committed = _kib("/proc/meminfo", "CommitLimit"), _kib("/proc/meminfo", "Committed_AS")
+    limit, committed = meminfo.get("CommitLimit"), meminfo.get("Committed_AS")
     if not strict or limit is None or committed is None:
         return None
     return max(0, limit - committed)
