@@ -55,24 +55,6 @@ T = TypeVar("T")
 class AsyncLLM(EngineFrontend):
     """An engine for asyncio: same keywords as ``LLM``; the model runs in a thread of its own."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        plugins: Sequence[object] = (),
-        load_installed_plugins: bool = True,
-        **settings: Any,
-    ) -> None:
-        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
-        self._build(host, {"model": model, **settings})
-
-    @classmethod
-    def _from_host(cls, host: PluginHost, **settings: Any) -> AsyncLLM:
-        """An engine on a host the caller configured (the CLI's plugin selection)."""
-        engine = cls.__new__(cls)
-        engine._build(host, settings)
-        return engine
-
     def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:
         """Build the model in the engine's thread and run the engine loop there; return once it is built.
 

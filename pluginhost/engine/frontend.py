@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -33,6 +34,24 @@ class EngineFrontend:
     """A built model with its engine loop; subclasses say how requests come in."""
 
     engine: EngineCore | None = None
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        plugins: Sequence[object] = (),
+        load_installed_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
+        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
+        self._build(host, {"model": model, **settings})
+
+    @classmethod
+    def _from_host(cls, host: PluginHost, **settings: Any) -> Self:
+        """An engine on a host the caller configured (the CLI's plugin selection)."""
+        frontend = cls.__new__(cls)
+        frontend._build(host, settings)
+        return frontend
 
     def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:
         """Build the model (on every rank, with tensor parallelism) and start the engine on it.

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt, as_prompt_list
-from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams, kind_of
 
@@ -35,24 +34,6 @@ class LLM(EngineFrontend):
     (in-process plugin objects or ``register()`` functions, no packaging
     needed) and ``load_installed_plugins`` (``False`` skips entry points).
     """
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        plugins: Sequence[object] = (),
-        load_installed_plugins: bool = True,
-        **settings: Any,
-    ) -> None:
-        host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
-        self._build(host, {"model": model, **settings})
-
-    @classmethod
-    def _from_host(cls, host: PluginHost, **settings: Any) -> LLM:
-        """An engine on a host the caller configured (the CLI's plugin selection)."""
-        llm = cls.__new__(cls)
-        llm._build(host, settings)
-        return llm
 
     # -- generating ----------------------------------------------------------------
 
