@@ -180,6 +180,28 @@ def forced_kernel(request):
 
 
 @pytest.fixture
+def flaky_opt() -> Callable[[int], object]:
+    """``flaky_opt(failures=1)``: a plugin registering ``Flaky`` for OPTForCausalLM, the builtin OPT whose logits
+    raise ``RuntimeError: kernel fault`` the first ``failures`` times (a model failing while generating)."""
+    from builtin_models.opt import OPTForCausalLM
+    from pluginhost.testing import RegistersModel
+
+    def plugin(failures: int = 1) -> object:
+        class Flaky(OPTForCausalLM):
+            left = failures
+
+            def compute_logits(self, hidden_states):
+                if Flaky.left:
+                    Flaky.left -= 1
+                    raise RuntimeError("kernel fault")
+                return super().compute_logits(hidden_states)
+
+        return RegistersModel("OPTForCausalLM", Flaky)
+
+    return plugin
+
+
+@pytest.fixture
 def greedy_tokens() -> Callable[..., list[list[int]]]:
     """Greedy tokens (6 each, end-of-sequence ignored) on three prompts of a model directory, in float32.
 

@@ -305,17 +305,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(engine):
     assert run(collect(engine, PROMPTS[1], greedy(2), "after"))[-1].finished
 
 
-def test_a_model_failure_reaches_the_stream_and_later_requests_are_served(tiny_opt):
-    class Flaky(OPTForCausalLM):
-        failures = 1
-
-        def compute_logits(self, hidden_states):
-            if Flaky.failures:
-                Flaky.failures -= 1
-                raise RuntimeError("kernel fault")
-            return super().compute_logits(hidden_states)
-
-    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+def test_a_model_failure_reaches_the_stream_and_later_requests_are_served(tiny_opt, flaky_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[flaky_opt()])
     try:
         with pytest.raises(ModelRunError, match="Flaky .* failed while generating: RuntimeError: kernel fault"):
             run(collect(engine, PROMPTS[0], greedy(4), "fails"))

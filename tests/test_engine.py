@@ -360,17 +360,8 @@ def test_an_abort_interrupted_while_it_is_handed_out_still_ends_its_stream(llm):
     assert llm.engine.scheduler.num_running == 0 and not llm.engine.has_work()
 
 
-def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt):
-    class Flaky(OPTForCausalLM):
-        failures = 1
-
-        def compute_logits(self, hidden_states):
-            if Flaky.failures:
-                Flaky.failures -= 1
-                raise RuntimeError("kernel fault")
-            return super().compute_logits(hidden_states)
-
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_opt, flaky_opt):
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[flaky_opt()])
     with pytest.raises(
         ModelRunError,
         match=r"Flaky \(architecture 'OPTForCausalLM', registered by plugin 'RegistersModel'\) "

@@ -1444,20 +1444,8 @@ def test_an_idle_server_takes_a_burst_as_large_as_its_free_rows_and_its_queue():
         engine.shutdown()
 
 
-def test_a_model_failure_is_a_500_or_an_error_event_and_later_requests_are_served(tiny_opt):
-    from builtin_models.opt import OPTForCausalLM
-    from pluginhost.testing import RegistersModel
-
-    class Flaky(OPTForCausalLM):
-        failures = 2
-
-        def compute_logits(self, hidden_states):
-            if Flaky.failures:
-                Flaky.failures -= 1
-                raise RuntimeError("kernel fault")
-            return super().compute_logits(hidden_states)
-
-    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", Flaky)])
+def test_a_model_failure_is_a_500_or_an_error_event_and_later_requests_are_served(tiny_opt, flaky_opt):
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[flaky_opt(failures=2)])
     body = {"model": "flaky", "prompt": [2, 5, 9], "max_tokens": 4}
     try:
         with running_server(build_app(engine, served_model_name="flaky")) as base:
