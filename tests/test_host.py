@@ -738,11 +738,11 @@ def test_a_hook_taking_extra_keyword_arguments_loads_and_runs():
     ],
 )
 def test_names_a_script_binds_only_under_its_main_guard(tmp_path, script, only_when_run):
-    from pluginhost.host import _bound_only_when_run
+    from pluginhost.plugin_names import bound_only_when_run
 
     path = tmp_path / "script.py"
     path.write_text(script)
-    assert _bound_only_when_run(str(path)) == only_when_run
+    assert bound_only_when_run(str(path)) == only_when_run
 
 
 MIXED_MODULE = (
