@@ -1289,7 +1289,7 @@ def test_a_client_that_stopped_reading_cannot_hold_a_quitting_server():
     A stream whose client stopped reading (its buffers full) kept ``serve`` from exiting after SIGTERM, for
     ever: its task, cancelled once, waited to send them.
     """
-    from pluginhost.server import app as server_app
+    from pluginhost.server import guards
 
     async def stalled_send(message: dict) -> None:
         await asyncio.Event().wait()  # the transport never drains
@@ -1299,8 +1299,8 @@ def test_a_client_that_stopped_reading_cannot_hold_a_quitting_server():
 
     scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
     for started, stream in ((True, True), (False, False)):
-        ending = server_app._answer_cancelled(scope, nothing, stalled_send, started=started, stream=stream)
-        asyncio.run(asyncio.wait_for(ending, 10 * server_app._LAST_WORDS_S))  # returns: no TimeoutError
+        ending = guards._answer_cancelled(scope, nothing, stalled_send, started=started, stream=stream)
+        asyncio.run(asyncio.wait_for(ending, 10 * guards.LAST_WORDS_S))  # returns: no TimeoutError
 
 
 def test_metrics_count_the_sequences_preempted_for_memory():

@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
 from pluginhost.engine.request import EngineRequest
@@ -57,13 +54,22 @@ from pluginhost.errors import (
 )
 from pluginhost.outputs import CompletionOutput, RequestOutput
 from pluginhost.sampling import SamplingParams
+from pluginhost.server.errors import APIError, bad_request, closing, describe_validation, first_param, not_utf8
+from pluginhost.server.guards import (
+    WRONG_KEY,
+    AnswerWhenCancelled,
+    BodyTooLarge,
+    KeyOnWebSockets,
+    LimitBody,
+    OnlyHosts,
+    host_name,
+    key_matches,
+)
 from pluginhost.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from pluginhost.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorBody,
-    ErrorResponse,
-    FieldError,
     UsageInfo,
     now,
     random_id,
@@ -73,8 +79,6 @@ from pluginhost.tokenizer import token_bytes, token_text
 __all__ = ["APIError", "BUILTIN_ROUTES", "MAX_BODY_BYTES", "bad_request", "build_app"]
 
 logger = logging.getLogger(__name__)
-
-_R = TypeVar("_R", bound=Response)
 
 #: The largest request body the server reads (a 413 beyond): far more than a prompt that fits any model's context
 #: takes (a 128k-token prompt is about 1 MB of text or of token ids), so only what could never be served is refused
@@ -90,39 +94,6 @@ BUILTIN_ROUTES = (
     "/v1/chat/completions",
     "/metrics",
 )
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str,
-        code: str | None = None,
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.type, self.code, self.param, self.headers = status, type, code, param, headers
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorBody(message=str(self), type=self.type, param=self.param, code=self.code))
-        return _ErrorJSON(body.model_dump(), status_code=self.status, headers=self.headers)
-
-
-class _ErrorJSON(JSONResponse):
-    """An error body in ASCII JSON: a message quoting what the client sent (a model name holding a lone surrogate,
-    JSON's ``"\\udce9"``) is still one UTF-8 can carry."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
 def build_app(
@@ -151,11 +122,11 @@ def build_app(
     _install_errors(app)
     # Innermost of the three: a body over the limit raises where a route reads it, answered by the error handlers
     # and counted as any answer (a middleware outside the counting one would answer uncounted).
-    app.add_middleware(_LimitBody, limit=max_body_bytes)
+    app.add_middleware(LimitBody, limit=max_body_bytes)
     if allowed_hosts is not None:  # inside the counting middleware: a refused Host is counted as any answer
-        app.add_middleware(_OnlyHosts, hosts=frozenset(_host_name(h) for h in allowed_hosts))
+        app.add_middleware(OnlyHosts, hosts=frozenset(host_name(h) for h in allowed_hosts))
     _install_auth_and_counting(app, api_key, metrics)
-    app.add_middleware(_AnswerWhenCancelled)  # outermost: nothing a cancellation passes through is left unanswered
+    app.add_middleware(AnswerWhenCancelled)  # outermost: nothing a cancellation passes through is left unanswered
     api = _API(engine, served_model_name, metrics)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what load balancers and uptime probes often send
@@ -213,28 +184,22 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        message = _describe_validation(errors, exc.body, request.headers.get("content-type"))
-        return bad_request(message, param=_first_param(errors)).response()
+        message = describe_validation(errors, exc.body, request.headers.get("content-type"))
+        return bad_request(message, param=first_param(errors)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
-            return bad_request(_not_utf8(exc.__cause__)).response()
-        if isinstance(exc, _BodyTooLarge):
+            return bad_request(not_utf8(exc.__cause__)).response()
+        if isinstance(exc, BodyTooLarge):
             response = APIError(413, str(exc.detail), type="invalid_request_error", code="request_too_large").response()
-            return _closing(response)
+            return closing(response)
         message = f"{request.method} {request.url.path}: {exc.detail}"  # OpenAI's type for any bad URL or method
         return APIError(exc.status_code, message, type="invalid_request_error", headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         return _internal_error(request, exc)
-
-
-def _closing(response: _R) -> _R:
-    """``response``, closing the connection after it: the body it refuses is not read to its end for nothing."""
-    response.headers["connection"] = "close"
-    return response
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -248,32 +213,22 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, message, type="server_error", code="plugin_error" if plugins else None).response()
 
 
-_WRONG_KEY = "Missing or wrong API key: send the key given to --api-key as 'Authorization: Bearer KEY'."
-
-
-def _key_matches(headers: Headers, expected: bytes) -> bool:
-    """Whether ``Authorization`` is ``Bearer`` and the key: the scheme case-insensitive (RFC 9110), the key compared
-    in constant time, as the bytes sent (headers arrive decoded as Latin-1; ``expected`` is the key's UTF-8)."""
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), expected)
-
-
 def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: ServerMetrics) -> None:
     # Stripped as the key a client sends is: spaces around it (a secret file's newline) made it one none could send.
     expected = api_key.strip().encode() if api_key else None
     if expected is not None:  # an HTTP middleware never sees a WebSocket (a plugin's route may be one)
-        app.add_middleware(_KeyOnWebSockets, expected=expected)
+        app.add_middleware(KeyOnWebSockets, expected=expected)
 
     @app.middleware("http")
     async def check_key_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         request.state.arrival = time.monotonic()  # before its body is read: latencies count from here (``_arrival``)
-        if expected is not None and not _key_matches(request.headers, expected):
+        if expected is not None and not key_matches(request.headers, expected):
             response: Response = APIError(
-                401, _WRONG_KEY, type="invalid_request_error", code="invalid_api_key"
+                401, WRONG_KEY, type="invalid_request_error", code="invalid_api_key"
             ).response()
             # Counted under the route the path would reach: a path of the caller's choosing is no label.
             metrics.record_http(_route_path(app, request.scope), 401)
-            return _closing(response)
+            return closing(response)
         try:
             response = await call_next(request)
         except Exception as exc:  # noqa: BLE001 - answered here, so it is logged once (Starlette would re-raise it)
@@ -281,163 +236,6 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
-
-
-class _KeyOnWebSockets:
-    """The API key on a WebSocket's opening handshake: a connection without it is closed (1008, policy violation)
-    before any route runs, which the client sees as the handshake refused (HTTP 403)."""
-
-    def __init__(self, app: ASGIApp, expected: bytes) -> None:
-        self.app, self.expected = app, expected
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket" and not _key_matches(Headers(scope=scope), self.expected):
-            await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008, "reason": _WRONG_KEY})
-            return
-        await self.app(scope, receive, send)
-
-
-class _OnlyHosts:
-    """Requests and WebSockets whose ``Host`` header names one of ``hosts`` (any port); none: not a browser's."""
-
-    def __init__(self, app: ASGIApp, hosts: frozenset[str]) -> None:
-        self.app, self.hosts = app, hosts
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        given = Headers(scope=scope).get("host") if scope["type"] in ("http", "websocket") else None
-        name = _host_name(given) if given is not None else None
-        # *.localhost is this machine's by definition (RFC 6761: browsers resolve it to loopback themselves).
-        if name is None or name in self.hosts or name == "localhost" or name.endswith(".localhost"):
-            await self.app(scope, receive, send)
-            return
-        message = (
-            f"Host {given!r} is not a name of this server, which listens on this machine only: a web page of "
-            f"another site whose name was made to point here would send that. Use {sorted(self.hosts)[0]}, or serve "
-            "with --allowed-host NAME (a proxy on this machine) or --host (other machines) to be reached by other "
-            "names."
-        )
-        if scope["type"] == "websocket":
-            await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
-            return
-        await APIError(400, message, type="invalid_request_error", code="invalid_host").response()(scope, receive, send)
-
-
-def _host_name(host: str) -> str:
-    """``Host``'s name, without its port: ``localhost:8000`` -> ``localhost``, ``[::1]:8000`` -> ``::1``."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    return name.removesuffix(".")  # "localhost." is "localhost", fully qualified
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    """A request body over the limit: raised where a route reads it (FastAPI passes HTTP errors on as they are)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            413,
-            f"Invalid request: the body is larger than {limit} bytes ({limit / 2**20:g} MiB), the most this server "
-            "reads: send shorter prompts, or fewer per request",
-        )
-
-
-class _LimitBody:
-    """Refuses a request body over ``limit`` bytes: at once when its Content-Length says so, else once it has sent more.
-
-    Nothing is kept beyond the limit, so a client cannot make the server hold a body of any size in memory, and
-    the connection is closed after the answer (``_closing``), so the rest is not read either.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            if declared is not None and declared > self.limit:
-                raise _BodyTooLarge(self.limit)
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge(self.limit)
-            return message
-
-        await self.app(scope, limited, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP parser refuses such a request before it gets here
-    return None
-
-
-class _AnswerWhenCancelled:
-    """A request cancelled mid-answer (the server forced to quit) still ends as the API says, and is not logged.
-
-    uvicorn logged each as "Exception in ASGI application" with a traceback and answered a plain-text 500.
-    Here an answer not yet begun is a 503 error object (``code: shutting_down``); a stream that has begun
-    ends with an error event and ``data: [DONE]``. The cancellation ends there: uvicorn cancels a request
-    only as it quits (its graceful timeout, or a forced exit). These last words get ``_LAST_WORDS_S`` at
-    most: a client that stopped reading would otherwise hold the process for ever, as the task is not
-    cancelled again.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = {"started": False, "stream": False, "done": False}
-
-        async def tracked(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                content_type = dict(message.get("headers", ())).get(b"content-type", b"")
-                state["started"], state["stream"] = True, content_type.startswith(b"text/event-stream")
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                state["done"] = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except asyncio.CancelledError:
-            if not state["done"]:
-                await _answer_cancelled(scope, receive, send, started=state["started"], stream=state["stream"])
-
-
-async def _answer_cancelled(scope: Scope, receive: Receive, send: Send, *, started: bool, stream: bool) -> None:
-    """End the answer of a request cancelled by a forced shutdown as well as what was sent of it allows."""
-    error = ErrorBody(
-        message="the server was stopped before this request was answered", type="server_error", code="shutting_down"
-    )
-    try:
-        if not started:
-            answer = JSONResponse(ErrorResponse(error=error).model_dump(), status_code=503)(scope, receive, send)
-        else:  # a stream's events are whole (one per body message), so one more follows the last
-            events = f"data: {json.dumps({'error': error.model_dump()})}\n\ndata: [DONE]\n\n" if stream else ""
-            answer = send({"type": "http.response.body", "body": events.encode(), "more_body": False})
-        await asyncio.wait_for(answer, _LAST_WORDS_S)
-    except Exception:  # noqa: BLE001 - the client is gone already, or reads nothing: nothing is left to tell it
-        logger.debug("could not end the answer of a cancelled request", exc_info=True)
-
-
-#: How long a request cut short by a forced shutdown may take to send its last words.
-_LAST_WORDS_S = 1.0
 
 
 def _arrival(request: Request) -> float:
@@ -451,88 +249,6 @@ def _route_path(app: FastAPI, scope: dict[str, Any]) -> str:
         if route.matches(scope)[0] is Match.FULL:
             return getattr(route, "path", "unmatched")
     return "unmatched"
-
-
-def _describe_validation(errors: Sequence[Any], body: Any, content_type: str | None) -> str:
-    """``Invalid request: `` and each error, as ``field.path: message`` when it is about a field.
-
-    A problem of the whole body (not JSON, not an object, none) is said as such, and a ``FieldError``'s
-    message names its field already: neither is prefixed with "body".
-    """
-    parts = [_body_problem(error, body, content_type) or _field_problem(error) for error in errors]
-    return "Invalid request: " + "; ".join(parts)
-
-
-def _field_problem(error: Mapping[str, Any]) -> str:
-    """``field.path: message`` (pydantic's "Value error, " dropped), or a ``FieldError``'s message alone."""
-    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-    message = error.get("msg", "invalid").removeprefix("Value error, ")
-    if error.get("type") == "extra_forbidden":
-        message = "unknown field"
-    if not where and isinstance(_raised(error), FieldError):
-        return message
-    return f"{where or 'body'}: {message}"
-
-
-def _body_problem(error: Mapping[str, Any], body: Any, content_type: str | None) -> str | None:
-    """What is wrong with the body as a whole, if that is what ``error`` is about; else None."""
-    if error.get("type") == "json_invalid":
-        return _json_problem(error, body)
-    if tuple(error.get("loc", ())) != ("body",) or isinstance(_raised(error), ValueError):
-        return None  # a field's error, or a model validator's refusal
-    if error.get("type") == "string_unicode":  # a key: pydantic cannot take it as a field's name
-        return f"a field's name in the body is not valid Unicode ({error.get('input')!r}, a lone surrogate)"
-    if error.get("type") == "missing":
-        return "the request has no body: send a JSON object, with Content-Type: application/json"
-    if isinstance(error.get("input"), bytes):  # FastAPI parses a body as JSON only when its Content-Type says JSON
-        given = f"Content-Type {content_type}" if content_type else "no Content-Type"
-        return f"the body must be JSON sent with Content-Type: application/json (this request has {given})"
-    return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
-
-
-def _json_problem(error: Mapping[str, Any], body: Any) -> str:
-    """Where the body stops being JSON: line and column (1-based, as editors count) from FastAPI's character offset."""
-    at = error.get("loc", ())[-1]
-    reason = _raised(error) or "JSON decode error"
-    if isinstance(body, str) and isinstance(at, int):  # FastAPI gives the decoded text as the error's body
-        line, column = body.count("\n", 0, at) + 1, at - body.rfind("\n", 0, at)
-        return f"the body is not valid JSON: {reason} at line {line}, column {column} (character {at})"
-    return f"the body is not valid JSON: {reason} at character {at}"
-
-
-def _raised(error: Mapping[str, Any]) -> Any:  # noqa: ANN401 - an exception, or pydantic's text for one
-    """What a pydantic error carries in its context: the exception a validator raised, or a JSON error's reason."""
-    return (error.get("ctx") or {}).get("error")
-
-
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
-    return next((name for kind, name in kinds.items() if isinstance(value, kind)), type(value).__name__)
-
-
-def _not_utf8(error: UnicodeDecodeError) -> str:
-    byte = error.object[error.start]
-    return (
-        f"Invalid request: the body is not valid UTF-8 JSON: byte {byte:#04x} at offset {error.start}, {error.reason}"
-    )
-
-
-def _first_param(errors: Sequence[Any]) -> str | None:
-    """The request's field the first error about one is in (a ``FieldError`` names its own)."""
-    for error in errors:
-        if error.get("type") == "json_invalid":  # its location is a character offset, no field
-            continue
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        if loc:
-            return loc[0]
-        refused = _raised(error)  # a model validator's error has no location
-        if isinstance(refused, FieldError):
-            return refused.field
-    return None
 
 
 async def _until_disconnect(request: Request, answer: Awaitable[Response]) -> Response:
