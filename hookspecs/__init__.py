@@ -329,8 +329,10 @@ def record_stats(stats: EngineStats) -> None:
     Called once per engine step, in the thread that steps the engine, with
     ``num_running``, ``num_waiting``, ``num_generated_tokens``,
     ``num_prompt_tokens``, ``num_finished``, ``step_time_s``,
-    ``cache_shape`` and ``num_preempted`` (sequences preempted for memory
-    since the last call).
+    ``cache_shape``, ``num_preempted`` (sequences preempted for memory
+    since the last call) and ``token_gaps_s`` (for each sequence given a
+    token after its first, the seconds since its previous one: vLLM's
+    inter-token latencies).
 
     May: read ``stats`` and record it (a log line, a metric).
 

@@ -27,7 +27,7 @@ from pluginhost.logits_processors import (
     process_dict_updates,
 )
 from pluginhost.server.app import build_app
-from pluginhost.testing.server import running_server
+from pluginhost.testing.server import metric, running_server
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
 TIMEOUT = 60
@@ -664,6 +664,9 @@ def test_a_permission_error_in_on_output_withholds_the_output_as_a_refusal_a_400
             streamed = httpx.post(f"{base}/v1/completions", json={**withheld, "stream": True}, timeout=TIMEOUT)
             events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
             assert events[-1]["error"]["type"] == "invalid_request_error", events
+            # A refusal by policy, not a failure: an error-rate alert on finish_reason="error" does not fire for it.
+            success = 'pluginhost_request_success_total{finish_reason="%s",model_name="policy"}'
+            assert (metric(base, success % "refused"), metric(base, success % "error")) == (2, 0)
             served = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
             assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
     finally:

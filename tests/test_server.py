@@ -25,7 +25,7 @@ from pluginhost.server.app import build_app
 from pluginhost.testing import RegistersModel, make_tiny_opt
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
-from pluginhost.testing.server import running_server, wait_until
+from pluginhost.testing.server import metric, running_server, wait_until
 
 TIMEOUT = 60
 JSON = {"content-type": "application/json"}
@@ -254,13 +254,6 @@ def test_a_short_request_sent_while_a_long_one_streams_finishes_first(url, clien
 
     asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
     assert order == ["short", "long"]
-
-
-def metric(url: str, sample: str) -> float:
-    """The value of the first /metrics sample line starting with ``sample`` (0 when there is none)."""
-    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-    line = next((x for x in text.splitlines() if x.startswith(sample)), "")
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
 
 def aborted(url: str) -> float:
@@ -1098,7 +1091,10 @@ def test_metrics_count_what_was_served(url, client):
     assert delta('pluginhost_generation_tokens_total{model_name="demo"}') >= 7
     assert delta('pluginhost_prompt_tokens_total{model_name="demo"}') >= 4
     assert delta('pluginhost_time_to_first_token_seconds_count{model_name="demo"}') == 1
-    assert delta('pluginhost_time_per_output_token_seconds_count{model_name="demo"}') == 1
+    assert delta('pluginhost_request_time_per_output_token_seconds_count{model_name="demo"}') == 1
+    # One inter-token latency per token after the first, as vLLM observes them (it was one mean per request).
+    tokens = delta('pluginhost_generation_tokens_total{model_name="demo"}')
+    assert delta('pluginhost_inter_token_latency_seconds_count{model_name="demo"}') == tokens - 1
     assert delta('pluginhost_request_success_total{finish_reason="length",model_name="demo"}') == 1
     assert 'pluginhost_num_requests_running{model_name="demo"}' in after
     assert delta('pluginhost_num_preemptions_total{model_name="demo"}') == 0
@@ -1139,6 +1135,34 @@ def test_metrics_count_each_sample_with_its_own_finish_reason(url):
         if mixed:
             break
     assert mixed, "no seed gave choices ending for different reasons: the test did not test it"
+
+
+def test_each_prompt_of_a_request_is_timed_to_its_own_end(url, engine, monkeypatch):
+    """A prompt that stopped after a few tokens was timed to the end of the whole request (its neighbour's 120
+    tokens later), and its time per output token was that over its own few tokens: seconds a token."""
+    from pluginhost.server.metrics import ServerMetrics
+
+    body = {"model": "demo", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    prompts = ["A plugin is", "The engine"]
+    texts = [
+        httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=TIMEOUT).json()["choices"][0]["text"]
+        for p in prompts
+    ]
+    stop = next(texts[0][i : i + 4] for i in range(3, 40) if texts[0][i : i + 4] not in texts[1])
+    recorded: list[dict] = []
+    record_request = ServerMetrics.record_request
+
+    def recording(self, **figures):
+        recorded.append(figures)
+        record_request(self, **figures)
+
+    monkeypatch.setattr(ServerMetrics, "record_request", recording)
+    answer = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompts, "stop": [stop]}, timeout=TIMEOUT)
+    assert [c["finish_reason"] for c in answer.json()["choices"]] == ["stop", "length"]
+    short, long = sorted(recorded, key=lambda figures: figures["tokens"])
+    assert short["tokens"] < 20 and long["tokens"] == 120
+    assert short["end"] < long["first_token"] + (long["end"] - long["first_token"]) / 2  # its own end, not the last's
+    assert short["first_token"] <= short["last_token"] <= short["end"] and long["last_token"] <= long["end"]
 
 
 def test_latencies_count_from_when_the_http_request_came_in(url, engine, monkeypatch):

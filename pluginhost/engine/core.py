@@ -77,6 +77,9 @@ class EngineStats:
     cache_shape: tuple[int, int]
     #: Sequences preempted for memory since the last step's figures (they wait, to be prefilled again).
     num_preempted: int = 0
+    #: Seconds since its previous token, for each sequence that got its second token or a later one this step:
+    #: vLLM's inter-token latencies (a stall, such as a decode waiting on newcomers' prefill, shows here).
+    token_gaps_s: tuple[float, ...] = ()
 
 
 class EngineCore:
@@ -312,7 +315,7 @@ class EngineCore:
             # Prompt tokens of the sequences prefilled for the first time (not those recomputed after a preemption).
             first = [plan.rows[r] for r in plan.prefill_rows if not plan.rows[r].token_ids]
             prompt_tokens = sum(len(s.prompt_token_ids) for s in first)
-            deliveries = self._advance(plan, tokens, logprobs)
+            deliveries, gaps = self._advance(plan, tokens, logprobs)
             stats = EngineStats(
                 num_running=len(plan.rows),
                 num_waiting=self.scheduler.num_waiting,
@@ -322,6 +325,7 @@ class EngineCore:
                 step_time_s=time.perf_counter() - start,
                 cache_shape=self.runner.cache_shape,
                 num_preempted=self._preempted,
+                token_gaps_s=gaps,
             )
             self._preempted = 0
             # Under the step lock: another thread's step (shutdown's, handing out aborts) must not hand a request's
@@ -532,11 +536,15 @@ class EngineCore:
             except Exception:  # noqa: BLE001, S110 - its stand-in fails each later step, naming it, and tries again
                 pass
 
-    def _advance(self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None) -> list:
-        """Give every active sequence its token; free the finished; collect the outputs to hand out."""
+    def _advance(
+        self, plan: ScheduledStep, tokens: list[int], logprobs: torch.Tensor | None
+    ) -> tuple[list, tuple[float, ...]]:
+        """Give every active sequence its token; free the finished; collect the outputs to hand out, and the gaps
+        since each sequence's previous token."""
         prefilled = bool(plan.prefill_rows)
         now = time.monotonic()
         changed: dict[int, EngineRequest] = {}
+        gaps = []
         for i, row in enumerate(plan.active_rows):
             sequence = plan.rows[row]
             if prefilled:
@@ -545,9 +553,13 @@ class EngineCore:
                 sequence.num_computed += 1
             wants = logprobs is not None and sequence.params.logprobs is not None
             sequence.append(tokens[i], logprobs[i] if wants else None)
+            if sequence.last_token_time is not None:
+                gaps.append(now - sequence.last_token_time)
+            sequence.last_token_time = now
             request = sequence.request
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             if sequence.finished:
                 self.scheduler.free(sequence)
             changed[id(request)] = request
@@ -562,7 +574,7 @@ class EngineCore:
                     request.error = error = exc
             if request.on_output is not None:
                 deliveries.append((request.on_output, None if error else self._output(request), error))
-        return deliveries
+        return deliveries, tuple(gaps)
 
     def _output(self, request: EngineRequest) -> RequestOutput:
         """What a step hands out of ``request``: its output, where ``on_output`` hooks will still change it with no
@@ -639,6 +651,7 @@ class EngineCore:
                 return  # ended before its abort was taken
             del self._requests[request.request_id]
             request.aborted = True
+            request.end_time = time.monotonic()
         for sequence in request.sequences:
             if not sequence.finished:
                 sequence.finish_reason = "abort"
@@ -767,6 +780,8 @@ class EngineCore:
 
     def _forget(self, request: EngineRequest) -> None:
         """The request has ended (finished or failed): its id is free (unless a newer request has it already)."""
+        if request.end_time is None:
+            request.end_time = time.monotonic()
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
         with self._inbox_lock:

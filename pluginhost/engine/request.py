@@ -48,6 +48,8 @@ class Sequence:
     num_computed: int = 0
     #: Its row in the running batch and in the KV cache, while it runs.
     row: int | None = None
+    #: When its latest token was sampled (``time.monotonic()``): the gap to the next is an inter-token latency.
+    last_token_time: float | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -137,7 +139,10 @@ class EngineRequest:
     #: When the request arrived (``time.monotonic()``): when it was made, unless the caller says (a server: when
     #: the HTTP request came in, so latencies count the wait to be tokenized).
     arrival_time: float = field(default_factory=time.monotonic)
+    #: When its first and its latest token were sampled, and when it ended (finished, failed or aborted).
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    end_time: float | None = None
     #: Why it ended early: a model failure, a plugin's error, an abort.
     error: BaseException | None = None
     aborted: bool = False

@@ -531,11 +531,11 @@ def _answer_entries(finals: dict[int, RequestOutput]) -> int:
 def _finish_reasons(request: EngineRequest) -> list[str]:
     """Why each sample of a request ended, as ``/metrics`` counts them (one per choice, as vLLM does).
 
-    An error ends every sample of the request (its answer is the error); a sample not finished was given up
-    (an abort, or a client gone).
+    An error ends every sample of the request (its answer is the error): ``refused`` when a plugin refused it (a
+    400, not a failure), ``error`` otherwise; a sample not finished was given up (an abort, or a client gone).
     """
     if request.error is not None:
-        return ["error"] * len(request.sequences)
+        return ["refused" if isinstance(request.error, RequestRefusedError) else "error"] * len(request.sequences)
     return [s.finish_reason or "abort" for s in request.sequences]
 
 
@@ -662,7 +662,10 @@ class _Shape:
             finish_reasons=_finish_reasons(request),
             arrival=request.arrival_time,
             first_token=request.first_token_time,
-            end=time.monotonic(),
+            last_token=request.last_token_time,
+            # Its own end: a prompt of several that ended first is not timed to the last one's end. A request not
+            # ended yet was given up (its client gone, before the engine took the abort): now.
+            end=request.end_time or time.monotonic(),
             tokens=max((len(s.token_ids) for s in request.sequences), default=0),
         )
 

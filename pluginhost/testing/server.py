@@ -1,7 +1,8 @@
 """Running an app (``pluginhost.server.app.build_app``) on 127.0.0.1 for tests, always stopped afterwards.
 
 ``served_url`` reads the URL a ``pluginhost serve`` process announces; ``wait_until`` bounds the
-waits such tests make for something the engine loop or the server does.
+waits such tests make for something the engine loop or the server does; ``metric`` reads one figure of
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["running_server", "served_url", "wait_until"]
+__all__ = ["metric", "running_server", "served_url", "wait_until"]
 
 
 def served_url(process: subprocess.Popen[str], timeout: float) -> tuple[str | None, list[str]]:
@@ -49,6 +50,19 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(condition())
+
+
+def metric(url: str, sample: str, *, timeout: float = 30.0, headers: dict[str, str] | None = None) -> float:
+    """The value of the first ``/metrics`` line of the server at ``url`` that starts with ``sample`` (0 if none).
+
+    ``sample`` is a name with its labels as Prometheus writes them, sorted by name:
+    ``'pluginhost_request_success_total{finish_reason="stop",model_name="demo"}'``.
+    """
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=timeout, headers=headers).text
+    line = next((x for x in text.splitlines() if x.startswith(sample)), "")
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
 
 @contextmanager
