@@ -173,7 +173,7 @@ class Checkpoint:
                 tally.add(numel, stored, dtype.itemsize if kind.startswith(("F", "BF")) else stored)
             plan[path] = kept
         self._check_all_held(where)
-        tally.check(share, device, sharers)
+        tally.check(share, device, sharers, dtype)
         return plan
 
     def _check_all_held(self, held: Mapping[str, Path]) -> None:
@@ -207,7 +207,7 @@ class Checkpoint:
                 tally.add(tensor.numel(), stored, dtype.itemsize if tensor.is_floating_point() else stored)
         if all(state is not None for state in states.values()):
             self._check_all_held(held)  # before reading, as for safetensors (a legacy file's names are known later)
-        tally.check(share, device, sharers)
+        tally.check(share, device, sharers, dtype)
         for path in self.files:
             state = states.pop(path)  # dropped once handed over: its mapping (or a legacy file's memory) goes with it
             if state is None:
@@ -254,9 +254,9 @@ class _Tally:
         self.total += numel * converted
         self.largest = max(self.largest, numel * max(stored, converted))
 
-    def check(self, share: float, device: torch.device, sharers: int) -> None:
+    def check(self, share: float, device: torch.device, sharers: int, dtype: torch.dtype) -> None:
         """``_check_memory`` for ``share`` of the total (a rank's part of a split model)."""
-        _check_memory(math.ceil(self.total * share), self.largest, device, sharers)
+        _check_memory(math.ceil(self.total * share), self.largest, device, sharers, dtype)
 
 
 #: Elements up to which a tensor larger than the whole model is left to the model (64 MiB in float32): a
@@ -320,21 +320,25 @@ def _nonfinite(names: Sequence[str], dtype: torch.dtype, whose: str, *, refused:
     )
 
 
-def _check_memory(kept: int, largest: int, device: torch.device, sharers: int = 1) -> None:
+def _check_memory(
+    kept: int, largest: int, device: torch.device, sharers: int = 1, dtype: torch.dtype = torch.float32
+) -> None:
     """Refuse weights that cannot fit where they go, before reading them.
 
     ``kept``: the bytes of the weights kept on ``device``; ``largest``: the largest tensor's, in passing (read,
     converted, cut into a rank's share) on top of them. On a GPU the weights need its free memory, and host
     memory holds only the tensor in passing; elsewhere they need host memory. ``sharers`` processes on this
-    machine (tensor-parallel ranks) need the host's at once.
+    machine (tensor-parallel ranks) need the host's at once. ``dtype``, the weights' in memory: a 16-bit one is
+    suggested only when it is smaller.
     """
+    smaller = "use a 16-bit dtype (--dtype bfloat16), " if dtype.itemsize > 2 else ""
     if device.type == "cuda":
         free = _free_device_memory(device)
         if free is not None and kept + largest > free:
             raise CheckpointError(
-                f"The weights need {_gib(kept + largest)} GiB on {device} and only {_gib(free)} GiB of its memory is "
-                "free. Free it (other processes on the GPU), use a smaller dtype (--dtype bfloat16), split the "
-                "model over more GPUs (--tensor-parallel-size) or use a smaller model."
+                f"The weights need {_size(kept + largest)} on {device} and only {_size(free)} of its memory is free. "
+                f"Free it (other processes on the GPU), {smaller}split the model over more GPUs "
+                "(--tensor-parallel-size) or use a smaller model."
             )
         needed = largest * sharers
         what = f"On their way to {device}, the weights pass through host memory one tensor at a time: that needs"
@@ -345,13 +349,14 @@ def _check_memory(kept: int, largest: int, device: torch.device, sharers: int = 
     if available is not None and needed > available:
         ranks = f" ({sharers} tensor-parallel ranks on this machine)" if sharers > 1 else ""
         raise CheckpointError(
-            f"{what} {_gib(needed)} GiB{ranks} in memory and only {_gib(available)} GiB is available. Free memory, "
-            "use a smaller dtype (--dtype bfloat16) or a smaller model."
+            f"{what} {_size(needed)}{ranks} in memory and only {_size(available)} is available. Free memory, "
+            f"{smaller}or use a smaller model."
         )
 
 
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.1f}"
+def _size(size: int) -> str:
+    """``12.3 GiB``, or ``412 MiB`` below a GiB (a small model's 0.0 GiB said nothing)."""
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
 
 
 def _free_device_memory(device: torch.device) -> int | None:
