@@ -48,6 +48,19 @@ def add_tensor(d: Path) -> None:
     edit_tensors(d, lambda t: t.update({"model.decoder.layers.0.extra.weight": torch.zeros(2)}))
 
 
+def fp8_quantized(d: Path) -> None:
+    """An FP8 checkpoint as vLLM and llm-compressor write them: float8 weights, each with its scale."""
+
+    def quantize(tensors: dict) -> None:
+        weight = tensors["model.decoder.layers.0.fc1.weight"]
+        scale = weight.abs().max() / 448
+        tensors["model.decoder.layers.0.fc1.weight"] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors["model.decoder.layers.0.fc1.weight_scale"] = scale.reshape(1)
+
+    edit_tensors(d, quantize)
+    edit_config(lambda c: c.update(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}))(d)
+
+
 def reshape_tensor(d: Path) -> None:
     edit_tensors(d, lambda t: t.update({"model.decoder.layers.0.fc1.weight": torch.zeros(64, 31)}))
 
@@ -238,6 +251,11 @@ FAULTS = {
         "(the v_proj part of decoder.layers.1.self_attn.qkv_proj.weight)",
     ),
     "extra tensor": (add_tensor, "unexpected tensors (not in OPTForCausalLM): model.decoder.layers.0.extra.weight"),
+    "an FP8 quantized checkpoint": (  # said as unexpected tensors only: read as a damaged or mismatched checkpoint
+        fp8_quantized,
+        "The checkpoint is quantized (config.json's quantization_config: quant_method 'fp8'), and "
+        "builtin_models.opt:OPTForCausalLM loads unquantized weights only",
+    ),
     "wrong shape": (reshape_tensor, "model.decoder.layers.0.fc1.weight: checkpoint shape (64, 31), model (64, 32)"),
     "wrong dtype": (
         integer_tensor,

@@ -23,7 +23,7 @@ from pluginhost.build import BuildPlan, check_combination, plan_build
 from pluginhost.checkpoint import find_checkpoint, report_nonfinite
 from pluginhost.config import EngineConfig, describe_validation_error
 from pluginhost.device import dtype_name, resolve_device, resolve_dtype
-from pluginhost.errors import ConfigError, ModelClassError, PluginhostError
+from pluginhost.errors import CheckpointError, ConfigError, ModelClassError, PluginhostError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.logits_processors import RegisteredProcessor
 from pluginhost.model_dir import text_config
@@ -130,7 +130,7 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
         sharers=1 if ranks is None else ranks.on_this_machine,
         nonfinite=nonfinite,
     )
-    loaded = _load_weights(model, weights, plan.registration)
+    loaded = _load_weights(model, weights, plan.registration, plan.hf_config)
     if ranks is not None:
         from builtin_models.tp import unshard_tied
 
@@ -255,10 +255,25 @@ def _construct(model_class: type, registration: Registration, hf_config: Any, dt
         ) from exc
 
 
-def _load_weights(model: nn.Module, weights: Any, registration: Registration) -> object:  # noqa: ANN401 - tensors
-    """``model.load_weights(weights)``; a plugin's model failing there is named, as its constructor would be."""
+def _load_weights(model: nn.Module, weights: Any, registration: Registration, hf_config: Any) -> object:  # noqa: ANN401
+    """``model.load_weights(weights)``; a plugin's model failing there is named, as its constructor would be.
+
+    A quantized checkpoint (``quantization_config`` in config.json: its scales are tensors no plain model has) that
+    does not fit says so first: "unexpected tensors ... weight_scale" read as a damaged or mismatched checkpoint.
+    """
     try:
         return model.load_weights(weights)
+    except CheckpointError as exc:
+        quantization = getattr(hf_config, "quantization_config", None)
+        if not quantization:
+            raise
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            f"The checkpoint is quantized (config.json's quantization_config: quant_method {method!r}), and "
+            f"{registration.implementation} loads unquantized weights only: use the model's unquantized checkpoint "
+            "(the int8_quant sample plugin quantizes one as it loads), or a plugin whose model loads this format. "
+            f"{exc}"
+        ) from exc
     except PluginhostError:  # the checkpoint's or the weight checks' own message, which says what is wrong
         raise
     except Exception as exc:
