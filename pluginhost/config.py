@@ -214,8 +214,11 @@ class EngineConfig(BaseModel):
                 f"the engine would go on as built, and the config would no longer describe it. Build a new engine "
                 f"with {name}={value!r} instead."
             )
+        before = getattr(self, name, None)
         super().__setattr__(name, value)
-        if name in type(self).model_fields:
+        # Whoever set the value keeps the credit when it is set again unchanged (a site policy's dtype "half" over
+        # the user's "float16" is the user's float16).
+        if name in type(self).model_fields and (name not in self._provenance or getattr(self, name) != before):
             plugin = current_plugin()
             self._provenance[name] = f"plugin:{plugin.name}" if plugin else "user"
 

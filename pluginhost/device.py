@@ -66,7 +66,10 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device)
         return torch.float32
     if device.type == "cpu" and declared is not torch.float32:
         logger.info(
-            "checkpoint is %s; using float32 on the CPU (pass dtype=%r to keep it)", declared, str(declared)[6:]
+            "checkpoint is %s; using float32 on the CPU (--dtype %s, or dtype=%r, keeps it)",
+            declared,
+            str(declared)[6:],
+            str(declared)[6:],
         )
         return torch.float32
     if device.type == "cuda" and declared is torch.bfloat16 and not torch.cuda.is_bf16_supported():

@@ -100,7 +100,11 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         required=model_required,
         help="Hugging Face-format model directory" + ("" if model_required else " (default: the demo model)"),
     )
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    group.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
+        help="parameter dtype (default auto: config.json's, but float32 for a 16-bit checkpoint on the CPU)",
+    )
     group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")

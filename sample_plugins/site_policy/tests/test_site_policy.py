@@ -27,6 +27,17 @@ def test_caps_context_and_forces_dtype_from_the_environment(make_engine, monkeyp
         llm.generate([[2] * 32], None)
 
 
+def test_a_dtype_the_user_chose_already_stays_the_users(make_host, monkeypatch):
+    # "half" is float16: the user's --dtype float16 was shown as set by the plugin, which changed nothing.
+    monkeypatch.setenv("PLUGINHOST_SITE_DTYPE", "half")
+    config = EngineConfig(model="m", dtype="float16")
+    make_host(pluginhost_site_policy).call("modify_config", config=config)
+    assert (config.dtype, config.provenance["dtype"]) == ("float16", "user")
+    config = EngineConfig(model="m", dtype="float32")
+    make_host(pluginhost_site_policy).call("modify_config", config=config)
+    assert (config.dtype, config.provenance["dtype"]) == ("float16", "plugin:pluginhost_site_policy")
+
+
 def test_a_context_cap_above_the_models_positions_leaves_its_length_be(make_engine, monkeypatch):
     # The cap became the length asked for: every model shorter than the cap failed to load.
     monkeypatch.setenv("PLUGINHOST_SITE_MAX_MODEL_LEN", "4096")
