@@ -371,6 +371,18 @@ def test_a_model_failing_while_generating_is_named_and_the_engine_recovers(tiny_
     assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
+def test_a_model_class_made_in_a_notebook_cell_failing_is_named(tiny_opt):
+    # Its failure was taken for the engine's own ("internal error", a bare RuntimeError): the class's module,
+    # __main__, is another file (or none, in a notebook), and the model's code files were looked up through it.
+    cell = "class Flaky(OPTForCausalLM):\n    def compute_logits(self, hidden):\n        raise RuntimeError('nan')\n"
+    namespace = {"__name__": "__main__", "OPTForCausalLM": OPTForCausalLM}
+    exec(compile(cell, "<notebook cell 3>", "exec"), namespace)  # noqa: S102 - the test's own source
+    plugin = RegistersModel("OPTForCausalLM", namespace["Flaky"])
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
+    with pytest.raises(ModelRunError, match=r"^The model __main__:Flaky .* failed while generating: RuntimeError: nan"):
+        llm.generate([[2, 5]], SamplingParams(max_tokens=2))
+
+
 class ForgetsReturn(OPTForCausalLM):
     def compute_logits(self, hidden_states):
         super().compute_logits(hidden_states)

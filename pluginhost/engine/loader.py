@@ -396,17 +396,23 @@ def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
 
 
 def _code_files(model: nn.Module) -> frozenset[str]:
-    """The source files of the model's classes (and their bases), torch's own excluded."""
+    """The files of the code of the model's classes (and their bases), torch's own excluded, as tracebacks name them.
+
+    Read from the functions' code objects, not from the classes' modules: a class made in a notebook cell or by
+    ``exec`` has no module file (or its ``__module__`` names another one, ``__main__``), and its failures were
+    taken for the engine's own.
+    """
     torch_dir = os.path.dirname(torch.__file__)
+    classes = {cls for module in model.modules() for cls in type(module).__mro__}
     files = set()
-    for module in model.modules():
-        for cls in type(module).__mro__:
-            try:
-                path = inspect.getsourcefile(cls)
-            except TypeError:  # builtins
-                continue
-            if path and not path.startswith(torch_dir):
-                files.add(path)
+    for cls in classes:
+        for attribute in vars(cls).values():
+            if isinstance(attribute, property):
+                attribute = attribute.fget
+            function = inspect.unwrap(getattr(attribute, "__func__", attribute))  # staticmethod, classmethod
+            code = getattr(function, "__code__", None)
+            if code is not None and not code.co_filename.startswith(torch_dir):
+                files.add(code.co_filename)
     return frozenset(files)
 
 
