@@ -29,7 +29,8 @@ memory rather than from the cache: a step streams every layer's weights, far
 more than the last-level cache holds, so kernels are timed over enough copies
 of the weight to overflow it (timed hot, a 768 x 768 product looked the same
 through MKL and oneDNN on an AVX-512 EPYC; cold, as in decoding, oneDNN took
-80 us and MKL 140). Choices are saved per machine (CPU model and vector extensions, threads, torch version) in
+80 us and MKL 140); a cache reported larger than 64 MiB (a VM's host's) is
+taken as 64 MiB, or the copies would take each measurement past its cap. Choices are saved per machine (CPU model and vector extensions, threads, torch version) in
 the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
 atomically so concurrent processes never leave a broken file; a file that
 cannot be read is ignored and replaced. Switches:
@@ -103,6 +104,10 @@ _MAX_TIMED_ROWS = 2048
 _SWAPPED_MAX_ROWS = 63
 #: Up to this many rows a product is bound by reading its weight, and is timed with the weight cold.
 _COLD_MAX_ROWS = 63
+#: The cache a cold timing overflows is taken as at most this large: a VM may report a last-level cache of hundreds
+#: of MiB (480 MiB on a 2-vCPU Xeon, its host's), and reading twice that took every measurement past its cap, so no
+#: process ever calibrated there. Twice this per timing pass overflows the cache of any real CPU's share of it.
+_LARGEST_CPU_CACHE = 64 << 20
 #: A kernel must beat F.linear by this much (in every round) to be chosen: noise never picks a slower one.
 _MARGIN = 0.97
 #: Seconds of calibration a table (the process's) may spend in all; then the fixed thresholds decide.
@@ -298,7 +303,7 @@ class KernelTable:
             if not capped:  # the budget ran out: a later process measures it
                 self._unsaved.add(key)
                 return FIXED_THRESHOLDS
-            if weight.numel() * weight.element_size() < _last_level_cache_bytes():
+            if weight.numel() * weight.element_size() < _cache_bytes():
                 # A weight the cache holds is timed quickly on a machine that is not busy: this one was (two
                 # engines starting at once). This process only; saved, it was left to the thresholds for good.
                 self._unsaved.add(key)
@@ -473,7 +478,12 @@ def _fallback(weight: Tensor, bias: Tensor | None, rows: int) -> str:
 def _cold_copies(weight: Tensor) -> list[Tensor]:
     """``weight`` and enough copies of it to overflow the last-level cache: each product reads it from memory."""
     size = weight.numel() * weight.element_size()
-    return [weight] + [weight.clone() for _ in range(min(64, -(-2 * _last_level_cache_bytes() // size)) - 1)]
+    return [weight] + [weight.clone() for _ in range(min(64, -(-2 * _cache_bytes() // size)) - 1)]
+
+
+def _cache_bytes() -> int:
+    """The last-level cache a cold timing must overflow: as reported, up to ``_LARGEST_CPU_CACHE``."""
+    return min(_last_level_cache_bytes(), _LARGEST_CPU_CACHE)
 
 
 @functools.cache

@@ -151,6 +151,16 @@ def test_few_rows_are_timed_with_the_weight_coming_from_memory(tmp_path):
     assert seen[512] == {id(weight)}  # many rows are bound by arithmetic: the weight itself suffices
 
 
+def test_a_cache_reported_as_hundreds_of_mib_is_overflowed_within_a_bounded_read(monkeypatch):
+    """A 2-vCPU Xeon VM reports its host's 480 MiB last-level cache: timing each shape over twice that took every
+    measurement past its cap, which counted as a busy machine, so no process there ever calibrated (and the
+    fixed thresholds, measured on another CPU, made batch-1 decoding slower than transformers)."""
+    monkeypatch.setattr(kernel_choice, "_last_level_cache_bytes", lambda: 480 << 20)
+    weight = torch.randn(768, 768)  # 2.25 MiB
+    read = len(kernel_choice._cold_copies(weight)) * weight.numel() * weight.element_size()
+    assert 2 * kernel_choice._LARGEST_CPU_CACHE <= read < 2 * kernel_choice._LARGEST_CPU_CACHE + (3 << 20)
+
+
 @needs_onednn
 def test_concurrent_writers_never_leave_a_broken_file(tmp_path):
     path = tmp_path / "kernels.json"
