@@ -10,11 +10,14 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pluginhost.testing import make_tiny_opt
+
+if TYPE_CHECKING:
+    from pluginhost import LLM
 
 PLUGINHOST_ENV = (
     "PLUGINHOST_PLUGINS",
@@ -96,6 +99,14 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 def tiny_opt(tiny_opt_dir: Path) -> Path:
     """A pre-LayerNorm OPT (opt-125m-like) with a tokenizer, as safetensors: the kit's ``tiny_opt_dir``."""
     return tiny_opt_dir
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_opt: Path) -> LLM:
+    """An engine on ``tiny_opt`` (no installed plugins, on the CPU): one per test module that asks for it."""
+    from pluginhost import LLM
+
+    return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -203,7 +214,8 @@ def flaky_opt() -> Callable[[int], object]:
 
 @pytest.fixture
 def greedy_tokens() -> Callable[..., list[list[int]]]:
-    """Greedy tokens (6 each, end-of-sequence ignored) on three prompts of a model directory, in float32.
+    """Greedy tokens (6 each, end-of-sequence ignored) on three prompts of a model directory, in float32 (or of an
+    engine built already).
 
     ``settings``: more of ``LLM``'s (``hf_overrides``, say).
 
@@ -213,9 +225,10 @@ def greedy_tokens() -> Callable[..., list[list[int]]]:
 
     prompts = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 4], [2, 7, 7, 7, 150, 42, 8]]
 
-    def tokens(path: Path, **settings: Any) -> list[list[int]]:
-        llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", **settings)
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    def tokens(model: Path | LLM, **settings: Any) -> list[list[int]]:
+        if not isinstance(model, LLM):
+            model = LLM(str(model), load_installed_plugins=False, dtype="float32", device="cpu", **settings)
+        outputs = model.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         return [o.token_ids for o in outputs]
 
     return tokens

@@ -680,10 +680,10 @@ def test_every_stream_ends_when_a_step_outlasts_shutdowns_timeout(tiny_opt):
         return [out async for out in stream][-1].outputs[0].finish_reason
 
     async def scenario():
+        # The first step (their prefill) is the long one: on a fast machine a later one came after all had finished.
+        slow_now.set()
         streams = [await engine.submit(PROMPTS[i], greedy(200)) for i in range(3)]
         tasks = [asyncio.create_task(last_reason(stream)) for stream in streams]
-        await asyncio.sleep(0.2)
-        slow_now.set()
         assert await asyncio.to_thread(wait_until, lambda: not slow_now.is_set())  # the loop is in the long step
         engine.shutdown(timeout=0.3)
         done, pending = await asyncio.wait(tasks, timeout=10)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pluginhost import LLM, SamplingParams
+from pluginhost import LLM
 from pluginhost.cli import main
 from pluginhost.errors import PluginhostError
 
@@ -532,13 +532,7 @@ def test_a_config_or_checkpoint_cannot_run_the_machine_out_of_memory(broken_copy
     assert "Traceback" not in result.stderr
 
 
-def greedy_tokens(model: Path | LLM) -> list[int]:
-    """Four greedy tokens of ``model`` (an engine, or a directory to build one from, in float32)."""
-    llm = model if isinstance(model, LLM) else LLM(str(model), load_installed_plugins=False, dtype="float32")
-    return llm.generate([[2, 5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
-
-
-def test_a_bin_rewritten_or_truncated_under_a_running_engine_changes_nothing(broken_copy):
+def test_a_bin_rewritten_or_truncated_under_a_running_engine_changes_nothing(broken_copy, greedy_tokens):
     """The engine owns its weights: a float32 .bin read as float32 stayed mapped (then all zeros, or a bus error)."""
     expected = greedy_tokens(broken_copy)
     weights = as_bin(broken_copy)
@@ -576,7 +570,7 @@ def test_a_mis_shaped_part_of_a_stacked_parameter_is_not_called_missing(broken_c
     assert "missing" not in message and "no v_proj" not in message
 
 
-def test_model_safetensors_is_read_alone_as_transformers_reads_it(broken_copy):
+def test_model_safetensors_is_read_alone_as_transformers_reads_it(broken_copy, greedy_tokens):
     """Beside it: Mistral's consolidated.safetensors, a LoRA adapter, a .bin index of other weights: all ignored."""
     expected = greedy_tokens(broken_copy)
     tensors = bin_shards_with_index(broken_copy)
@@ -591,7 +585,7 @@ def test_model_safetensors_is_read_alone_as_transformers_reads_it(broken_copy):
     assert greedy_tokens(broken_copy) == expected
 
 
-def test_an_index_reads_only_its_shards(broken_copy):
+def test_an_index_reads_only_its_shards(broken_copy, greedy_tokens):
     expected = greedy_tokens(broken_copy)
     tensors = load_file(str(broken_copy / "model.safetensors"))
     (broken_copy / "model.safetensors").rename(broken_copy / "model-00001-of-00001.safetensors")

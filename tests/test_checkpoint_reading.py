@@ -172,16 +172,9 @@ def test_a_bin_cut_short_or_garbled_anywhere_is_one_checkpoint_error(tmp_path, l
             pass  # or it loads: a flipped byte inside a tensor's data is just another value
 
 
-def greedy_tokens(model_dir: Path) -> list[int]:
-    from pluginhost import LLM, SamplingParams
-
-    llm = LLM(str(model_dir), load_installed_plugins=False, dtype="float32")
-    return llm.generate([[2, 5, 9, 11]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
-
-
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.uint8], ids=["transformers 2 (float32)", "3 (uint8)"])
 def test_an_old_gpt2_checkpoints_causal_masks_larger_than_a_small_model_are_skipped_as_the_model_skips_them(
-    tmp_path, mask_dtype
+    tmp_path, mask_dtype, greedy_tokens
 ):
     """transformers < 4.2x saved GPT-2's causal mask, attn.bias, (1, 1, n_positions, n_positions): for a small model
     (sshleifer/tiny-gpt2) more than the whole model, refused as 'not this model's' before the model could skip it."""

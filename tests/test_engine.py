@@ -24,11 +24,6 @@ PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2,
 FORCED = 7
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_opt) -> LLM:
-    return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
-
-
 def test_generate_returns_one_output_per_prompt_in_order(llm):
     outs = llm.generate(["Hello world", [2, 100, 7]], SamplingParams(max_tokens=5, temperature=0))
     assert [o.prompt_token_ids[:1] for o in outs] == [[2], [2]]  # the tokenizer prepends </s>, like OPT's
@@ -131,20 +126,26 @@ def test_top_k_limits_the_tokens_sampled(llm):
     assert seen <= top3 and len(seen) > 1
 
 
-def test_logprobs_report_the_chosen_token_and_the_top_k(llm):
+@pytest.mark.parametrize("k", [1, 2])
+def test_logprobs_report_the_chosen_token_and_the_top_k(llm, k):
     prompt = PROMPTS[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=3, logprobs=2))[0]
-    assert len(out.logprobs) == 4
     with torch.no_grad():  # the first step's distribution, computed independently
         hidden = llm.model(torch.tensor([prompt]), torch.arange(len(prompt))[None])
         first = llm.model.compute_logits(hidden)[0, -1].log_softmax(-1)
-    values, ids = first.topk(2)
+    values, ids = first.topk(k)
+    for seed in range(30):  # a first token drawn outside the top k, which are then reported beside it
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=seed, logprobs=k))[0]
+        if out.token_ids[0] not in ids.tolist():
+            break
+    else:
+        pytest.fail("no seed drew a token outside the top k: the test did not test it")
+    assert len(out.logprobs) == 4
     expected = dict(zip(ids.tolist(), values.tolist(), strict=True))
     expected[out.token_ids[0]] = float(first[out.token_ids[0]])
-    assert out.logprobs[0].keys() == expected.keys()
-    assert all(abs(out.logprobs[0][k] - v) < 1e-5 for k, v in expected.items())
+    assert out.logprobs[0].keys() == expected.keys()  # logprobs=1: the chosen token and the most likely one
+    assert all(abs(out.logprobs[0][t] - v) < 1e-5 for t, v in expected.items())
     for token, step in zip(out.token_ids, out.logprobs, strict=True):
-        assert token in step and 2 <= len(step) <= 3 and all(v <= 0 for v in step.values())
+        assert token in step and k <= len(step) <= k + 1 and all(v <= 0 for v in step.values())
 
 
 def test_stop_token_ids_end_generation_and_are_included(llm):
@@ -765,6 +766,21 @@ def test_a_request_whose_logits_are_not_numbers_ends_with_a_clear_error_and_the_
     assert isinstance(second.error, ModelRunError)
     assert "gave logits that are not finite numbers (NaN or infinity) for this request" in str(second.error)
     assert first.error is None and first.output().token_ids == alone
+
+
+def test_running_requests_keep_decoding_while_newcomers_arrive_before_every_step(tiny_opt):
+    """A busy server: a request arrives before each step. Admitting at most every other step while others run keeps
+    the running ones decoding (each newcomer admitted at once made every step a prefill: the stream got nothing)."""
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=64, max_waiting_seqs=64)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    first = llm._inputs.make_request("first", PROMPTS[0], params)
+    llm.engine.submit([first])
+    llm.engine.step(), llm.engine.step()  # its prefill, then a decoding step
+    before = len(first.sequences[0].token_ids)
+    for i in range(20):
+        llm.engine.submit([llm._inputs.make_request(f"new-{i}", PROMPTS[1], params)])
+        llm.engine.step()
+    assert len(first.sequences[0].token_ids) - before >= 10
 
 
 def test_text_encoding_outside_the_models_vocabulary_is_refused_before_it_reaches_the_model(tmp_path):

@@ -29,11 +29,6 @@ PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300, 300, 12], [2, 7, 7, 7, 150,
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_opt) -> LLM:
-    return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_opt) -> HFOPTForCausalLM:
     return HFOPTForCausalLM.from_pretrained(tiny_opt, attn_implementation="eager", dtype=torch.float32).eval()
 
@@ -135,11 +130,14 @@ def test_the_repetition_penalty_keeps_a_certain_token_certain(logits, penalty, e
 def test_min_p_only_keeps_tokens_near_the_most_likely(llm):
     min_p = 0.2
     chosen = set()
+    # The most likely token's log-probability, from a greedy step: the sampled steps' own reports must not decide it
+    # (had they lost the most likely token, every draw would have been measured against itself).
+    top = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=0))[0]
+    best = top.logprobs[0][top.token_ids[0]]
     for seed in range(30):
-        params = SamplingParams(temperature=1.0, min_p=min_p, seed=seed, max_tokens=1, logprobs=1)
+        params = SamplingParams(temperature=1.0, min_p=min_p, seed=seed, max_tokens=1, logprobs=0)
         out = llm.generate([PROMPTS[0]], params)[0]
         token = out.token_ids[0]
-        best = max(out.logprobs[0].values())
         assert out.logprobs[0][token] >= best + math.log(min_p) - 1e-6
         chosen.add(token)
     assert len(chosen) > 1  # still sampling, not greedy
@@ -254,6 +252,25 @@ def test_top_p_over_tied_tokens_keeps_as_many_as_transformers(levels):
     assert logits[kept].min() == logits.max()
 
 
+@pytest.mark.parametrize(("tied", "top_p", "kept"), [(2, 0.5, 1), (4, 0.5, 2), (8, 0.25, 2)])
+def test_top_p_at_an_exact_boundary_of_tied_tokens_keeps_what_transformers_keeps(tied, top_p, kept):
+    # Where the nucleus ends exactly between two equal tokens (a yes/no choice at top_p=0.5), the next one is left out.
+    from pluginhost.engine.sampler import _filter
+
+    row = torch.zeros(1, tied)
+    _filter(row, [SamplingParams(temperature=1.0, top_p=top_p)])
+    reference = filtered_by_transformers(torch.zeros(tied), SamplingParams(temperature=1.0, top_p=top_p))
+    assert int(row.isfinite().sum()) == int((reference > 0).sum()) == kept
+
+
+def test_min_p_1_keeps_only_the_most_likely_token(llm):
+    # Accepted by validation (min_p in [0, 1]): every draw is the greedy token, nothing left empty.
+    greedy_tokens = llm.generate([PROMPTS[0]], greedy(max_tokens=6))[0].token_ids
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, min_p=1.0, seed=seed, max_tokens=6, ignore_eos=True)
+        assert llm.generate([PROMPTS[0]], params)[0].token_ids == greedy_tokens
+
+
 class AlwaysEos(OPTForCausalLM):
     def compute_logits(self, hidden_states):
         logits = torch.full_like(super().compute_logits(hidden_states), -1e9)
@@ -356,6 +373,25 @@ def test_a_scripted_model_writes_its_text(scripted):
     assert out.text == TEXT
 
 
+@pytest.mark.parametrize(("stop", "held"), [([], 0), (["none of it"], 9)])
+def test_a_stream_holds_back_only_what_may_begin_a_stop_string(scripted, stop, held):
+    """Each streamed text is every character of its tokens but the last ``len(longest stop) - 1`` (a stop string
+    may yet begin there): with none, nothing is held, and a stream lagged no character behind its tokens."""
+    seen: list = []
+    params = greedy(max_tokens=len(Scripted.script) - 1, stop=stop)
+    request = scripted._inputs.make_request(
+        "stream", [2], params, on_output=lambda output, error: seen.append(output), streaming=True
+    )
+    scripted.engine.submit([request])
+    while not request.finished:
+        scripted.engine.step()
+    *running, final = (output.outputs[0] for output in seen)
+    assert len(running) >= 3 and final.text == TEXT
+    for sample in running:
+        whole = scripted.tokenizer.decode(sample.token_ids)
+        assert sample.text == whole[: max(0, len(whole) - held)]
+
+
 def test_stop_strings_cut_the_text_across_token_boundaries(scripted):
     ids = Scripted.script[1:]
     pieces = [scripted.tokenizer.decode([t]) for t in ids]
@@ -378,6 +414,9 @@ def test_several_stop_strings_end_at_the_earliest(scripted):
     assert out.text == "The quick brown " and out.outputs[0].stop_reason == "fox"
     out = scripted.generate([[2]], greedy(max_tokens=40, stop=["o"]))[0]  # the first "o", inside "brown"
     assert out.text == "The quick br"
+    # One token completing two (" quick" holds "qui" and "ui"): the one earlier in the text, whichever is listed first.
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=["ui", "qui"]))[0]
+    assert out.text == "The " and out.outputs[0].stop_reason == "qui"
 
 
 def test_stop_strings_wait_for_min_tokens(scripted):

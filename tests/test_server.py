@@ -1051,6 +1051,16 @@ def test_a_long_streamed_answers_logprobs_are_the_whole_answers_for_no_more_deco
     assert decoded_streamed <= 1.5 * decoded_whole, (decoded_streamed, decoded_whole)
 
 
+def test_continuous_usage_stats_without_include_usage_sends_no_usage(url):
+    # As vLLM: continuous_usage_stats adds counts to the chunks of a stream that asked for usage at all.
+    options = {"continuous_usage_stats": True}
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}
+    events = httpx.post(f"{url}/v1/completions", json={**body, "stream_options": options}, timeout=TIMEOUT).text
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events.split("\n\n")[:-2]]
+    assert len(chunks) >= 2 and all(c.get("usage") is None for c in chunks)
+    assert all(c["choices"] for c in chunks)  # no usage chunk at the end either
+
+
 @pytest.mark.parametrize("continuous", [False, True])
 def test_stream_usage_null_on_each_chunk_or_the_counts_so_far(url, continuous):
     options = {"include_usage": True, "continuous_usage_stats": continuous}
@@ -1459,6 +1469,8 @@ def test_an_idle_server_takes_a_burst_as_large_as_its_free_rows_and_its_queue():
             answers = asyncio.run(asyncio.wait_for(burst([body] * 6 + [{**body, "n": 4}]), TIMEOUT))
             assert [a.status_code for a in answers] == [200] * 7, [a.text for a in answers if a.status_code != 200]
             assert [len(a.json()["choices"]) for a in answers] == [1] * 6 + [4]
+            whole = httpx.post(f"{base}/v1/completions", json={**body, "n": 10, "max_tokens": 2}, timeout=TIMEOUT)
+            assert whole.status_code == 200 and len(whole.json()["choices"]) == 10  # exactly what it takes in
             never = httpx.post(f"{base}/v1/completions", json={**body, "n": 11}, timeout=TIMEOUT)
             assert never.status_code == 400 and never.json()["error"]["param"] == "n"
             assert (
