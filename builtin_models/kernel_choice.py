@@ -30,8 +30,9 @@ more than the last-level cache holds, so kernels are timed over enough copies
 of the weight to overflow it (timed hot, a 768 x 768 product looked the same
 through MKL and oneDNN on an AVX-512 EPYC; cold, as in decoding, oneDNN took
 80 us and MKL 140); a cache reported larger than 64 MiB (a VM's host's) is
-taken as 64 MiB, or the copies would take each measurement past its cap. Choices are saved per machine (CPU model and vector extensions, threads, torch version) in
-the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
+taken as 64 MiB, or the copies would take each measurement past its cap.
+Choices are saved per machine (CPU model and vector extensions, threads, torch
+version) in the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
 atomically so concurrent processes never leave a broken file; a file that
 cannot be read is ignored and replaced. Switches:
 

@@ -103,7 +103,8 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
     group.add_argument(
         "--dtype",
         choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
-        help="parameter dtype (default auto: config.json's, but float32 for a 16-bit checkpoint on the CPU)",
+        help="parameter dtype (default auto: config.json's, but float32 on a CPU for a float16 checkpoint, and for a "
+        "bfloat16 one where the CPU has no bfloat16 arithmetic: AMX or AVX512-BF16)",
     )
     group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, metavar="N")
