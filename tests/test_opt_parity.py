@@ -137,13 +137,18 @@ def test_names_without_the_model_prefix(tmp_path, reference_dir, greedy_tokens):
     assert greedy_tokens(stripped) == greedy_tokens(reference_dir)
 
 
-def test_half_precision_checkpoint_runs_in_float32_on_cpu_unless_asked(tmp_path, reference_dir):
-    half = tmp_path / "half"
-    half.mkdir()
-    config = (reference_dir / "config.json").read_text().replace('"dtype": "float32"', '"dtype": "float16"')
-    (half / "config.json").write_text(config)
+def stored_as(reference_dir: Path, directory: Path, dtype: torch.dtype) -> Path:
+    """A copy of the reference checkpoint stored in ``dtype``, its config.json saying so."""
+    directory.mkdir()
+    config = (reference_dir / "config.json").read_text()
+    (directory / "config.json").write_text(config.replace('"dtype": "float32"', f'"dtype": "{str(dtype)[6:]}"'))
     tensors = load_file(str(reference_dir / "model.safetensors"))
-    save_file({k: v.half() for k, v in tensors.items()}, str(half / "model.safetensors"))
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_half_precision_checkpoint_runs_in_float32_on_cpu_unless_asked(tmp_path, reference_dir):
+    half = stored_as(reference_dir, tmp_path / "half", torch.float16)
     auto = LLM(str(half), load_installed_plugins=False, device="cpu")
     assert auto.dtype == torch.float32 and auto.model.lm_head.weight.dtype == torch.float32
     asked = LLM(str(half), load_installed_plugins=False, device="cpu", dtype="bfloat16")
@@ -159,12 +164,7 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_on_a_cpu_that_computes_it(
     """As vLLM and transformers: float32 doubled its memory and, with AMX, took 3x as long to prefill."""
     import pluginhost.device
 
-    half = tmp_path / "bf16"
-    half.mkdir()
-    config = (reference_dir / "config.json").read_text().replace('"dtype": "float32"', '"dtype": "bfloat16"')
-    (half / "config.json").write_text(config)
-    tensors = load_file(str(reference_dir / "model.safetensors"))
-    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(half / "model.safetensors"))
+    half = stored_as(reference_dir, tmp_path / "bf16", torch.bfloat16)
     monkeypatch.setattr(pluginhost.device, "cpu_computes_bfloat16", lambda: computes_bfloat16)
     auto = LLM(str(half), load_installed_plugins=False, device="cpu")
     expected = torch.bfloat16 if computes_bfloat16 else torch.float32
