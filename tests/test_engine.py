@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -254,12 +255,38 @@ class ChecksActivations:
             raise RuntimeError("activations out of range")
 
 
-def test_code_a_plugin_installed_failing_while_generating_is_named_with_the_plugin(tiny_opt):
-    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[ChecksActivations()])
+class ReplacesLayerForward:
+    """Replaces the decoder layers' class's forward in post_load (through ``patch``, undone after the test); the
+    replacement fails once, while generating."""
+
+    def __init__(self, patch: Callable[[object, str, object], None]) -> None:
+        self.patch, self.failures = patch, 1
+
+    @hookimpl
+    def post_load(self, config, model):
+        layer_class = type(model.decoder.layers[0])
+        original = layer_class.forward
+
+        def forward(layer, *args, **kwargs):
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("activations out of range")
+            return original(layer, *args, **kwargs)
+
+        self.patch(layer_class, "forward", forward)
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "replaced method"])
+def test_code_a_plugin_installed_failing_while_generating_is_named_with_the_plugin(tiny_opt, monkeypatch, kind):
+    # A replaced method, set on the model's class, was taken for the model's own code for a while (the model's
+    # files were read from every function its classes hold, the plugin's too).
+    plugin = ChecksActivations() if kind == "forward hook" else ReplacesLayerForward(monkeypatch.setattr)
+    name = type(plugin).__name__
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin])
     with pytest.raises(ModelRunError) as info:
         llm.generate([[2, 5]], SamplingParams(max_tokens=3))
     assert str(info.value).startswith(
-        f"Code of plugin 'ChecksActivations' (in {__file__}) failed while the model builtin_models.opt:OPTForCausalLM"
+        f"Code of plugin '{name}' (in {__file__}) failed while the model builtin_models.opt:OPTForCausalLM"
     )
     assert "(a forward hook, a replaced method): RuntimeError: activations out of range." in str(info.value)
     assert len(llm.generate([[2, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3

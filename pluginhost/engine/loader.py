@@ -398,9 +398,10 @@ def _check_loaded(model: nn.Module, loaded: object, model_dir: Path) -> None:
 def _code_files(model: nn.Module) -> frozenset[str]:
     """The files of the code of the model's classes (and their bases), torch's own excluded, as tracebacks name them.
 
-    Read from the functions' code objects, not from the classes' modules: a class made in a notebook cell or by
-    ``exec`` has no module file (or its ``__module__`` names another one, ``__main__``), and its failures were
-    taken for the engine's own.
+    Read from the code objects of the functions written in each class's body, not from the classes' modules: a
+    class made in a notebook cell or by ``exec`` has no module file (or its ``__module__`` names another one,
+    ``__main__``), and its failures were taken for the engine's own. A function set on the class from outside (a
+    plugin's replaced method, transformers' patch of ``nn.Module``) is its author's code, not the model's.
     """
     torch_dir = os.path.dirname(torch.__file__)
     classes = {cls for module in model.modules() for cls in type(module).__mro__}
@@ -411,7 +412,8 @@ def _code_files(model: nn.Module) -> frozenset[str]:
                 attribute = attribute.fget
             function = inspect.unwrap(getattr(attribute, "__func__", attribute))  # staticmethod, classmethod
             code = getattr(function, "__code__", None)
-            if code is not None and not code.co_filename.startswith(torch_dir):
+            written_here = getattr(function, "__qualname__", "").startswith(f"{cls.__qualname__}.")
+            if code is not None and written_here and not code.co_filename.startswith(torch_dir):
                 files.add(code.co_filename)
     return frozenset(files)
 
