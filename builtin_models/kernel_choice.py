@@ -30,7 +30,8 @@ more than the last-level cache holds, so kernels are timed over enough copies
 of the weight to overflow it (timed hot, a 768 x 768 product looked the same
 through MKL and oneDNN on an AVX-512 EPYC; cold, as in decoding, oneDNN took
 80 us and MKL 140); a cache reported larger than 64 MiB (a VM's host's) is
-taken as 64 MiB, or the copies would take each measurement past its cap.
+taken as 64 MiB, or the copies would take each measurement past its cap (on a
+CPU whose cache really is that large, few-row timings then run partly hot).
 Choices are saved per machine (CPU model and vector extensions, threads, torch
 version) in the user cache (``$PLUGINHOST_CACHE_DIR``, else ``~/.cache/pluginhost``), written
 atomically so concurrent processes never leave a broken file; a file that
@@ -105,9 +106,10 @@ _MAX_TIMED_ROWS = 2048
 _SWAPPED_MAX_ROWS = 63
 #: Up to this many rows a product is bound by reading its weight, and is timed with the weight cold.
 _COLD_MAX_ROWS = 63
-#: The cache a cold timing overflows is taken as at most this large: a VM may report a last-level cache of hundreds
-#: of MiB (480 MiB on a 2-vCPU Xeon, its host's), and reading twice that took every measurement past its cap, so no
-#: process ever calibrated there. Twice this per timing pass overflows the cache of any real CPU's share of it.
+#: The cache a cold timing overflows is taken as at most this large: a 2-vCPU Xeon VM reports its host's 480 MiB,
+#: and reading twice that took every measurement past its cap, so no process there ever calibrated. The trade: on
+#: a CPU whose last-level cache really is larger (Emerald or Granite Rapids, 320-504 MiB shared by a socket), few-row
+#: products are timed partly hot; reading more would cost each measurement its cap and up to a GiB of copies.
 _LARGEST_CPU_CACHE = 64 << 20
 #: A kernel must beat F.linear by this much (in every round) to be chosen: noise never picks a slower one.
 _MARGIN = 0.97

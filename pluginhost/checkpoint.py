@@ -355,8 +355,12 @@ def _check_memory(
 
 
 def _size(size: int) -> str:
-    """``12.3 GiB``, or ``412 MiB`` below a GiB (a small model's 0.0 GiB said nothing)."""
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+    """``12.3 GiB``, ``412 MiB`` or ``37 KiB``: never "0" for what is not nothing (a small model said 0.0 GiB)."""
+    if size >= 1000 * 2**20:
+        return f"{size / 2**30:.1f} GiB"
+    if size >= 1000 * 2**10:
+        return f"{size / 2**20:.0f} MiB"
+    return f"{-(-size // 2**10)} KiB"  # rounded up
 
 
 def _free_device_memory(device: torch.device) -> int | None:

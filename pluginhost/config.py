@@ -217,8 +217,10 @@ class EngineConfig(BaseModel):
         before = getattr(self, name, None)
         super().__setattr__(name, value)
         # Whoever set the value keeps the credit when it is set again unchanged (a site policy's dtype "half" over
-        # the user's "float16" is the user's float16).
-        if name in type(self).model_fields and (name not in self._provenance or getattr(self, name) != before):
+        # the user's "float16" is the user's float16); not when the same dict or list comes back, which its
+        # assigner may have changed in place (hf_overrides).
+        changed = getattr(self, name) != before or (value is before and isinstance(value, dict | list | set))
+        if name in type(self).model_fields and (name not in self._provenance or changed):
             plugin = current_plugin()
             self._provenance[name] = f"plugin:{plugin.name}" if plugin else "user"
 

@@ -508,13 +508,12 @@ def test_weights_larger_than_the_memory_available_are_one_clear_error(broken_cop
 
     layout(broken_copy)
     monkeypatch.setattr(pluginhost.checkpoint, "_available_memory", lambda: 1000)
-    # In MiB below a GiB (a small model's "need 0.0 GiB ... only 0.0 GiB" said nothing); a 16-bit dtype is advised
-    # while the weights are float32, and not once they are 16-bit already.
-    with pytest.raises(
-        PluginhostError, match=r"The weights need \d+ MiB in memory and only 0 MiB is available\. .*--dtype bfloat16"
-    ):
+    # In KiB or MiB below a GiB, never 0 (a small model's "need 0.0 GiB ... only 0.0 GiB" said nothing); a 16-bit
+    # dtype is advised while the weights are float32, and not once they are 16-bit already.
+    need = r"The weights need [1-9]\d* KiB in memory and only 1 KiB is available\. .*--dtype bfloat16"
+    with pytest.raises(PluginhostError, match=need):
         LLM(str(broken_copy), load_installed_plugins=False, dtype="float32")
-    with pytest.raises(PluginhostError, match=r"only 0 MiB is available\. Free memory, or use a smaller model\.$"):
+    with pytest.raises(PluginhostError, match=r"only 1 KiB is available\. Free memory, or use a smaller model\.$"):
         LLM(str(broken_copy), load_installed_plugins=False, dtype="bfloat16")
     assert main(["generate", "--model", str(broken_copy), "--prompt", "Hi", "--no-plugins"]) == 2
 
@@ -645,7 +644,8 @@ def test_a_tensor_parallel_rank_needs_host_memory_for_its_share_and_its_machines
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert build_rank_0_of_4(wide_opt).model.decoder.layers[0].fc1.weight.shape[0] == 1024
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with pytest.raises(PluginhostError, match=r"The weights need \d+ MiB \(4 tensor-parallel ranks on this machine\)"):
+    shares = r"The weights need [1-9]\d* [KM]iB \(4 tensor-parallel ranks on this machine\)"
+    with pytest.raises(PluginhostError, match=shares):
         build_rank_0_of_4(wide_opt)
 
 
@@ -659,7 +659,7 @@ def test_weights_for_a_gpu_need_its_free_memory_and_host_memory_only_for_a_tenso
     # Through the reader: refused for the GPU's memory before anything is read (or sent to a GPU there is not).
     total, _ = checkpoint_bytes(tiny_opt)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 2, 140 * gib))  # (free, total)
-    with pytest.raises(PluginhostError, match=r"on cuda:0 and only \d+ MiB of its memory is free"):
+    with pytest.raises(PluginhostError, match=r"on cuda:0 and only [1-9]\d* [KM]iB of its memory is free"):
         next(checkpoint.find_checkpoint(tiny_opt).tensors(dtype=torch.float32, device=cuda))
     # The arithmetic, in GiB.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 140 * gib))

@@ -106,6 +106,20 @@ def test_plugin_assignments_are_attributed_to_the_plugin():
     }
 
 
+def test_a_value_set_again_unchanged_keeps_its_source_unless_it_may_have_changed_in_place():
+    class Policy:
+        @hookimpl
+        def modify_config(self, config):
+            config.dtype = "half"  # the user's float16 already
+            overrides = config.hf_overrides  # extended in place, then assigned back: a change all the same
+            overrides["rope_theta"] = 1e6
+            config.hf_overrides = overrides
+
+    config = EngineConfig(model="dir", dtype="float16", hf_overrides={"dropout": 0.0})
+    PluginHost(plugins=[Policy()], load_installed=False).call("modify_config", config=config)
+    assert (config.provenance["dtype"], config.provenance["hf_overrides"]) == ("user", "plugin:Policy")
+
+
 def test_a_built_engines_settings_are_read_only(tiny_opt):
     from pluginhost import LLM
     from pluginhost.errors import ConfigError
