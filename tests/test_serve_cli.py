@@ -42,6 +42,7 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[sub
     try:
         url, lines = served_url(process, TIMEOUT)
         assert url, "".join(lines)
+        process.stderr_lines = lines  # type: ignore[attr-defined]  # so far, growing; all of it once ended
         yield process, url
     finally:
         if process.poll() is None:
@@ -53,6 +54,9 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[sub
 def test_serves_the_demo_model_and_exits_0_on_sigterm():
     with serving() as (process, url):
         assert url.startswith("http://127.0.0.1:")
+        # Which model, dtype and device: what an operator checks first ("auto" decided by now).
+        banner = next(line for line in process.stderr_lines if "pluginhost: serving" in line)
+        assert banner.startswith(f"pluginhost: serving 'demo' (OPTForCausalLM, float32 on cpu) at {url} ")
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
         models = httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()
         assert [m["id"] for m in models["data"]] == ["demo"]

@@ -33,6 +33,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from pluginhost.device import dtype_name
 from pluginhost.engine.async_llm import AsyncLLM
 from pluginhost.errors import ConfigError
 
@@ -201,10 +202,12 @@ def run_server(
         lifespan="off",
     )
 
+    # What an operator checks first: which model, in which dtype, on which device (dtype "auto" decided by now).
+    what = f"{served_model_name!r} ({engine.architecture}, {dtype_name(engine.dtype)} on {engine.device})"
     server = _Server(
         config,
         f"http://{shown}:{port}",
-        f"{served_model_name!r}",
+        what,
         grace=shutdown_timeout,
         abort_all=engine.engine.abort_all,
         requires_key=requires_key,
