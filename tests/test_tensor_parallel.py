@@ -496,6 +496,34 @@ def post_load(model):
 """
 
 
+def test_an_engine_started_while_another_closes_in_another_thread_waits_for_it(tiny_opt, monkeypatch):
+    # An engine the collector freed closes in its own loop thread and leaves the group a moment after its ranks have
+    # ended: one built meanwhile found the process still in the group ("close that engine first", of an engine
+    # the caller no longer had). It failed the test below once in CI.
+    from pluginhost.engine import parallel
+
+    end, ranks_ended = parallel.Ranks._end, threading.Event()
+
+    def slow_end(self, timeout):
+        for process in self.processes.values():
+            process.join(timeout)
+        ranks_ended.set()
+        time.sleep(1.0)  # the ranks are gone; the group is left a moment later
+        end(self, timeout)
+
+    monkeypatch.setattr(parallel.Ranks, "_end", slow_end)
+    first = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+    closing = threading.Thread(target=first.close, name="closing")
+    closing.start()
+    try:
+        assert ranks_ended.wait(30)
+        second = LLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
+        assert second.generate([[2, 5, 9]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+        second.close()
+    finally:
+        closing.join(30)
+
+
 def test_an_engine_the_garbage_collector_frees_in_its_own_step_ends_its_streams_and_ranks(tiny_opt, tmp_path):
     # Dropped in a reference cycle, the AsyncLLM was shut down in its own loop thread, inside the step in progress:
     # the ranks were closed while rank 1 was in the step's collective; both hung until the timeout, the process

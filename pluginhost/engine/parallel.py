@@ -26,6 +26,7 @@ named too, within the timeout, and every process of the engine is ended.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import inspect
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -260,18 +262,19 @@ class Ranks:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self.rank == 0 and self.broken is None:
-                try:
-                    self.send_step(None)
-                except Exception:  # noqa: BLE001 - a rank already gone: the signals below
-                    logger.debug("could not send the stop message", exc_info=True)
-            else:  # no stop message: the ranks end by themselves after a failed build, or are stuck
-                timeout = min(timeout, 2.0)
-        except BaseException:  # Ctrl-C while the stop message goes out: the ranks are still ended, at once
-            self._end(0.0)
-            raise
-        self._end(timeout)
+        with _CLOSING.held():
+            try:
+                if self.rank == 0 and self.broken is None:
+                    try:
+                        self.send_step(None)
+                    except Exception:  # noqa: BLE001 - a rank already gone: the signals below
+                        logger.debug("could not send the stop message", exc_info=True)
+                else:  # no stop message: the ranks end by themselves after a failed build, or are stuck
+                    timeout = min(timeout, 2.0)
+            except BaseException:  # Ctrl-C while the stop message goes out: the ranks are still ended, at once
+                self._end(0.0)
+                raise
+            self._end(timeout)
 
     def _end(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the ranks to end, then kill the rest; leave the group, give the threads back."""
@@ -339,6 +342,7 @@ def start_ranks(world_size: int, device: torch.device, settings: dict[str, Any],
             # A start given up on (a rank died as the ranks met) holds the group until torch lets it go.
             logger.warning("waiting up to %g s for the last, failed start of the ranks to let go", timeout_s)
             _abandoned_rendezvous.join(timeout_s + 5)
+        _CLOSING.wait(_CLOSES_WAIT_S)  # an engine closing in another thread leaves the group once its ranks ended
         if dist.is_initialized():
             raise ConfigError(
                 "this process already belongs to a torch.distributed group (another tensor-parallel engine?): "
@@ -459,6 +463,36 @@ def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPSto
 
 #: The rendezvous thread of the last start given up on while it still waited in torch (``None``: none).
 _abandoned_rendezvous: threading.Thread | None = None
+
+
+class _Closes:
+    """The engines closing now, in any thread. One the garbage collector freed closes in its own loop thread and
+    leaves the group a moment after its ranks have ended: an engine started meanwhile waits for it, or it found
+    the process still in the group ("close that engine first", of an engine the caller no longer had)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count = 0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._changed:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._count -= 1
+                self._changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._count, timeout)
+
+
+#: Up to this many seconds a new engine waits for others closing (their ranks' 10 s, then signals).
+_CLOSES_WAIT_S = 30.0
+_CLOSING = _Closes()
 
 
 def _init(
