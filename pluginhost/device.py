@@ -75,12 +75,8 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device)
     if device.type == "cpu" and declared is not torch.float32:
         if declared is torch.bfloat16 and cpu_computes_bfloat16():
             return declared
-        logger.info(
-            "checkpoint is %s; using float32 on the CPU (--dtype %s, or dtype=%r, keeps it)",
-            declared,
-            str(declared)[6:],
-            str(declared)[6:],
-        )
+        name = dtype_name(declared)
+        logger.info("checkpoint is %s; using float32 on the CPU (--dtype %s, or dtype=%r, keeps it)", name, name, name)
         return torch.float32
     if device.type == "cuda" and declared is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16

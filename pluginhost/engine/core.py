@@ -559,7 +559,6 @@ class EngineCore:
             request = sequence.request
             if request.first_token_time is None:
                 request.first_token_time = now
-            request.last_token_time = now
             if sequence.finished:
                 self.scheduler.free(sequence)
             changed[id(request)] = request

@@ -139,9 +139,8 @@ class EngineRequest:
     #: When the request arrived (``time.monotonic()``): when it was made, unless the caller says (a server: when
     #: the HTTP request came in, so latencies count the wait to be tokenized).
     arrival_time: float = field(default_factory=time.monotonic)
-    #: When its first and its latest token were sampled, and when it ended (finished, failed or aborted).
+    #: When its first token was sampled, and when it ended (finished, failed or aborted).
     first_token_time: float | None = None
-    last_token_time: float | None = None
     end_time: float | None = None
     #: Why it ended early: a model failure, a plugin's error, an abort.
     error: BaseException | None = None
@@ -150,6 +149,11 @@ class EngineRequest:
     abort_called: set[str] = field(default_factory=set)
     #: The output once finished, as ``on_output`` hooks left it.
     final_output: RequestOutput | None = None
+
+    @property
+    def last_token_time(self) -> float | None:
+        """When its latest token was sampled (``None`` before the first)."""
+        return max((s.last_token_time for s in self.sequences if s.last_token_time is not None), default=None)
 
     @property
     def finished(self) -> bool:
