@@ -12,6 +12,7 @@ from pluginhost.errors import InvalidParameterError
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "MAX_BAD_WORDS",
     "MAX_STOP_STRINGS",
     "VLLM_NEUTRAL",
     "SamplingParams",
@@ -27,6 +28,9 @@ GREEDY_TEMPERATURE = 1e-5
 #: them, in the engine loop that serves every request: 20,000 of them with n=8 made the other requests 23
 #: times slower. OpenAI's API allows 4; vLLM sets no limit.
 MAX_STOP_STRINGS = 64
+
+#: The most ``bad_words`` one request may give: like stop strings, each is looked for after every token.
+MAX_BAD_WORDS = 1024
 
 
 @dataclass(slots=True, weakref_slot=True)  # slots: a misspelt field set later (params.max_token = 8) is an error
@@ -64,6 +68,13 @@ class SamplingParams:
     * ``stop_token_ids``: token ids that end generation; the token is kept in
       ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
+    * ``logit_bias``: ``{token_id: bias}`` added to those tokens' logits before
+      the penalties, temperature and filters (a ``-inf`` bias bans a token).
+    * ``allowed_token_ids``: only these tokens may be generated (a non-empty list).
+    * ``bad_words``: words never to generate: each is tokenized, alone and after
+      a space, and a token completing one of those sequences at the end of the
+      output is banned (as vLLM does; the prompt's tokens do not count). At most
+      ``MAX_BAD_WORDS``.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
 
     vLLM's fields for what pluginhost does not do (``best_of``, ``prompt_logprobs``,
@@ -89,6 +100,7 @@ class SamplingParams:
     logprobs: int | None = None
     extra_args: dict[str, Any] | None = field(default=None)
     # vLLM's, at their neutral values only (VLLM_NEUTRAL): kept out of the repr, which shows what decodes.
+    # (bad_words, allowed_token_ids and logit_bias are taken; they stay where vLLM's order puts them.)
     best_of: int | None = field(default=None, repr=False)
     prompt_logprobs: int | None = field(default=None, repr=False)
     detokenize: bool = field(default=True, repr=False)
@@ -96,9 +108,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = field(default=True, repr=False)
     include_stop_str_in_output: bool = field(default=False, repr=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
-    bad_words: list[str] | None = field(default=None, repr=False)
-    allowed_token_ids: list[int] | None = field(default=None, repr=False)
-    logit_bias: dict[int, float] | None = field(default=None, repr=False)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     structured_outputs: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +210,7 @@ class SamplingParams:
             f"stop_token_ids must be a list of token ids >= 0, got {ids!r}",
         )
         self.stop_token_ids = list(ids) if ids else None
+        self._check_token_choices(check)
         check(
             "extra_args",
             self.extra_args is None or isinstance(self.extra_args, dict),
@@ -211,6 +224,54 @@ class SamplingParams:
                 f"{name}={value!r} is not supported by pluginhost (vLLM's field; only {_shown(neutral, name)} here, "
                 "what pluginhost does anyway): see docs/porting-from-vllm.md",
             )
+
+    def _check_token_choices(self, check: Any) -> None:
+        """``logit_bias``, ``allowed_token_ids`` and ``bad_words`` (their tokens are checked against the vocabulary
+        when the engine takes the request); ``{}`` and ``[]`` ask for nothing, and are kept as ``None``."""
+        bias = self.logit_bias
+        check(
+            "logit_bias",
+            bias is None or (isinstance(bias, dict) and all(_is_int(_plain(t)) and _plain(t) >= 0 for t in bias)),
+            f"logit_bias must map token ids (integers >= 0) to numbers, got {_short(bias)}",
+        )
+        if bias:
+            values = {_plain(t): _plain(b) for t, b in bias.items()}
+            wrong = [b for b in values.values() if not _is_real(b)]
+            if wrong:
+                check(
+                    "logit_bias",
+                    False,
+                    f"logit_bias values must be numbers (-inf bans a token), got {_short(wrong[0])}",
+                )
+            self.logit_bias = {t: float(b) for t, b in values.items()}
+        else:
+            self.logit_bias = None
+        allowed = self.allowed_token_ids
+        check(
+            "allowed_token_ids",
+            allowed is None
+            or (isinstance(allowed, list | tuple) and all(_is_int(_plain(t)) and _plain(t) >= 0 for t in allowed)),
+            f"allowed_token_ids must be a list of token ids >= 0, got {_short(allowed)}",
+        )
+        check(
+            "allowed_token_ids",
+            allowed is None or len(allowed) > 0,
+            "allowed_token_ids is empty: it would allow no token (None allows every token)",
+        )
+        self.allowed_token_ids = None if allowed is None else [_plain(t) for t in allowed]
+        words = self.bad_words
+        check(
+            "bad_words",
+            words is None or (isinstance(words, list | tuple) and all(isinstance(w, str) and w.strip() for w in words)),
+            f"bad_words must be a list of words (non-blank strings), got {_short(words)}",
+        )
+        check(
+            "bad_words",
+            words is None or len(words) <= MAX_BAD_WORDS,
+            f"bad_words may hold at most {MAX_BAD_WORDS} words (each is looked for after every token), got "
+            f"{len(words or ())}",
+        )
+        self.bad_words = list(words) if words else None
 
     @property
     def greedy(self) -> bool:
@@ -241,9 +302,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (None,),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
-    "logit_bias": (None, {}),
     "structured_outputs": (None,),
 }
 
@@ -323,6 +381,22 @@ def _plain(value: object) -> object:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A number a float holds, infinite allowed (a bias of -inf bans a token); not NaN, nor an int beyond floats."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return not math.isnan(float(value))
+    except OverflowError:
+        return False
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 80 characters (a request's list may hold thousands)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _is_number(value: object) -> bool:

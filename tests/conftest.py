@@ -109,6 +109,15 @@ def llm(tiny_opt: Path) -> LLM:
     return LLM(str(tiny_opt), load_installed_plugins=False, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def demo_llm() -> LLM:
+    """An engine on the demo model (real words, a real tokenizer): one per test module that asks for it."""
+    from pluginhost import LLM
+    from pluginhost.demo import ensure_demo_model
+
+    return LLM(str(ensure_demo_model()), load_installed_plugins=False, device="cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_opt_no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_opt(tmp_path_factory.mktemp("tiny-opt-no-tok"), tokenizer=False)

@@ -49,11 +49,6 @@ def longest_corpus_run(text: str) -> int:
     return best
 
 
-@pytest.fixture(scope="module")
-def demo_llm() -> LLM:
-    return LLM(str(ensure_demo_model()), load_installed_plugins=False)
-
-
 # -- the files ----------------------------------------------------------------------------
 
 

@@ -351,6 +351,116 @@ def test_rows_the_processors_leave_no_token_are_named_with_the_processor_that_em
     assert sampler.sample(torch.randn(2, 8), [None, state_of(greedy())], [Sets([0], float("nan"))])[0] is None
 
 
+# -- logit_bias, allowed_token_ids, bad_words ---------------------------------------------
+
+
+def test_logit_bias_equals_transformers_sequence_bias(llm, reference):
+    plain = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    bias = {plain[0][0]: -4.0, plain[1][2]: -9.5, 77: 3.0, 300: 2.5}
+    ours = [o.token_ids for o in llm.generate(PROMPTS, greedy(logit_bias=bias))]
+    with torch.no_grad():
+        theirs = [
+            reference.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                sequence_bias={(t,): b for t, b in bias.items()},
+                eos_token_id=None,
+                pad_token_id=1,
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    assert ours == theirs
+    assert ours != plain  # the bias changed something, so the comparison means something
+
+
+def first_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The model's own log-probabilities (V,) of the token after ``prompt``, from its forward pass."""
+    with torch.no_grad():
+        logits = llm.model.compute_logits(llm.model(torch.tensor([prompt]), torch.arange(len(prompt))[None]))[0, -1]
+    return logits.log_softmax(dim=-1)
+
+
+def test_a_logit_bias_forces_or_bans_a_token_and_logprobs_stay_the_models(llm):
+    plain = llm.generate([PROMPTS[0]], greedy())[0]
+    forced = llm.generate([PROMPTS[0]], greedy(logprobs=0, logit_bias={41: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [41] * 12
+    # vLLM's raw log-probabilities: of the model's own distribution, before the request's bias
+    assert forced.logprobs[0][41] == pytest.approx(float(first_logprobs(llm, PROMPTS[0])[41]), abs=1e-5)
+    banned = llm.generate([PROMPTS[0]], greedy(logit_bias={t: float("-inf") for t in set(plain.token_ids)}))[0]
+    assert not set(banned.token_ids) & set(plain.token_ids)
+    # A +inf bias on a token allowed_token_ids leaves out: the mask wins (the other way round, -inf + inf is NaN).
+    masked = SamplingParams(max_tokens=4, seed=0, allowed_token_ids=[5, 6], logit_bias={7: float("inf")})
+    out = llm.generate([PROMPTS[0]], masked)[0].token_ids
+    assert len(out) == 4 and set(out) <= {5, 6}
+
+
+def test_allowed_token_ids_restrict_every_sample_and_greedy_takes_the_likeliest_of_them(llm):
+    allowed = [3, 50, 51, 120, 200]
+    sampled = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=16, n=3, seed=1, ignore_eos=True, allowed_token_ids=allowed)
+    )
+    tokens = {t for out in sampled for sample in out.outputs for t in sample.token_ids}
+    assert tokens <= set(allowed) and len(tokens) > 1
+    chosen = llm.generate([PROMPTS[0]], greedy(max_tokens=1, allowed_token_ids=allowed))[0].token_ids
+    logprobs = first_logprobs(llm, PROMPTS[0])
+    assert chosen == [max(allowed, key=lambda t: logprobs[t])]
+    assert int(logprobs.argmax()) not in allowed  # the restriction changed the choice
+
+
+def test_bad_words_ban_their_tokens_where_the_output_would_complete_them(demo_llm):
+    tokenizer = demo_llm.get_tokenizer()
+    prompt = tokenizer("A plugin is")["input_ids"]
+    plain = demo_llm.generate([prompt], greedy())[0].token_ids  # ' a plugin is a module with functions ...'
+    plugin = {tokenizer.encode(w, add_special_tokens=False)[0] for w in ("plugin", " plugin")}  # a token each
+    assert plugin & set(plain)
+    out = demo_llm.generate([prompt], greedy(bad_words=["plugin"]))[0].token_ids
+    assert not plugin & set(out)
+    # A word of two tokens is cut where the output would complete it, and only there.
+    word = tokenizer.encode(" a module", add_special_tokens=False)
+    at = next(i for i in range(len(plain)) if plain[i : i + 2] == word)
+    out = demo_llm.generate([prompt], greedy(bad_words=["a module"]))[0].token_ids
+    assert out[: at + 1] == plain[: at + 1] and out[at + 1] != plain[at + 1]
+    assert all(out[i : i + 2] != word for i in range(len(out) - 1))
+    # The prompt's tokens do not count (vLLM's reading): a word the prompt begins is not banned.
+    begun = prompt + plain[: at + 1]
+    assert demo_llm.generate([begun], greedy(max_tokens=1, bad_words=["a module"]))[0].token_ids == [plain[at + 1]]
+
+
+def test_token_choices_that_leave_nothing_are_refused_or_end_only_their_request(llm):
+    tokenizer = llm.tokenizer
+    with pytest.raises(ValueError, match=r"its allowed_token_ids and logit_bias leave no token of the vocabulary"):
+        llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5], logit_bias={5: float("-inf")}))
+    with pytest.raises(ValueError, match=r"only tokens that would end it, which min_tokens=2 forbids") as caught:
+        llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[2], min_tokens=2))
+    assert caught.value.param == "min_tokens"
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[384, 999\] outside the vocabulary \[0, 384\)"):
+        llm.generate([PROMPTS[0]], SamplingParams(logit_bias={999: 1.0, 384: 1.0, 5: 1.0}))
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids \[400\] outside the vocabulary"):
+        llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5, 400]))
+    # Known only once the output begins a bad word: the sample that has nothing left ends with the error.
+    a = next(
+        t
+        for t in range(3, 384)
+        if tokenizer.encode(tokenizer.decode([t, t]).lstrip(), add_special_tokens=False) == [t, t]
+    )
+    stuck = SamplingParams(max_tokens=5, allowed_token_ids=[a], bad_words=[tokenizer.decode([a, a])], ignore_eos=True)
+    with pytest.raises(
+        ValueError,
+        match=r"this request's allowed_token_ids and bad_words left no token to choose after 1 generated tokens",
+    ) as caught:
+        llm.generate([PROMPTS[0]], stuck)
+    assert caught.value.param == "allowed_token_ids"
+    assert llm.generate([PROMPTS[1]], greedy(max_tokens=3))[0].token_ids  # and it serves on
+
+
+def test_bad_words_need_a_tokenizer(tiny_opt_no_tokenizer):
+    llm = LLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False)
+    with pytest.raises(ValueError, match="asks for bad_words, but .* has no tokenizer .* use logit_bias with a -inf"):
+        llm.generate([[2, 5]], SamplingParams(bad_words=["x"]))
+    assert llm.generate([[2, 5]], SamplingParams(max_tokens=2, logit_bias={5: float("-inf")}))[0].token_ids
+
+
 # -- stop strings -------------------------------------------------------------------------
 
 
@@ -585,15 +695,12 @@ def test_vllm_fields_at_their_defaults_are_taken_and_at_other_values_refused_nam
         spaces_between_special_tokens=True,
         include_stop_str_in_output=False,
         truncate_prompt_tokens=None,
-        bad_words=[],
-        allowed_token_ids=None,
-        logit_bias=None,
         structured_outputs=None,
     )
     assert ported.skip_special_tokens is True and "skip_special_tokens" not in repr(ported)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
     assert llm.generate([PROMPTS[0]], ported)[0].outputs == llm.generate([PROMPTS[0]], plain)[0].outputs
-    for name, value in [("detokenize", False), ("best_of", 3), ("skip_special_tokens", 1), ("logit_bias", {5: 2.0})]:
+    for name, value in [("detokenize", False), ("best_of", 3), ("skip_special_tokens", 1), ("structured_outputs", {})]:
         with pytest.raises(ValueError, match=rf"SamplingParams: {name}=.* is not supported by pluginhost") as caught:
             SamplingParams(**{name: value})
         assert caught.value.param == name
@@ -628,6 +735,12 @@ def test_numpy_numbers_are_taken_as_python_numbers(llm):
         ({"extra_args": ["a"]}, "extra_args must be a dict or None"),
         ({"temperature": 10**400}, "temperature must be >= 0 and finite"),  # no float holds it: was an OverflowError
         ({"top_k": np.float64(2.5)}, "top_k must be an integer"),
+        ({"allowed_token_ids": []}, r"allowed_token_ids is empty: it would allow no token \(None allows every token\)"),
+        ({"allowed_token_ids": [3, -1]}, r"allowed_token_ids must be a list of token ids >= 0, got \[3, -1\]"),
+        ({"logit_bias": {5: float("nan")}}, r"logit_bias values must be numbers \(-inf bans a token\), got nan"),
+        ({"logit_bias": {"5": 1.0}}, r"logit_bias must map token ids \(integers >= 0\) to numbers, got \{'5': 1.0\}"),
+        ({"bad_words": ["ok", "  "]}, r"bad_words must be a list of words \(non-blank strings\)"),
+        ({"bad_words": ["w"] * 1025}, r"bad_words may hold at most 1024 words .* got 1025"),
     ],
 )
 def test_bad_values_are_one_clear_value_error_and_the_engine_stays_usable(llm, kwargs, message):

@@ -49,8 +49,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(str(ensure_demo_model()), load_installed_plugins=False)
+def offline(demo_llm) -> LLM:
+    return demo_llm
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,34 @@ def test_vllm_extras_through_extra_body(client, offline):
     )
     expected = offline.generate([PROMPTS[2]], greedy(16, repetition_penalty=1.5, min_tokens=4))[0]
     assert answer.choices[0].text == expected.text
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_answer_as_the_offline_engine(client, offline):
+    tokenizer = offline.get_tokenizer()
+    module = tokenizer.encode(" module", add_special_tokens=False)[0]
+    asked = {"logit_bias": {module: 5.0}, "bad_words": ["plugin"]}
+    expected = offline.generate([PROMPTS[0]], greedy(10, **asked))[0].text
+    assert expected != offline.generate([PROMPTS[0]], greedy(10))[0].text
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="demo",
+            prompt=PROMPTS[0],
+            max_tokens=10,
+            temperature=0,
+            logit_bias={str(module): 5},  # the client's own field; JSON's keys are strings
+            stream=stream,
+            extra_body={"bad_words": ["plugin"]},
+        )
+        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert text == expected
+    allowed = tokenizer.encode(" a plugin is", add_special_tokens=False)
+    chat = client.chat.completions.create(
+        model="demo", messages=USER, max_tokens=6, temperature=0, extra_body={"allowed_token_ids": allowed}
+    )
+    assert (
+        chat.choices[0].message.content
+        == offline.generate([chat_ids(offline, USER)], greedy(6, allowed_token_ids=allowed))[0].text
+    )
 
 
 # -- continuous batching, as clients see it --------------------------------------------------------
@@ -351,9 +379,27 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
         ("/v1/completions", {"model": "demo"}, 400, "prompt: Field required"),
         (
             "/v1/completions",
-            {"model": "demo", "prompt": "x", "logit_bias": {"5": 1}},
+            {"model": "demo", "prompt": "x", "logit_bias": {"hello": 1}},
             400,
-            "logit_bias is not supported",
+            "logit_bias keys must be token ids (integers as strings",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
+            400,
+            "logit_bias values must be in [-100, 100], got 101.0 for token 5",
+        ),
+        (
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "logit_bias": {"99999": 1}},
+            400,
+            "logit_bias token ids [99999] outside the vocabulary [0, 2048)",
+        ),
+        (
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "allowed_token_ids": []},
+            400,
+            "allowed_token_ids is empty",
         ),
         ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "The model `gpt-9` does not exist"),
         ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),

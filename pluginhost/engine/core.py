@@ -42,6 +42,7 @@ from pluginhost.engine.sampler import NoTokenLeft, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import (
     EngineOverloadedError,
+    InvalidParameterError,
     KVCacheMemoryError,
     ModelRunError,
     PluginHookError,
@@ -452,6 +453,9 @@ class EngineCore:
             request = plan.rows[row].request
             if request.error is not None:  # another of its samples ended it already
                 continue
+            if row in emptied.by_request:
+                self._end(request, _choices_emptied(request, plan.rows[row], row in emptied.by_min_tokens))
+                continue
             entries = [p.entry for p in processors]  # type: ignore[attr-defined]  # the engine's _LiveProcessors
             if row in emptied.by_min_tokens:
                 what = (
@@ -788,6 +792,28 @@ class EngineCore:
                 del self._live[request.request_id]
         if request.on_end is not None:
             request.on_end()
+
+
+def _choices_emptied(request: EngineRequest, sequence: Sequence, by_min_tokens: bool) -> InvalidParameterError:
+    """The error ending a request whose own ``allowed_token_ids`` and ``bad_words`` (with ``logit_bias`` and
+    ``min_tokens``) left a sample no token to choose: what the engine could not see when it took the request (a
+    bad word of several tokens bans its last only once the others are out)."""
+    params = request.params
+    given = [
+        name
+        for name, value in (
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", params.bad_words),
+            ("logit_bias", params.logit_bias),
+        )
+        if value
+    ]
+    held = f", and min_tokens={params.min_tokens} holds back the tokens that would end it," if by_min_tokens else ""
+    return InvalidParameterError(
+        f"this request's {' and '.join(given)}{held} left no token to choose after {len(sequence.token_ids)} "
+        "generated tokens. The request was ended; the others go on. Allow more tokens, or ban fewer.",
+        param=given[0] if given else "min_tokens",
+    )
 
 
 def _paired(logprobs: object, token_ids: object) -> bool:

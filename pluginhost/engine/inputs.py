@@ -15,7 +15,7 @@ from pluginhost.engine.detokenizer import IncrementalDetokenizer
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
-from pluginhost.engine.sampler import SamplingState
+from pluginhost.engine.sampler import SamplingState, TokenChoices
 from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
 from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap, kind_of
 from pluginhost.tokenizer import most_chars_per_token
@@ -72,7 +72,7 @@ class InputProcessor:
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
                 self._follow_prompt(index, request, text, given[1])
-                max_tokens = self._checked(index, request.prompt_token_ids, request.params, exact, cap)
+                max_tokens, choices = self._checked(index, request.prompt_token_ids, request.params, exact, cap)
             except ValueError as exc:
                 now = (request.prompt, request.prompt_token_ids, request.params)
                 if _unchanged(now, given):  # a processor's refusal too: of what the caller sent, or a hook set
@@ -86,7 +86,7 @@ class InputProcessor:
                     hook="on_request",
                 ) from exc
         else:
-            max_tokens = self._checked(index, token_ids, request.params, exact_max_tokens, cap)
+            max_tokens, choices = self._checked(index, token_ids, request.params, exact_max_tokens, cap)
         params, token_ids = request.params, request.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else loaded.eos_ids)
         held_back = _held_back(params, loaded.eos_ids)
@@ -99,7 +99,14 @@ class InputProcessor:
             if loaded.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
             sampling = SamplingState(
-                params, generator, token_ids, stop_ids, loaded.vocab_size, loaded.device, held_back_ids=held_back
+                params,
+                generator,
+                token_ids,
+                stop_ids,
+                loaded.vocab_size,
+                loaded.device,
+                held_back_ids=held_back,
+                choices=choices,
             )
             request.sequences.append(EngineSequence(request, sample, sampling, max_tokens, detokenizer))
         return request
@@ -125,9 +132,9 @@ class InputProcessor:
 
     def _checked(
         self, index: int, token_ids: list[int], params: SamplingParams, exact_max_tokens: bool, cap: int | None = None
-    ) -> int:
+    ) -> tuple[int, TokenChoices | None]:
         """Check a request's parameters against its prompt and this engine; the tokens it may generate (``cap``, the
-        model's recommended ``max_tokens``, for a request that sets none)."""
+        model's recommended ``max_tokens``, for a request that sets none) and its own ``TokenChoices``."""
         loaded = self._loaded
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request.params must be a SamplingParams, got {type(params).__name__}")
@@ -210,7 +217,90 @@ class InputProcessor:
                 "to choose. Lower min_tokens, or stop on fewer tokens.",
                 param="min_tokens",
             )
-        return max_tokens
+        return max_tokens, self._token_choices(index, params, held_back)
+
+    def _token_choices(self, index: int, params: SamplingParams, held_back: frozenset[int]) -> TokenChoices | None:
+        """The request's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as the sampler applies them; refused
+        (``InvalidParameterError``) when they name a token outside the vocabulary, or leave none to choose."""
+        if not (params.logit_bias or params.allowed_token_ids or params.bad_words):
+            return None
+        loaded = self._loaded
+        V, device = loaded.vocab_size, loaded.device
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            outside = sorted({t for t in ids if t >= V})
+            if outside:
+                raise InvalidParameterError(
+                    f"prompt {index} has {name} token ids {outside[:5]} outside the vocabulary [0, {V})", param=name
+                )
+        words = self._bad_words_ids(index, params.bad_words or ())
+        banned = {w[0] for w in words if len(w) == 1}
+        sequences = tuple(w for w in words if len(w) > 1)
+        bias = params.logit_bias or {}
+        never = banned | {t for t, b in bias.items() if b == float("-inf")}
+        # What a step may choose from, as far as the request alone says (a bad word of several tokens bans its last
+        # only after the others: the sampler checks for those): refused now if nothing.
+        choosable = set(params.allowed_token_ids) - never if params.allowed_token_ids else None
+        left = len(choosable) if choosable is not None else V - len(never)
+        given = " and ".join(n for n in ("allowed_token_ids", "bad_words", "logit_bias") if getattr(params, n))
+        if not left:
+            raise InvalidParameterError(
+                f"prompt {index}: its {given} leave no token of the vocabulary to choose. Allow more tokens, or ban "
+                "fewer.",
+                param="allowed_token_ids" if params.allowed_token_ids else "logit_bias",
+            )
+        ending = {t for t in held_back if t < V}
+        if params.min_tokens and (choosable <= ending if choosable is not None else left <= len(ending - never)):
+            raise InvalidParameterError(
+                f"prompt {index}: its {given} leave only tokens that would end it, which min_tokens="
+                f"{params.min_tokens} forbids: no token to choose. Allow more tokens, or lower min_tokens.",
+                param="min_tokens",
+            )
+
+        def ids(values: Any) -> torch.Tensor:
+            return torch.tensor(sorted(values), dtype=torch.long, device=device)
+
+        return TokenChoices(
+            bias_ids=torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None,
+            bias_values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None,
+            allowed=ids(params.allowed_token_ids) if params.allowed_token_ids else None,
+            banned=ids(banned) if banned else None,
+            sequences=sequences,
+            may_empty=bool(params.allowed_token_ids or words or never),
+        )
+
+    def _bad_words_ids(self, index: int, words: Sequence[str]) -> list[tuple[int, ...]]:
+        """Each bad word's tokens, alone and after a space where that spells it with other tokens (as vLLM reads
+        them: a word is banned however the output begins it)."""
+        if not words:
+            return []
+        tokenizer = self._loaded.tokenizer
+        if tokenizer is None:
+            raise InvalidParameterError(
+                f"prompt {index} asks for bad_words, but {self._loaded.config.model} has no tokenizer to spell them "
+                "in tokens; use logit_bias with a -inf bias instead",
+                param="bad_words",
+            )
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            found.append(alone)
+            # After a space, only where that is a different spelling of as many tokens (vLLM's rule): one that
+            # merely adds a space token would ban the word's first token after any space.
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                found.append(spaced)
+        V = self._loaded.vocab_size
+        outside = sorted({t for w in found for t in w if t >= V})
+        if outside:
+            raise InvalidParameterError(
+                f"prompt {index} has bad_words that the tokenizer spells with token ids {outside[:5]} outside the "
+                f"model's vocabulary [0, {V}): the tokenizer of {self._loaded.config.model} does not match the model",
+                param="bad_words",
+            )
+        return [w for w in found if w]
 
     def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):

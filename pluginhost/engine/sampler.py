@@ -2,22 +2,26 @@
 
 In order, on a batch of rows (one per sequence) of float32 logits:
 
-1. logits processors that may change the most likely token (plugins');
-2. ``min_tokens``: the sequence's stop tokens are masked until it has that many;
-3. penalties: repetition (prompt and output tokens), frequency and presence
+1. the request's own token choices (``TokenChoices``): ``logit_bias`` is
+   added, then every token ``allowed_token_ids`` leaves out, or that
+   completes one of ``bad_words``, is masked (so a mask always wins over a
+   bias, even an infinite one);
+2. logits processors that may change the most likely token (plugins');
+3. ``min_tokens``: the sequence's stop tokens are masked until it has that many;
+4. penalties: repetition (prompt and output tokens), frequency and presence
    (output tokens only);
-4. greedy rows take the most likely token; the others are divided by their
+5. greedy rows take the most likely token; the others are divided by their
    temperature, then go through the processors that never change the most
    likely token (skipped when every row is greedy), and are filtered by
    ``min_p``, ``top_k`` and ``top_p`` and drawn from their own random stream.
 
-Rows that need none of steps 1-3 cost nothing there, and an all-greedy batch
+Rows that need none of steps 1-4 cost nothing there, and an all-greedy batch
 without them is one ``argmax``. A row whose state is ``None`` gets no token
 (its sequence waits this step).
 
-A row the processors leave without a token to choose (every logit -inf, or a
-NaN, which ``argmax`` would pick) raises ``NoTokenLeft``, naming the processor,
-before any row draws: greedy decoding would pick token 0 for ever, sampling
+A row the processors (or the request's own choices) leave without a token to
+choose (every logit -inf, or a NaN, which ``argmax`` would pick) raises
+``NoTokenLeft``, naming the processor, before any row draws: greedy decoding would pick token 0 for ever, sampling
 would fail. What the check costs (one pass over the logits after each
 processor, one read for the whole batch) is paid only when processors ran.
 """
@@ -34,7 +38,46 @@ from torch import Tensor
 
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["NoTokenLeft", "Processor", "SamplingState", "sample", "top_logprobs"]
+__all__ = ["NoTokenLeft", "Processor", "SamplingState", "TokenChoices", "sample", "top_logprobs"]
+
+
+@dataclass(frozen=True)
+class TokenChoices:
+    """What one request's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` do to its logits.
+
+    Made once when the engine takes the request (``pluginhost.engine.inputs``, which checks every id against
+    the vocabulary), shared by its samples. Ids are (N,) long tensors on the logits' device.
+    """
+
+    bias_ids: Tensor | None = None
+    bias_values: Tensor | None = None
+    allowed: Tensor | None = None
+    #: The bad words of one token: banned at every step.
+    banned: Tensor | None = None
+    #: The bad words of several tokens: the last is banned when the output ends with the others.
+    sequences: tuple[tuple[int, ...], ...] = ()
+    #: Whether these choices can leave a row no token (a mask, or a bias of -inf): then the sampler checks.
+    may_empty: bool = False
+
+    def apply(self, row: Tensor, generated: Sequence[int]) -> None:
+        """Change one row of logits (V,) in place; ``generated``: the sequence's tokens so far."""
+        if self.bias_ids is not None:
+            row.index_add_(0, self.bias_ids, self.bias_values)
+        if self.allowed is not None:
+            kept = row[self.allowed]  # (A,)
+            row.fill_(float("-inf")).index_copy_(0, self.allowed, kept)
+        if self.banned is not None:
+            row.index_fill_(0, self.banned, float("-inf"))
+        for word in self.sequences:
+            if tuple(generated[-(len(word) - 1) :]) == word[:-1]:
+                row[word[-1]] = float("-inf")
+
+
+class _RequestChoices:
+    """The stage of ``sample`` where the requests' own ``TokenChoices`` applied (a row they empty is the request's)."""
+
+
+_REQUEST = _RequestChoices()
 
 
 @dataclass
@@ -55,9 +98,17 @@ class SamplingState:
     prompt_mask: Tensor | None = field(default=None, repr=False)
     #: Tokens ``min_tokens`` holds back (``None``: ``stop_ids``): end-of-sequence too when it is ignored, as vLLM.
     held_back_ids: frozenset[int] | None = None
+    #: The request's ``logit_bias``, ``allowed_token_ids`` and ``bad_words``, when it has any.
+    choices: TokenChoices | None = None
+    #: The tokens generated so far, kept only for bad words of several tokens.
+    generated: list[int] | None = field(default=None, repr=False)
     #: The held-back ids as an index tensor, made at the first step ``min_tokens`` masks them: made again at every
     #: step, a request stopping at every id of the vocabulary slowed everyone's steps 3 to 15 times.
     _stop_index: Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.choices is not None and self.choices.sequences and self.generated is None:
+            self.generated = []
 
     @property
     def held_back(self) -> frozenset[int]:
@@ -75,6 +126,8 @@ class SamplingState:
     def record(self, token: int) -> None:
         """Count a generated token."""
         self.num_generated += 1
+        if self.generated is not None:
+            self.generated.append(token)
         if self.params.penalized:
             if self.output_counts is None:
                 self.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
@@ -95,12 +148,19 @@ class NoTokenLeft(Exception):
     ``rows`` maps each such row (of the ``logits`` given to ``sample``) to the processor after which it
     held no token; a row that still held some after the processors, but only tokens the ``min_tokens``
     mask then took away, maps to every processor that changed the logits (those rows are in
-    ``by_min_tokens``). Raised before any row draws a random number: the step may run again without them.
+    ``by_min_tokens``). A row its request's own ``TokenChoices`` emptied, or left only tokens the ``min_tokens``
+    mask took away with no processor at work, maps to no processor (those rows are in ``by_request``). Raised
+    before any row draws a random number: the step may run again without them.
     """
 
-    def __init__(self, rows: dict[int, tuple[Processor, ...]], by_min_tokens: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        rows: dict[int, tuple[Processor, ...]],
+        by_min_tokens: frozenset[int] = frozenset(),
+        by_request: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(f"the logits processors left no token to choose in rows {sorted(rows)}")
-        self.rows, self.by_min_tokens = rows, by_min_tokens
+        self.rows, self.by_min_tokens, self.by_request = rows, by_min_tokens, by_request
 
 
 def sample(
@@ -113,10 +173,16 @@ def sample(
     keeping = [p for p in processors if p.is_argmax_invariant()]
     masked = [(i, s) for i, s in live if s.num_generated < s.params.min_tokens and s.held_back]
     penalized = [(i, s) for i, s in live if s.params.penalized]
-    if changing or masked or penalized:
+    choosing = [(i, s) for i, s in live if s.choices is not None]
+    if changing or masked or penalized or choosing:
         logits = logits.clone()  # the model's own tensor stays as it returned it
-    #: After each processor (``None``: after the min_tokens mask), which rows still hold a token to choose.
-    stages: list[tuple[Processor | None, Tensor]] = []
+    #: After each processor (``None``: after the min_tokens mask; ``_REQUEST``: after the requests' own choices),
+    #: which rows still hold a token to choose.
+    stages: list[tuple[Processor | _RequestChoices | None, Tensor]] = []
+    for i, state in choosing:
+        state.choices.apply(logits[i], state.generated or ())  # type: ignore[union-attr]  # choosing: not None
+    if any(s.choices.may_empty for _, s in choosing):  # type: ignore[union-attr]
+        stages.append((_REQUEST, _choosable(logits)))
     for processor in changing:
         logits = processor.apply(logits)
         stages.append((processor, _choosable(logits)))
@@ -162,18 +228,21 @@ def _choosable(logits: Tensor) -> Tensor:
 
 
 def _check_choosable(
-    stages: Sequence[tuple[Processor | None, Tensor]], rows: Sequence[int], processors: Sequence[Processor]
+    stages: Sequence[tuple[Processor | _RequestChoices | None, Tensor]],
+    rows: Sequence[int],
+    processors: Sequence[Processor],
 ) -> None:
     """Raise ``NoTokenLeft`` for the ``rows`` the last stage left without a token to choose (one read of the batch).
 
     Each such row is the fault of the stage from which it held none to the end (a later processor may give
-    an emptied row a token again); a ``None`` stage (the min_tokens mask), of every one of ``processors``.
+    an emptied row a token again); a ``None`` stage (the min_tokens mask), of every one of ``processors``, or
+    of the request when there are none; the ``_REQUEST`` stage, of the request's own choices.
     """
     held = torch.stack([choosable for _, choosable in stages])[:, rows]  # (stages, R)
     if bool(held[-1].all()):
         return
     emptied: dict[int, tuple[Processor, ...]] = {}
-    by_min_tokens = set()
+    by_min_tokens, by_request = set(), set()
     for row, column in zip(rows, held.t().tolist(), strict=True):
         if column[-1]:
             continue
@@ -181,12 +250,17 @@ def _check_choosable(
         while stage > 0 and not column[stage - 1]:
             stage -= 1
         processor = stages[stage][0]
-        if processor is None:
+        if processor is _REQUEST:
+            emptied[row] = ()
+            by_request.add(row)
+        elif processor is None:
             emptied[row] = tuple(processors)
             by_min_tokens.add(row)
+            if not processors:
+                by_request.add(row)
         else:
-            emptied[row] = (processor,)
-    raise NoTokenLeft(emptied, frozenset(by_min_tokens))
+            emptied[row] = (processor,)  # type: ignore[assignment]  # a processor: neither marker
+    raise NoTokenLeft(emptied, frozenset(by_min_tokens), frozenset(by_request))
 
 
 def _temperatures(states: Sequence[SamplingState | None], logits: Tensor) -> Tensor:

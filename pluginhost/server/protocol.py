@@ -2,7 +2,7 @@
 
 Requests follow OpenAI's fields and defaults, plus vLLM's sampling extras
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``) and ``extra_args`` (also accepted as
+``stop_token_ids``, ``ignore_eos``, ``allowed_token_ids``, ``bad_words``) and ``extra_args`` (also accepted as
 vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
 ``extra_body``. Chat also takes vLLM's ``chat_template_kwargs``, variables for
@@ -10,7 +10,7 @@ the chat template (Qwen3's ``{"enable_thinking": false}``).
 
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
 said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
-(``logit_bias``, ``tools``, ``echo``, ``reasoning_effort``, vLLM's
+(``tools``, ``echo``, ``reasoning_effort``, vLLM's
 ``include_stop_str_in_output``...) are accepted at their neutral value (the one
 that asks for nothing this server does not do) and refused as not supported at
 any other. Fields that do not change the answer (``user`` and its successors
@@ -153,8 +153,6 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
             "include_stop_str_in_output",
             "prompt_logprobs",
             "truncate_prompt_tokens",
-            "allowed_token_ids",
-            "bad_words",
             "structured_outputs",
         )
     },
@@ -185,6 +183,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    #: OpenAI's: token ids (as strings, JSON's keys) to a bias in [-100, 100] added to their logits.
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -193,6 +192,8 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     #: vLLM's: each choice carries its ``token_ids`` (a stream's chunk, its new ones) and the prompt's
@@ -203,10 +204,15 @@ class _SamplingFields(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported; a logits-processor plugin can do it (extra_args)")
-        return None
+    def _token_ids_to_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or not token.isascii():
+                raise ValueError(
+                    f'logit_bias keys must be token ids (integers as strings, e.g. "50256"), got {token!r}'
+                )
+            if not -100 <= bias <= 100:  # OpenAI's range; NaN fails it too
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -250,6 +256,9 @@ class _SamplingFields(_Strict):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             logprobs=logprobs,
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
             **optional,
