@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -185,7 +185,12 @@ class EngineConfig(BaseModel):
             value = str(value).removeprefix("torch.")
         if isinstance(value, str):
             value = value.strip().lower()  # as vLLM reads it: "BFloat16" is bfloat16
-            return _DTYPE_ALIASES.get(value, value)
+            value = _DTYPE_ALIASES.get(value, value)
+            if value not in get_args(cls.model_fields["dtype"].annotation):
+                raise ValueError(
+                    f"{value!r} is not a dtype pluginhost runs: use 'auto', 'float32' (or 'float'), 'float16' (or "
+                    "'half') or 'bfloat16', as a string or a torch dtype"
+                )
         return value
 
     @field_validator("device")

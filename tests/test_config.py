@@ -22,7 +22,12 @@ def test_defaults_and_user_values_are_told_apart():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("dtype", "fp8", "dtype: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
+        (
+            "dtype",
+            "fp8",
+            "dtype: 'fp8' is not a dtype pluginhost runs: use 'auto', 'float32' (or 'float'), 'float16' (or",
+        ),
+        ("dtype", 16, "dtype: Input should be 'auto', 'float32', 'float16' or 'bfloat16'"),
         ("device", "tpu", "unknown device 'tpu'"),
         ("max_model_len", 0, "max_model_len: Input should be greater than 0"),
         ("model", " ", "the model path is empty"),

@@ -1133,7 +1133,9 @@ def test_plugins_that_are_not_plugin_objects_are_one_value_error(tiny_opt, plugi
 
 
 def test_invalid_engine_settings_are_one_clear_error(tiny_opt):
-    with pytest.raises(ConfigError, match=r"Invalid engine settings: dtype: Input should be"):
+    with pytest.raises(
+        ConfigError, match=r"Invalid engine settings: dtype: 'fp64' is not a dtype pluginhost runs: use "
+    ):
         LLM(str(tiny_opt), load_installed_plugins=False, dtype="fp64")
     with pytest.raises(ConfigError, match="unknown setting"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_len=3)
