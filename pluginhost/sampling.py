@@ -132,8 +132,6 @@ class SamplingParams:
         # NumPy's scalars (``np.arange``, a DataFrame's column) are numbers too: checked and kept as Python's.
         for name in _NUMERIC_FIELDS:
             setattr(self, name, _plain(getattr(self, name)))
-        if isinstance(self.stop_token_ids, list | tuple):
-            self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
         if self.seed == -1:
             self.seed = None
         check("n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -204,12 +202,13 @@ class SamplingParams:
         )
         self.stop = list(stop) if stop else None
         ids = self.stop_token_ids
+        checked = _token_ids(ids) if isinstance(ids, list | tuple) else None
         check(
             "stop_token_ids",
-            ids is None or (isinstance(ids, list | tuple) and all(_is_int(t) and t >= 0 for t in ids)),
-            f"stop_token_ids must be a list of token ids >= 0, got {ids!r}",
+            ids is None or checked is not None,
+            f"stop_token_ids must be a list of token ids >= 0, got {_short(ids)}",
         )
-        self.stop_token_ids = list(ids) if ids else None
+        self.stop_token_ids = checked or None
         self._check_token_choices(check)
         check(
             "extra_args",
@@ -229,28 +228,24 @@ class SamplingParams:
         """``logit_bias``, ``allowed_token_ids`` and ``bad_words`` (their tokens are checked against the vocabulary
         when the engine takes the request); ``{}`` and ``[]`` ask for nothing, and are kept as ``None``."""
         bias = self.logit_bias
+        ids = _token_ids(bias) if isinstance(bias, dict) else None
         check(
             "logit_bias",
-            bias is None or (isinstance(bias, dict) and all(_is_int(_plain(t)) and _plain(t) >= 0 for t in bias)),
+            bias is None or ids is not None,
             f"logit_bias must map token ids (integers >= 0) to numbers, got {_short(bias)}",
         )
         if bias:
-            values = {_plain(t): _plain(b) for t, b in bias.items()}
-            wrong = [b for b in values.values() if not _is_real(b)]
-            if wrong:
-                check(
-                    "logit_bias",
-                    False,
-                    f"logit_bias values must be numbers (-inf bans a token), got {_short(wrong[0])}",
-                )
-            self.logit_bias = {t: float(b) for t, b in values.items()}
+            values = _reals(bias.values())
+            if isinstance(values, str):
+                check("logit_bias", False, f"logit_bias values must be numbers (-inf bans a token), got {values}")
+            self.logit_bias = dict(zip(ids, values, strict=True))  # type: ignore[arg-type]  # checked above
         else:
             self.logit_bias = None
         allowed = self.allowed_token_ids
+        ids = _token_ids(allowed) if isinstance(allowed, list | tuple) else None
         check(
             "allowed_token_ids",
-            allowed is None
-            or (isinstance(allowed, list | tuple) and all(_is_int(_plain(t)) and _plain(t) >= 0 for t in allowed)),
+            allowed is None or ids is not None,
             f"allowed_token_ids must be a list of token ids >= 0, got {_short(allowed)}",
         )
         check(
@@ -258,7 +253,7 @@ class SamplingParams:
             allowed is None or len(allowed) > 0,
             "allowed_token_ids is empty: it would allow no token (None allows every token)",
         )
-        self.allowed_token_ids = None if allowed is None else [_plain(t) for t in allowed]
+        self.allowed_token_ids = ids
         words = self.bad_words
         check(
             "bad_words",
@@ -381,6 +376,35 @@ def _plain(value: object) -> object:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(values: Any) -> list[int] | None:
+    """``values`` as a list of Python ints >= 0 (NumPy's integers taken), or None if one is not a token id.
+
+    Fast for plain ints: a request's ids may number a vocabulary's (150,000), and every copy of its parameters
+    is checked again.
+    """
+    if all(type(t) is int for t in values):
+        ids = list(values)
+    else:
+        ids = [_plain(t) for t in values]
+        if not all(_is_int(t) for t in ids):
+            return None
+    return ids if not ids or min(ids) >= 0 else None
+
+
+def _reals(values: Any) -> list[float] | str:
+    """``values`` as Python floats, or the first that is no number a float holds (NaN, 10**400), shortened."""
+    found = list(values)
+    if not all(type(v) is float for v in found):
+        found = [_plain(v) for v in found]
+        for v in found:
+            if not _is_real(v):
+                return _short(v)
+        found = [float(v) for v in found]
+    if any(v != v for v in found):  # noqa: PLR0124 - NaN is the one float unequal to itself
+        return "nan"
+    return found
 
 
 def _is_real(value: object) -> bool:

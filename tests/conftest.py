@@ -243,6 +243,21 @@ def greedy_tokens() -> Callable[..., list[list[int]]]:
     return tokens
 
 
+@pytest.fixture
+def doubled_token() -> Callable[[Any], int]:
+    """A token a tokenizer spells ``decode([t, t])`` with again as ``[t, t]``: ``bad_words=[decode([t, t])]`` then bans
+    t right after t (with ``allowed_token_ids=[t]``, a request left no token once it has generated one)."""
+
+    def find(tokenizer: Any) -> int:
+        return next(
+            t
+            for t in range(3, len(tokenizer))
+            if tokenizer.encode(tokenizer.decode([t, t]).lstrip(), add_special_tokens=False) == [t, t]
+        )
+
+    return find
+
+
 @pytest.fixture(params=["padded", "row by row"])
 def decoding_attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Decoding steps attend over the batch's padded slots, or each row over its own (forced, checked to happen).

@@ -19,7 +19,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams
 from pluginhost.engine import sampler
 from pluginhost.engine.detokenizer import IncrementalDetokenizer
-from pluginhost.engine.sampler import NoTokenLeft, SamplingState
+from pluginhost.engine.sampler import NoTokenLeft, SamplingState, TokenChoices
 from pluginhost.testing import RegistersModel
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
@@ -427,7 +427,7 @@ def test_bad_words_ban_their_tokens_where_the_output_would_complete_them(demo_ll
     assert demo_llm.generate([begun], greedy(max_tokens=1, bad_words=["a module"]))[0].token_ids == [plain[at + 1]]
 
 
-def test_token_choices_that_leave_nothing_are_refused_or_end_only_their_request(llm):
+def test_token_choices_that_leave_nothing_are_refused_or_end_only_their_request(llm, doubled_token):
     tokenizer = llm.tokenizer
     with pytest.raises(ValueError, match=r"its allowed_token_ids and logit_bias leave no token of the vocabulary"):
         llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5], logit_bias={5: float("-inf")}))
@@ -438,12 +438,11 @@ def test_token_choices_that_leave_nothing_are_refused_or_end_only_their_request(
         llm.generate([PROMPTS[0]], SamplingParams(logit_bias={999: 1.0, 384: 1.0, 5: 1.0}))
     with pytest.raises(ValueError, match=r"allowed_token_ids token ids \[400\] outside the vocabulary"):
         llm.generate([PROMPTS[0]], SamplingParams(allowed_token_ids=[5, 400]))
+    # Written as a number float32 cannot hold, a bias is -inf too (greedy gave token 0 for ever).
+    with pytest.raises(ValueError, match=r"its logit_bias leaves no token of the vocabulary to choose"):
+        llm.generate([PROMPTS[0]], SamplingParams(logit_bias=dict.fromkeys(range(384), -1e100)))
     # Known only once the output begins a bad word: the sample that has nothing left ends with the error.
-    a = next(
-        t
-        for t in range(3, 384)
-        if tokenizer.encode(tokenizer.decode([t, t]).lstrip(), add_special_tokens=False) == [t, t]
-    )
+    a = doubled_token(tokenizer)
     stuck = SamplingParams(max_tokens=5, allowed_token_ids=[a], bad_words=[tokenizer.decode([a, a])], ignore_eos=True)
     with pytest.raises(
         ValueError,
@@ -452,6 +451,41 @@ def test_token_choices_that_leave_nothing_are_refused_or_end_only_their_request(
         llm.generate([PROMPTS[0]], stuck)
     assert caught.value.param == "allowed_token_ids"
     assert llm.generate([PROMPTS[1]], greedy(max_tokens=3))[0].token_ids  # and it serves on
+
+
+def test_a_request_its_own_choices_empty_while_recomputed_ends_alone(llm, doubled_token):
+    # Recomputed after a preemption (as when the cache cannot grow), it is prefilled beside a request that decodes:
+    # the sampler's row counted the step's active rows only, and the engine ended the other request in its place.
+    tokenizer = llm.tokenizer
+    a = doubled_token(tokenizer)
+    innocent = llm._inputs.make_request("innocent", PROMPTS[1], greedy(max_tokens=20))
+    llm.engine.submit([innocent])
+    llm.engine.step()
+    words = {"allowed_token_ids": [a, 2], "bad_words": [tokenizer.decode([a, a])], "min_tokens": 3}
+    stuck = llm._inputs.make_request("stuck", PROMPTS[0], SamplingParams(max_tokens=5, **words))
+    llm.engine.submit([stuck])
+    while not stuck.sequences[0].token_ids:
+        llm.engine.step()
+    llm.engine.scheduler.preempt(stuck.sequences[0])
+    llm.engine.run_until(lambda: innocent.finished and stuck.finished)
+    assert innocent.error is None and len(innocent.sequences[0].token_ids) == 20
+    assert isinstance(stuck.error, ValueError)
+    assert "min_tokens=3 holds back the tokens that would end it, left no token" in str(stuck.error)
+
+
+def test_a_row_its_own_choices_and_min_tokens_empty_is_the_requests_fault_not_a_processors():
+    # With a processor at work, the row was blamed on it (a PluginHookError, a server's 500) though it changed nothing.
+    choices = TokenChoices(allowed=torch.tensor([2, 5]), sequences={5: ((5, 5),)}, may_empty=True)
+    own = SamplingState(
+        greedy(min_tokens=3), torch.Generator(), [2], frozenset({2}), 8, torch.device("cpu"), choices=choices
+    )
+    own.record(5)  # the output ends with the bad word's first token: 5 is banned, end-of-sequence held back
+    idle = Sets([], 0.0)
+    with pytest.raises(NoTokenLeft) as caught:
+        sampler.sample(torch.randn(2, 8), [own, state_of(greedy())], [idle])
+    assert (caught.value.rows, caught.value.by_request, caught.value.by_min_tokens) == ({0: ()}, {0}, {0})
+    own.record(3)  # the word is no longer begun: 5 is choosable again
+    assert sampler.sample(torch.randn(1, 8), [own], [idle]) == [5]
 
 
 def test_bad_words_need_a_tokenizer(tiny_opt_no_tokenizer):

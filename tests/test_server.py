@@ -225,6 +225,25 @@ def test_logit_bias_allowed_token_ids_and_bad_words_answer_as_the_offline_engine
     )
 
 
+def test_a_request_its_own_choices_leave_no_token_mid_answer_is_a_400_about_them(url, client, offline, doubled_token):
+    # It was a 500 "plugin_error" naming no field, counted as a server error.
+    tokenizer = offline.get_tokenizer()
+    a = doubled_token(tokenizer)
+    stuck = {"allowed_token_ids": [a], "bad_words": [tokenizer.decode([a, a])], "ignore_eos": True}
+    refused = metric(url, 'pluginhost_request_success_total{finish_reason="refused",model_name="demo"}')
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, extra_body=stuck)
+    error = caught.value.body
+    assert error["param"] == "allowed_token_ids" and error["type"] == "invalid_request_error"
+    assert "allowed_token_ids and bad_words left no token to choose after 1 generated tokens" in error["message"]
+    body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **stuck}
+    events = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "allowed_token_ids")
+    assert metric(url, 'pluginhost_request_success_total{finish_reason="refused",model_name="demo"}') == refused + 2
+
+
 # -- continuous batching, as clients see it --------------------------------------------------------
 
 
@@ -400,6 +419,13 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             {"model": "demo", "prompt": "x", "allowed_token_ids": []},
             400,
             "allowed_token_ids is empty",
+        ),
+        (  # Python's own "Exceeds the limit (4300 digits)", as a 400 about the prompt
+            "/v1/completions",
+            {"model": "demo", "prompt": "x", "logit_bias": {"9" * 5000: 1}},
+            400,
+            "logit_bias keys must be token ids (integers as strings, e.g. \"50256\"), got '99999999999999999999'... "
+            "(5000 characters)",
         ),
         ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "The model `gpt-9` does not exist"),
         ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),

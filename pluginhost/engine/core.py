@@ -372,7 +372,10 @@ class EngineCore:
         wanted = any(plan.rows[r].params.logprobs is not None for r in active)
         logprobs = logits.log_softmax(dim=-1) if wanted else None  # before the sampler changes the logits
         if not self.processors:
-            tokens = sample(logits, [plan.rows[r].sampling for r in active])
+            try:
+                tokens = sample(logits, [plan.rows[r].sampling for r in active])
+            except NoTokenLeft as emptied:  # its rows count the active rows only: say which of the plan's
+                raise emptied.renumbered(active) from None
             return tokens, logprobs  # type: ignore[return-value]  # every state given: every token set
         # Processors see the whole batch, row i being the sequence in row i (idle rows hold no values).
         B = len(plan.rows)

@@ -237,9 +237,13 @@ class InputProcessor:
                 )
         words = self._bad_words_ids(index, params.bad_words or ())
         banned = {w[0] for w in words if len(w) == 1}
-        sequences = tuple(w for w in words if len(w) > 1)
+        sequences: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for word in dict.fromkeys(w for w in words if len(w) > 1):  # by the token before the one they ban
+            sequences[word[-2]] = (*sequences.get(word[-2], ()), word)
         bias = params.logit_bias or {}
-        never = banned | {t for t, b in bias.items() if b == float("-inf")}
+        # As the sampler adds them: in float32, where -1e100 is -inf too.
+        biases = torch.tensor(list(bias.values()), dtype=torch.float32)
+        never = banned | {t for t, b in zip(bias, biases.tolist(), strict=True) if b == float("-inf")}
         # What a step may choose from, as far as the request alone says (a bad word of several tokens bans its last
         # only after the others: the sampler checks for those): refused now if nothing.
         choosable = set(params.allowed_token_ids) - never if params.allowed_token_ids else None
@@ -247,14 +251,15 @@ class InputProcessor:
         given = " and ".join(n for n in ("allowed_token_ids", "bad_words", "logit_bias") if getattr(params, n))
         if not left:
             raise InvalidParameterError(
-                f"prompt {index}: its {given} leave no token of the vocabulary to choose. Allow more tokens, or ban "
-                "fewer.",
+                f"prompt {index}: its {given} {'leave' if ' and ' in given else 'leaves'} no token of the vocabulary "
+                "to choose. Allow more tokens, or ban fewer.",
                 param="allowed_token_ids" if params.allowed_token_ids else "logit_bias",
             )
         ending = {t for t in held_back if t < V}
         if params.min_tokens and (choosable <= ending if choosable is not None else left <= len(ending - never)):
             raise InvalidParameterError(
-                f"prompt {index}: its {given} leave only tokens that would end it, which min_tokens="
+                f"prompt {index}: its {given} {'leave' if ' and ' in given else 'leaves'} only tokens that would end "
+                "it, which min_tokens="
                 f"{params.min_tokens} forbids: no token to choose. Allow more tokens, or lower min_tokens.",
                 param="min_tokens",
             )
@@ -264,11 +269,12 @@ class InputProcessor:
 
         return TokenChoices(
             bias_ids=torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None,
-            bias_values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None,
+            bias_values=biases.to(device) if bias else None,
             allowed=ids(params.allowed_token_ids) if params.allowed_token_ids else None,
             banned=ids(banned) if banned else None,
             sequences=sequences,
-            may_empty=bool(params.allowed_token_ids or words or never),
+            # A bias so negative that adding it to a negative logit overflows float32 to -inf may empty a row too.
+            may_empty=bool(params.allowed_token_ids or words or (biases < -1e30).any()),
         )
 
     def _bad_words_ids(self, index: int, words: Sequence[str]) -> list[tuple[int, ...]]:

@@ -29,7 +29,7 @@ processor, one read for the whole batch) is paid only when processors ran.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,8 +54,9 @@ class TokenChoices:
     allowed: Tensor | None = None
     #: The bad words of one token: banned at every step.
     banned: Tensor | None = None
-    #: The bad words of several tokens: the last is banned when the output ends with the others.
-    sequences: tuple[tuple[int, ...], ...] = ()
+    #: The bad words of several tokens, by the last token before their own last: that is banned when the output
+    #: ends with the others (only the words whose prefix ends with the output's last token are compared).
+    sequences: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     #: Whether these choices can leave a row no token (a mask, or a bias of -inf): then the sampler checks.
     may_empty: bool = False
 
@@ -68,7 +69,7 @@ class TokenChoices:
             row.fill_(float("-inf")).index_copy_(0, self.allowed, kept)
         if self.banned is not None:
             row.index_fill_(0, self.banned, float("-inf"))
-        for word in self.sequences:
+        for word in self.sequences.get(generated[-1], ()) if generated else ():
             if tuple(generated[-(len(word) - 1) :]) == word[:-1]:
                 row[word[-1]] = float("-inf")
 
@@ -162,6 +163,14 @@ class NoTokenLeft(Exception):
         super().__init__(f"the logits processors left no token to choose in rows {sorted(rows)}")
         self.rows, self.by_min_tokens, self.by_request = rows, by_min_tokens, by_request
 
+    def renumbered(self, rows: Sequence[int]) -> NoTokenLeft:
+        """The same, for ``logits`` that held only ``rows`` of a larger batch: row i here is ``rows[i]`` there."""
+        return NoTokenLeft(
+            {rows[i]: processors for i, processors in self.rows.items()},
+            frozenset(rows[i] for i in self.by_min_tokens),
+            frozenset(rows[i] for i in self.by_request),
+        )
+
 
 def sample(
     logits: Tensor, states: Sequence[SamplingState | None], processors: Sequence[Processor] = ()
@@ -181,8 +190,15 @@ def sample(
     stages: list[tuple[Processor | _RequestChoices | None, Tensor]] = []
     for i, state in choosing:
         state.choices.apply(logits[i], state.generated or ())  # type: ignore[union-attr]  # choosing: not None
+    #: Rows whose own choices leave only tokens the min_tokens mask takes away: theirs, whatever processors do.
+    own_fault: set[int] = set()
     if any(s.choices.may_empty for _, s in choosing):  # type: ignore[union-attr]
         stages.append((_REQUEST, _choosable(logits)))
+        for i, state in masked:
+            if state.choices is not None and state.choices.may_empty:
+                row = logits[i].index_fill(0, state.stop_index(logits.shape[-1]), float("-inf"))  # a copy
+                if not bool(_choosable(row[None])[0]):
+                    own_fault.add(i)
     for processor in changing:
         logits = processor.apply(logits)
         stages.append((processor, _choosable(logits)))
@@ -193,7 +209,7 @@ def sample(
     for i, state in penalized:
         _apply_penalties(logits[i], state)
     if stages:
-        _check_choosable(stages, rows, changing)
+        _check_choosable(stages, rows, changing, own_fault)
     tokens: list[int | None] = [None] * len(states)
     if all(s.params.greedy for _, s in live):
         chosen = (logits if len(rows) == len(states) else logits[rows]).argmax(dim=-1).tolist()
@@ -231,12 +247,14 @@ def _check_choosable(
     stages: Sequence[tuple[Processor | _RequestChoices | None, Tensor]],
     rows: Sequence[int],
     processors: Sequence[Processor],
+    own_fault: Set[int] = frozenset(),
 ) -> None:
     """Raise ``NoTokenLeft`` for the ``rows`` the last stage left without a token to choose (one read of the batch).
 
     Each such row is the fault of the stage from which it held none to the end (a later processor may give
     an emptied row a token again); a ``None`` stage (the min_tokens mask), of every one of ``processors``, or
-    of the request when there are none; the ``_REQUEST`` stage, of the request's own choices.
+    of the request when there are none or its own choices left only what the mask takes (``own_fault``); the
+    ``_REQUEST`` stage, of the request's own choices.
     """
     held = torch.stack([choosable for _, choosable in stages])[:, rows]  # (stages, R)
     if bool(held[-1].all()):
@@ -254,10 +272,12 @@ def _check_choosable(
             emptied[row] = ()
             by_request.add(row)
         elif processor is None:
-            emptied[row] = tuple(processors)
             by_min_tokens.add(row)
-            if not processors:
+            if row in own_fault or not processors:
+                emptied[row] = ()
                 by_request.add(row)
+            else:
+                emptied[row] = tuple(processors)
         else:
             emptied[row] = (processor,)  # type: ignore[assignment]  # a processor: neither marker
     raise NoTokenLeft(emptied, frozenset(by_min_tokens), frozenset(by_request))

@@ -307,7 +307,8 @@ class _API:
                 # n is what to lower when it alone is too many, or when there are several samples per prompt.
                 param="n" if params.n > 1 else names.prompt_field,
             )
-        requests = [(prompt, params.clone(), f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
+        # One params for every prompt: the engine copies them for each, off the event loop.
+        requests = [(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
         try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
             return await self.engine.submit_all(requests, exact_max_tokens=True, arrival_time=arrival)
         except (ValueError, PluginhostError) as exc:
@@ -531,11 +532,13 @@ def _answer_entries(finals: dict[int, RequestOutput]) -> int:
 def _finish_reasons(request: EngineRequest) -> list[str]:
     """Why each sample of a request ended, as ``/metrics`` counts them (one per choice, as vLLM does).
 
-    An error ends every sample of the request (its answer is the error): ``refused`` when a plugin refused it (a
-    400, not a failure), ``error`` otherwise; a sample not finished was given up (an abort, or a client gone).
+    An error ends every sample of the request (its answer is the error): ``refused`` when a plugin refused it, or
+    its own settings left a sample no token to choose (a 400, not a failure), ``error`` otherwise; a sample not
+    finished was given up (an abort, or a client gone).
     """
     if request.error is not None:
-        return ["refused" if isinstance(request.error, RequestRefusedError) else "error"] * len(request.sequences)
+        refused = isinstance(request.error, RequestRefusedError | InvalidParameterError)
+        return ["refused" if refused else "error"] * len(request.sequences)
     return [s.finish_reason or "abort" for s in request.sequences]
 
 
@@ -645,6 +648,8 @@ class _Shape:
                 last[index] = output
         except RequestRefusedError as exc:  # a logits processor refused a request as it joined the batch
             raise bad_request(str(exc)) from None
+        except InvalidParameterError as exc:  # its own settings left a sample no token to choose (bad_words)
+            raise bad_request(str(exc), param=exc.param) from None
         except PluginhostError as exc:  # the model failed, or a plugin in the engine did
             raise APIError(_status(exc), str(exc), type="server_error", code=_error_code(exc)) from None
         finally:
@@ -751,6 +756,8 @@ class _Shape:
         except Exception as exc:  # noqa: BLE001 - the answer has begun: whatever failed is told in the stream
             if isinstance(exc, RequestRefusedError):  # a logits processor refused it as it joined the batch
                 error = ErrorBody(message=str(exc), type="invalid_request_error")
+            elif isinstance(exc, InvalidParameterError):  # its own settings left a sample no token to choose
+                error = ErrorBody(message=str(exc), type="invalid_request_error", param=exc.param)
             elif isinstance(exc, PluginhostError):  # the model failed, or a plugin in the engine did
                 error = ErrorBody(message=str(exc), type="server_error", code=_error_code(exc))
             else:

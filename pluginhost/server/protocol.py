@@ -206,10 +206,9 @@ class _SamplingFields(_Strict):
     @classmethod
     def _token_ids_to_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit() or not token.isascii():
-                raise ValueError(
-                    f'logit_bias keys must be token ids (integers as strings, e.g. "50256"), got {token!r}'
-                )
+            if not (token.isascii() and token.isdigit() and len(token) <= 10):  # 10 digits: any real id
+                shown = repr(token) if len(token) <= 20 else f"{token[:20]!r}... ({len(token)} characters)"
+                raise ValueError(f'logit_bias keys must be token ids (integers as strings, e.g. "50256"), got {shown}')
             if not -100 <= bias <= 100:  # OpenAI's range; NaN fails it too
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         return value

@@ -57,7 +57,11 @@ def test_leaves_smaller_settings_alone(make_host):
         ("PLUGINHOST_SITE_MAX_NUM_SEQS", "lots", "PLUGINHOST_SITE_MAX_NUM_SEQS='lots' must be a positive integer"),
         # A digit to str.isdigit, not to int(): it was int()'s own error, naming no variable.
         ("PLUGINHOST_SITE_MAX_NUM_SEQS", "²", "PLUGINHOST_SITE_MAX_NUM_SEQS='²' must be a positive integer"),
-        ("PLUGINHOST_SITE_DTYPE", "float64", "PLUGINHOST_SITE_DTYPE=.float64.: dtype: Input should be"),
+        (
+            "PLUGINHOST_SITE_DTYPE",
+            "float64",
+            "PLUGINHOST_SITE_DTYPE=.float64.: dtype: 'float64' is not a dtype pluginhost runs",
+        ),
     ],
 )
 def test_a_bad_variable_stops_the_engine_naming_the_plugin(make_host, monkeypatch, variable, value, message):
