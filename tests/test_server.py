@@ -114,6 +114,29 @@ def test_streamed_completion_adds_up_to_the_whole(client, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_echo_puts_each_prompt_before_its_choices_whole_and_streamed(client, offline):
+    params = SamplingParams(max_tokens=6, n=2, seed=3, temperature=0.8)
+    expected = offline.generate(PROMPTS[:2], params)
+    wanted = sorted(out.prompt + c.text for out in expected for c in out.outputs)
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="demo", prompt=PROMPTS[:2], max_tokens=6, n=2, seed=3, temperature=0.8, echo=True, stream=stream
+        )
+        if stream:
+            texts: dict[int, str] = {}
+            for chunk in answer:
+                texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+            got = sorted(texts.values())
+        else:
+            got = sorted(c.text for c in answer.choices)
+            assert answer.usage.completion_tokens == 4 * 6  # the prompt echoed is not generated
+        assert got == wanted
+    ids = offline.get_tokenizer()(PROMPTS[2])["input_ids"]  # a prompt of ids echoes their text
+    answer = client.completions.create(model="demo", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    echoed = offline.get_tokenizer().decode(ids, skip_special_tokens=True)
+    assert echoed == PROMPTS[2] and answer.choices[0].text == echoed + offline.generate([ids], greedy(4))[0].text
+
+
 def test_chat_through_the_template(client, offline):
     messages = [{"role": "user", "content": "What is a plugin?"}]
     answer = client.chat.completions.create(model="demo", messages=messages, max_tokens=40, temperature=0)
@@ -587,7 +610,13 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
 @pytest.mark.parametrize(
     ("path", "body", "param", "message"),
     [
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "echo": True, "logprobs": 1},
+            "echo",
+            "echo with logprobs needs the prompt's log-probabilities, which pluginhost does not compute: ask for "
+            "echo or logprobs, not both",
+        ),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix", "suffix is not supported"),
         (
             "/v1/completions",

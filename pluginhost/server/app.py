@@ -777,12 +777,25 @@ class _Completions(_Shape):
     object_whole = "text_completion"
     object_chunk = "text_completion"
 
+    def __init__(self, api: _API, request_id: str, body: CompletionRequest) -> None:
+        super().__init__(api, request_id, body)
+        self.echo = body.echo
+
+    def echoed(self, output: RequestOutput) -> str:
+        """What ``echo`` puts before a choice's text: its prompt, as given, or the text of a prompt of token ids (its
+        special tokens skipped, as in the generated text)."""
+        if not self.echo:
+            return ""
+        if output.prompt is not None or self.tokenizer is None:
+            return output.prompt or ""
+        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+
     def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         offsets = _choice_offsets(streams)
         choices = [
             {
                 "index": offsets[index] + c.index,
-                "text": c.text if c.text is not None else "",
+                "text": self.echoed(finals[index]) + (c.text if c.text is not None else ""),
                 "logprobs": self.logprobs(c)[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -804,7 +817,7 @@ class _Completions(_Shape):
             logprobs, text_offsets[number] = self.logprobs(c, start, text_offsets.get(number, 0))
             entry = {
                 "index": number,
-                "text": delta,
+                "text": self.echoed(output) + delta if first else delta,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,

@@ -10,7 +10,7 @@ the chat template (Qwen3's ``{"enable_thinking": false}``).
 
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
 said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
-(``tools``, ``echo``, ``reasoning_effort``, vLLM's
+(``tools``, ``echo`` with ``logprobs``, ``reasoning_effort``, vLLM's
 ``include_stop_str_in_output``...) are accepted at their neutral value (the one
 that asks for nothing this server does not do) and refused as not supported at
 any other. Fields that do not change the answer (``user`` and its successors
@@ -311,8 +311,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise FieldError("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise FieldError(
+                "echo",
+                "echo with logprobs needs the prompt's log-probabilities, which pluginhost does not compute: ask for "
+                "echo or logprobs, not both",
+            )
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
