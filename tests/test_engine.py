@@ -715,6 +715,17 @@ def test_no_prompts_give_no_outputs(llm):
 VLLM_SAMPLING_PARAMS = type("SamplingParams", (), {"__module__": "vllm.sampling_params"})()
 
 
+def test_chat_needs_a_chat_template_and_says_so(llm):
+    conversation = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(
+        ValueError, match=r"the model's tokenizer has no chat template .* pass one \(chat_template=\.\.\.\)"
+    ):
+        llm.chat(conversation)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    answer = llm.chat(conversation, SamplingParams(max_tokens=2, ignore_eos=True), chat_template=template)[0]
+    assert answer.prompt == "user: Hi\nassistant:" and len(answer.token_ids) == 2
+
+
 @pytest.mark.parametrize(
     ("prompts", "params", "message"),
     [

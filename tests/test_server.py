@@ -153,6 +153,28 @@ def test_chat_through_the_template(client, offline):
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+def test_llm_chat_answers_each_conversation_as_the_chat_route(client, offline):
+    """vLLM's offline ``llm.chat``: the same messages, the same template, the same tokens as served."""
+    brief = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    as_template = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    answers = offline.chat([USER, brief], greedy(12), use_tqdm=False)
+    for conversation, rendered, answer in zip([USER, brief], [USER, as_template], answers, strict=True):
+        served = client.chat.completions.create(model="demo", messages=conversation, max_tokens=12, temperature=0)
+        assert answer.outputs[0].text == served.choices[0].message.content
+        assert answer.prompt_token_ids == chat_ids(offline, rendered)
+    # Going on with the assistant's last message instead of starting a new one (vLLM's continue_final_message).
+    begun = [*USER, {"role": "assistant", "content": "A plugin is"}]
+    going_on = offline.chat(begun, greedy(6), add_generation_prompt=False, continue_final_message=True)[0]
+    assert going_on.prompt.endswith("A plugin is") and going_on.outputs[0].text
+    with pytest.raises(ValueError, match=r"conversation 1: message 0: role: Input should be 'system', 'user'"):
+        offline.chat([USER, [{"role": "wizard", "content": "x"}]])
+    with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):
+        offline.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_joins_them(client, offline):
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a plugin?"}]
     answer = client.chat.completions.create(
@@ -482,7 +504,8 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             "/v1/chat/completions",
             {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             400,
-            "messages.0.content: content parts of type 'image_url' are not supported: this server takes text only",
+            "messages.0.content: content parts of type 'image_url' are not supported: pluginhost's models read text "
+            "only",
         ),
         (  # a parameter of transformers 5's apply_chat_template, not a template variable: blamed on the messages
             "/v1/chat/completions",

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from pluginhost.chat import render_chat
 from pluginhost.engine.async_llm import AsyncLLM, RequestStream
 from pluginhost.engine.request import EngineRequest
 from pluginhost.errors import (
@@ -383,26 +384,11 @@ def _render_chat(
     check_length: Callable[[int, str], None],
     variables: dict[str, Any],
 ) -> dict[str, Any]:
-    """The conversation through the chat template, as a prompt: its text and token ids (a 400 if it cannot be).
-
-    ``check_length`` refuses a text far too long before it is tokenized (``PromptTooLongError``); ``variables``
-    (``chat_template_kwargs``) are the template's to read.
-    """
+    """The conversation through the chat template, as a prompt (``pluginhost.chat``); a 400 if it cannot be."""
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **variables)
-    except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's errors, raise_exception)
-        raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\udce9"): the tokenizer would raise a TypeError
-        raise bad_request(
-            f"the messages are not valid Unicode: {text[exc.start]!r}, {exc.reason}", param="messages"
-        ) from None
-    check_length(0, text)
-    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not token_ids:  # the engine would say "an empty list of token ids", which the client never sent
-        raise bad_request("the chat template renders these messages to an empty prompt", param="messages")
-    return {"prompt": text, "prompt_token_ids": token_ids}
+        return render_chat(tokenizer, conversation, variables=variables, check_length=check_length)
+    except InvalidParameterError as exc:  # not a PromptTooLongError: that is the caller's to say in chat's words
+        raise bad_request(str(exc), param=exc.param) from None
 
 
 class _FieldNames:

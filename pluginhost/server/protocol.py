@@ -368,7 +368,9 @@ class ChatMessage(_Strict):
             if kind == "refusal" and info.data.get("role") == "assistant" and isinstance(part.get("refusal"), str):
                 parts.append({"type": "text", "text": part["refusal"]})
             elif isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported: pluginhost's models read text only"
+                )
             else:
                 parts.append(part)
         return parts
