@@ -7,12 +7,80 @@ gives the same tokens offline and served.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pluginhost.errors import InvalidParameterError
 
-__all__ = ["conversation_of", "render_chat"]
+__all__ = ["chat_prompts", "conversation_of", "render_chat"]
+
+#: What ``LLM.chat``'s own arguments decide, which ``chat_template_kwargs`` may override (as in vLLM).
+_OVERRIDABLE = frozenset({"chat_template", "add_generation_prompt", "continue_final_message"})
+
+
+def chat_prompts(
+    tokenizer: Any,
+    messages: Any,
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """``LLM.chat``'s conversation (a list of messages), or list of them, as prompt dicts; ``[]`` for none.
+
+    As vLLM's: ``chat_template_kwargs`` go over the other arguments (``{"add_generation_prompt": False}`` there
+    is as good as the argument), and ``tokenize`` in them is dropped (the prompt is tokenized after rendering).
+    Raises ``InvalidParameterError`` naming the conversation and message that are wrong.
+    """
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
+        raise InvalidParameterError(
+            "messages must be a conversation (a list of messages such as {'role': 'user', 'content': 'Hi'}), or a "
+            f"list of them, got {messages!r:.80}",
+            param="messages",
+        )
+    messages = list(messages)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise InvalidParameterError(
+            f"chat_template_kwargs must be a dict of the template's variables, got {chat_template_kwargs!r:.80}",
+            param="chat_template_kwargs",
+        )
+    settings: dict[str, Any] = {
+        "chat_template": chat_template,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        **(chat_template_kwargs or {}),
+    }
+    settings.pop("tokenize", None)
+    from pluginhost.server.protocol import template_parameters
+
+    taken = sorted((template_parameters() - _OVERRIDABLE) & settings.keys())
+    if taken:
+        raise InvalidParameterError(
+            f"chat_template_kwargs cannot set {', '.join(taken)}: apply_chat_template's own parameters, which "
+            "LLM.chat decides",
+            param="chat_template_kwargs",
+        )
+    several = bool(messages) and isinstance(messages[0], Sequence) and not isinstance(messages[0], str | bytes)
+    conversations = messages if several else [messages] if messages else []
+    prompts = []
+    for index, conversation in enumerate(conversations):
+        try:
+            prompts.append(
+                render_chat(
+                    tokenizer,
+                    conversation_of(conversation),
+                    chat_template=settings["chat_template"],
+                    add_generation_prompt=settings["add_generation_prompt"],
+                    continue_final_message=settings["continue_final_message"],
+                    variables={k: v for k, v in settings.items() if k not in _OVERRIDABLE},
+                )
+            )
+        except InvalidParameterError as exc:
+            if not several:
+                raise
+            raise InvalidParameterError(f"conversation {index}: {exc}", param=exc.param) from None
+    return prompts
 
 
 def conversation_of(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:

@@ -133,8 +133,9 @@ def test_echo_puts_each_prompt_before_its_choices_whole_and_streamed(client, off
         assert got == wanted
     ids = offline.get_tokenizer()(PROMPTS[2])["input_ids"]  # a prompt of ids echoes their text
     answer = client.completions.create(model="demo", prompt=ids, max_tokens=4, temperature=0, echo=True)
-    echoed = offline.get_tokenizer().decode(ids, skip_special_tokens=True)
-    assert echoed == PROMPTS[2] and answer.choices[0].text == echoed + offline.generate([ids], greedy(4))[0].text
+    echoed = offline.get_tokenizer().decode(ids)  # special tokens and all, as the model read them (and vLLM echoes)
+    assert echoed == "</s>" + PROMPTS[2]
+    assert answer.choices[0].text == echoed + offline.generate([ids], greedy(4))[0].text
 
 
 def test_chat_through_the_template(client, offline):
@@ -165,10 +166,16 @@ def test_llm_chat_answers_each_conversation_as_the_chat_route(client, offline):
         served = client.chat.completions.create(model="demo", messages=conversation, max_tokens=12, temperature=0)
         assert answer.outputs[0].text == served.choices[0].message.content
         assert answer.prompt_token_ids == chat_ids(offline, rendered)
-    # Going on with the assistant's last message instead of starting a new one (vLLM's continue_final_message).
+    # Going on with the assistant's last message instead of starting a new one (vLLM's continue_final_message); as
+    # in vLLM, chat_template_kwargs override the arguments (tokenize dropped), and a generator is one conversation.
     begun = [*USER, {"role": "assistant", "content": "A plugin is"}]
     going_on = offline.chat(begun, greedy(6), add_generation_prompt=False, continue_final_message=True)[0]
     assert going_on.prompt.endswith("A plugin is") and going_on.outputs[0].text
+    overridden = {"add_generation_prompt": False, "continue_final_message": True, "tokenize": True}
+    assert offline.chat(iter(begun), greedy(6), chat_template_kwargs=overridden)[0].outputs == going_on.outputs
+    assert offline.chat([]) == []
+    with pytest.raises(ValueError, match=r"chat_template_kwargs cannot set return_dict: apply_chat_template's own"):
+        offline.chat(USER, chat_template_kwargs={"return_dict": True})
     with pytest.raises(ValueError, match=r"conversation 1: message 0: role: Input should be 'system', 'user'"):
         offline.chat([USER, [{"role": "wizard", "content": "x"}]])
     with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from pluginhost.engine.frontend import EngineFrontend
 from pluginhost.engine.inputs import Prompt, as_prompt_list
-from pluginhost.errors import InvalidParameterError
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams, kind_of
 
@@ -54,36 +53,21 @@ class LLM(EngineFrontend):
         Messages are OpenAI's: ``{"role": "user", "content": "Hi"}``, content a string or text parts; the
         tokenizer's chat template (or ``chat_template``) renders them, as the server's ``/v1/chat/completions``
         does, so an answer is the same offline and served. ``chat_template_kwargs`` are the template's variables
-        (Qwen3's ``{"enable_thinking": False}``); ``continue_final_message`` (with ``add_generation_prompt=False``)
-        goes on with the last message instead of starting the assistant's. A message the API does not allow, or a
-        template that cannot render them, raises ``ValueError`` before anything runs.
+        (Qwen3's ``{"enable_thinking": False}``), and override the arguments before them, as in vLLM;
+        ``continue_final_message`` (with ``add_generation_prompt=False``) goes on with the last message instead of
+        starting the assistant's. A message the API does not allow (checked as the server checks it: an unknown
+        key too), or a template that cannot render them, raises ``ValueError`` before anything runs.
         """
-        from pluginhost.chat import conversation_of, render_chat
+        from pluginhost.chat import chat_prompts
 
-        if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence) or not messages:
-            raise InvalidParameterError(
-                "messages must be a conversation (a non-empty list of messages such as {'role': 'user', 'content': "
-                f"'Hi'}}), or a list of them, got {messages!r:.80}",
-                param="messages",
-            )
-        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
-        for index, conversation in enumerate(conversations):
-            try:
-                prompts.append(
-                    render_chat(
-                        self.tokenizer,
-                        conversation_of(conversation),  # type: ignore[arg-type]  # a conversation: messages
-                        variables=chat_template_kwargs,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                        chat_template=chat_template,
-                    )
-                )
-            except InvalidParameterError as exc:
-                if len(conversations) == 1:
-                    raise
-                raise InvalidParameterError(f"conversation {index}: {exc}", param=exc.param) from None
+        prompts = chat_prompts(
+            self.tokenizer,
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(

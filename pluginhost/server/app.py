@@ -768,13 +768,13 @@ class _Completions(_Shape):
         self.echo = body.echo
 
     def echoed(self, output: RequestOutput) -> str:
-        """What ``echo`` puts before a choice's text: its prompt, as given, or the text of a prompt of token ids (its
-        special tokens skipped, as in the generated text)."""
+        """What ``echo`` puts before a choice's text: its prompt, as given, or the text of a prompt of token ids,
+        special tokens and all, as the model read them (as vLLM decodes it)."""
         if not self.echo:
             return ""
         if output.prompt is not None or self.tokenizer is None:
             return output.prompt or ""
-        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(output.prompt_token_ids)
 
     def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         offsets = _choice_offsets(streams)

@@ -47,6 +47,7 @@ __all__ = [
     "UsageInfo",
     "capped_max_tokens",
     "random_id",
+    "template_parameters",
 ]
 
 
@@ -398,9 +399,9 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _no_tools_or_audio(self) -> ChatMessage:
         if self.role == "tool":
-            raise ValueError("tool messages are not supported: this server does not call tools")
+            raise ValueError("tool messages are not supported: pluginhost does not call tools")
         if self.tool_calls or self.function_call is not None:
-            raise ValueError("tool calls are not supported: this server does not call tools")
+            raise ValueError("tool calls are not supported: pluginhost does not call tools")
         if self.audio is not None:
             raise ValueError("audio is not supported")
         return self
@@ -424,7 +425,7 @@ class ChatMessage(_Strict):
 
 
 #: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them
-#: (with the installed transformers' others: ``_template_parameters``).
+#: (with the installed transformers' others: ``template_parameters``).
 _TEMPLATE_PARAMETERS = frozenset(
     {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -433,7 +434,7 @@ _TEMPLATE_PARAMETERS = frozenset(
 
 
 @functools.cache
-def _template_parameters() -> frozenset[str]:
+def template_parameters() -> frozenset[str]:
     """``_TEMPLATE_PARAMETERS`` and every other named parameter of the installed transformers' ``apply_chat_template``
     (5.x added ``sanitize_control_tokens``, which then failed the render, blamed on the messages)."""
     from transformers import PreTrainedTokenizerBase
@@ -496,7 +497,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(_template_parameters() & (value or {}).keys())
+        taken = sorted(template_parameters() & (value or {}).keys())
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields decide it")
         return value
