@@ -413,7 +413,7 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, str]:
         """The message as a chat template reads it: its template role, its text, and a speaker's ``name`` (as vLLM
-        passes it). Every route rendering a chat renders it from this (``/tokenize``'s count is the chat's)."""
+        passes it). Every chat is rendered from this (the server's route and ``LLM.chat``: ``pluginhost.chat``)."""
         return {"role": self.template_role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
     def text(self) -> str:
