@@ -65,6 +65,7 @@ class SamplingParams:
       -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
+    * ``include_stop_str_in_output``: the text stops after the stop string instead.
     * ``stop_token_ids``: token ids that end generation; the token is kept in
       ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
@@ -78,7 +79,7 @@ class SamplingParams:
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
 
     vLLM's fields for what pluginhost does not do (``best_of``, ``prompt_logprobs``,
-    ``detokenize``, ``skip_special_tokens``, ``include_stop_str_in_output``, ...; see
+    ``detokenize``, ``skip_special_tokens``, ...; see
     ``VLLM_NEUTRAL``) are taken at the values that ask for nothing else, as a port
     passes them, and any other value is refused naming the field.
     """
@@ -106,7 +107,7 @@ class SamplingParams:
     detokenize: bool = field(default=True, repr=False)
     skip_special_tokens: bool = field(default=True, repr=False)
     spaces_between_special_tokens: bool = field(default=True, repr=False)
-    include_stop_str_in_output: bool = field(default=False, repr=False)
+    include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
@@ -183,11 +184,9 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= -1),
             f"logprobs must be None, an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
         )
-        check(
-            "ignore_eos",
-            isinstance(self.ignore_eos, bool),
-            f"ignore_eos must be True or False, got {self.ignore_eos!r}",
-        )
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         check(
             "stop",
@@ -295,7 +294,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "detokenize": (True,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (None,),
     "structured_outputs": (None,),
 }

@@ -517,12 +517,15 @@ def test_a_scripted_model_writes_its_text(scripted):
     assert out.text == TEXT
 
 
-@pytest.mark.parametrize(("stop", "held"), [([], 0), (["none of it"], 9)])
-def test_a_stream_holds_back_only_what_may_begin_a_stop_string(scripted, stop, held):
+@pytest.mark.parametrize(
+    ("stop", "included", "held"), [([], False, 0), (["none of it"], False, 9), (["none"], True, 0)]
+)
+def test_a_stream_holds_back_only_what_may_begin_a_stop_string(scripted, stop, included, held):
     """Each streamed text is every character of its tokens but the last ``len(longest stop) - 1`` (a stop string
-    may yet begin there): with none, nothing is held, and a stream lagged no character behind its tokens."""
+    may yet begin there): with none, nothing is held, and a stream lagged no character behind its tokens; nor when
+    the stop string stays in the text (include_stop_str_in_output, as vLLM holds nothing back then)."""
     seen: list = []
-    params = greedy(max_tokens=len(Scripted.script) - 1, stop=stop)
+    params = greedy(max_tokens=len(Scripted.script) - 1, stop=stop, include_stop_str_in_output=included)
     request = scripted._inputs.make_request(
         "stream", [2], params, on_output=lambda output, error: seen.append(output), streaming=True
     )
@@ -551,6 +554,9 @@ def test_stop_strings_cut_the_text_across_token_boundaries(scripted):
     assert out.text == TEXT[:start]  # the stop string is not part of the text
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.token_ids == ids[: k + 3]  # generation ended with the token that completed it
+    # vLLM's include_stop_str_in_output: up to its end (not the rest of the token that completed it).
+    kept = scripted.generate([[2]], greedy(max_tokens=40, stop=stop, include_stop_str_in_output=True))[0].outputs[0]
+    assert (kept.text, kept.stop_reason, kept.token_ids) == (TEXT[:end], stop, out.token_ids)
 
 
 def test_several_stop_strings_end_at_the_earliest(scripted):
@@ -738,8 +744,10 @@ def test_vllm_fields_at_their_defaults_are_taken_and_at_other_values_refused_nam
         with pytest.raises(ValueError, match=rf"SamplingParams: {name}=.* is not supported by pluginhost") as caught:
             SamplingParams(**{name: value})
         assert caught.value.param == name
-    with pytest.raises(ValueError, match="include_stop_str_in_output=True is not supported"):
-        plain.clone(include_stop_str_in_output=True)
+    with pytest.raises(ValueError, match="spaces_between_special_tokens=False is not supported"):
+        plain.clone(spaces_between_special_tokens=False)
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False, got 1"):
+        plain.clone(include_stop_str_in_output=1)
 
 
 def test_numpy_numbers_are_taken_as_python_numbers(llm):

@@ -237,6 +237,25 @@ def test_streamed_text_with_stop_strings_adds_up_to_the_whole(client, offline, c
         assert text == free[:9] and expected.finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(client, offline):
+    plain = offline.generate([PROMPTS[0]], greedy(20))[0].text
+    stop = plain.split()[2]  # a word the answer has
+    expected = offline.generate([PROMPTS[0]], greedy(20, stop=[stop], include_stop_str_in_output=True))[0]
+    assert expected.text.endswith(stop) and expected.text == plain[: plain.index(stop) + len(stop)]
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="demo",
+            prompt=PROMPTS[0],
+            max_tokens=20,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"include_stop_str_in_output": True},
+        )
+        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert text == expected.text
+
+
 def test_vllm_extras_through_extra_body(client, offline):
     answer = client.completions.create(
         model="demo",
@@ -700,9 +719,9 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
         ),
         (
             "/v1/completions",
-            {"prompt": "x", "include_stop_str_in_output": True},
-            "include_stop_str_in_output",
-            "include_stop_str_in_output is not supported (only false or null)",
+            {"prompt": "x", "prompt_logprobs": 2},
+            "prompt_logprobs",
+            "prompt_logprobs is not supported (only null)",
         ),
         (  # a boolean only as a boolean
             "/v1/completions",

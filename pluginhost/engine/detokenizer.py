@@ -32,12 +32,18 @@ _CONTINUATION_BYTE_MIN, _LEAD_BYTE_MIN = 0x80, 0xC0
 class IncrementalDetokenizer:
     """The text of one sequence's generated tokens, grown token by token.
 
-    ``stop`` strings end the text before them: ``push`` then reports the
+    ``stop`` strings end the text before them (``include_stop``: after them,
+    as vLLM's ``include_stop_str_in_output``): ``push`` then reports the
     string found, and ``text`` no longer grows.
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        *,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -50,6 +56,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._tail_checked = False  # at the first push: in the engine's thread, not where requests are prepared
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         # Decoding skips them: left out of the window, so a run of them (end-of-sequence under ignore_eos, padding)
         # is not decoded again at every token after it.
         self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
@@ -57,7 +64,10 @@ class IncrementalDetokenizer:
 
     @property
     def stop_buffer(self) -> int:
-        """How many trailing characters may still turn out to start a stop string (withheld when streaming)."""
+        """How many trailing characters may still turn out to start a stop string (withheld when streaming; none
+        when the stop string stays in the text)."""
+        if self._include_stop:
+            return 0
         return max((len(s) for s in self._stop), default=1) - 1
 
     def push(self, token_id: int, *, check_stop: bool = True) -> str | None:
@@ -131,8 +141,9 @@ class IncrementalDetokenizer:
                 found = (index, stop)
         if found is None:
             return None
-        self.text = self.text[: found[0]]
-        return found[1]
+        index, stop = found
+        self.text = self.text[: index + len(stop) if self._include_stop else index]
+        return stop
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

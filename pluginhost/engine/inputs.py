@@ -97,7 +97,9 @@ class InputProcessor:
                 generator = self._generator
             detokenizer = None
             if loaded.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(loaded.tokenizer, token_ids, params.stop or ())
+                detokenizer = IncrementalDetokenizer(
+                    loaded.tokenizer, token_ids, params.stop or (), include_stop=params.include_stop_str_in_output
+                )
             sampling = SamplingState(
                 params,
                 generator,

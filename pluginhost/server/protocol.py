@@ -2,7 +2,8 @@
 
 Requests follow OpenAI's fields and defaults, plus vLLM's sampling extras
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``, ``allowed_token_ids``, ``bad_words``) and ``extra_args`` (also accepted as
+``stop_token_ids``, ``ignore_eos``, ``allowed_token_ids``, ``bad_words``,
+``include_stop_str_in_output``) and ``extra_args`` (also accepted as
 vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
 ``extra_body``. Chat also takes vLLM's ``chat_template_kwargs``, variables for
@@ -11,7 +12,7 @@ the chat template (Qwen3's ``{"enable_thinking": false}``).
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
 said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
 (``tools``, ``echo`` with ``logprobs``, ``reasoning_effort``, vLLM's
-``include_stop_str_in_output``...) are accepted at their neutral value (the one
+``prompt_logprobs``...) are accepted at their neutral value (the one
 that asks for nothing this server does not do) and refused as not supported at
 any other. Fields that do not change the answer (``user`` and its successors
 ``safety_identifier`` and ``prompt_cache_key``, chat's ``store``, ``metadata``,
@@ -151,7 +152,6 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
         for name in (
             "skip_special_tokens",
             "spaces_between_special_tokens",
-            "include_stop_str_in_output",
             "prompt_logprobs",
             "truncate_prompt_tokens",
             "structured_outputs",
@@ -195,6 +195,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     #: vLLM's: each choice carries its ``token_ids`` (a stream's chunk, its new ones) and the prompt's
@@ -259,6 +260,7 @@ class _SamplingFields(_Strict):
             logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
             **optional,
