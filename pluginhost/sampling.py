@@ -65,7 +65,8 @@ class SamplingParams:
       -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
-    * ``include_stop_str_in_output``: the text stops after the stop string instead.
+    * ``include_stop_str_in_output``: the text stops after the stop string instead,
+      and holds the text of a stop token id that ended it (not of a special token).
     * ``stop_token_ids``: token ids that end generation; the token is kept in
       ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.

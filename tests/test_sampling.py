@@ -557,6 +557,12 @@ def test_stop_strings_cut_the_text_across_token_boundaries(scripted):
     # vLLM's include_stop_str_in_output: up to its end (not the rest of the token that completed it).
     kept = scripted.generate([[2]], greedy(max_tokens=40, stop=stop, include_stop_str_in_output=True))[0].outputs[0]
     assert (kept.text, kept.stop_reason, kept.token_ids) == (TEXT[:end], stop, out.token_ids)
+    # A stop token id's text too (vLLM decodes it then), where it is no special token.
+    stop_id = ids[k]
+    by_id = greedy(max_tokens=40, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    kept = scripted.generate([[2]], by_id)[0].outputs[0]
+    assert (kept.text, kept.stop_reason) == ("".join(pieces[: k + 1]), stop_id)
+    assert scripted.generate([[2]], by_id.clone(include_stop_str_in_output=False))[0].text == "".join(pieces[:k])
 
 
 def test_several_stop_strings_end_at_the_earliest(scripted):

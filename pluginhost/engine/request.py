@@ -80,10 +80,13 @@ class Sequence:
             self.logprobs.append(step)
             self.cumulative_logprob += step[token]
         if len(self.token_ids) >= self.params.min_tokens and token in self.sampling.stop_ids:
-            # End-of-sequence or a stop token id: kept in token_ids, left out of the text (as vLLM does).
+            # End-of-sequence or a stop token id: kept in token_ids, left out of the text (as vLLM does), unless the
+            # stop is to be in the output (a special token's text is still skipped).
             self.finish_reason = "stop"
             self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
             if self.detokenizer is not None:
+                if self.params.include_stop_str_in_output:
+                    self.detokenizer.push(token, check_stop=False)
                 self.detokenizer.flush()
             return
         stop_string = None
