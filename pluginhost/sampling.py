@@ -65,6 +65,8 @@ class SamplingParams:
       -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
+    * ``skip_special_tokens``: leave special tokens' text out of the text (``False``:
+      keep it, as vLLM; a stop token's text stays out either way).
     * ``include_stop_str_in_output``: the text stops after the stop string instead,
       and holds the text of a stop token id that ended it (not of a special token).
     * ``stop_token_ids``: token ids that end generation; the token is kept in
@@ -80,7 +82,7 @@ class SamplingParams:
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
 
     vLLM's fields for what pluginhost does not do (``best_of``, ``prompt_logprobs``,
-    ``detokenize``, ``skip_special_tokens``, ...; see
+    ``detokenize``, ``spaces_between_special_tokens``, ...; see
     ``VLLM_NEUTRAL``) are taken at the values that ask for nothing else, as a port
     passes them, and any other value is refused naming the field.
     """
@@ -106,7 +108,7 @@ class SamplingParams:
     best_of: int | None = field(default=None, repr=False)
     prompt_logprobs: int | None = field(default=None, repr=False)
     detokenize: bool = field(default=True, repr=False)
-    skip_special_tokens: bool = field(default=True, repr=False)
+    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = field(default=True, repr=False)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
@@ -185,7 +187,7 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= -1),
             f"logprobs must be None, an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
         )
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -293,7 +295,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
     "prompt_logprobs": (None,),
     "detokenize": (True,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),
     "structured_outputs": (None,),

@@ -586,6 +586,16 @@ def test_stop_strings_wait_for_min_tokens(scripted):
     assert out.outputs[0].stop_reason == "o" and len(out.token_ids) >= 3
 
 
+def test_skip_special_tokens_false_keeps_their_text_but_not_a_stop_tokens(llm):
+    forced = greedy(max_tokens=3, logit_bias={2: 100.0})  # end-of-sequence three times, ignored
+    eos = llm.tokenizer.convert_ids_to_tokens(2)
+    assert llm.generate([PROMPTS[0]], forced)[0].text == ""
+    assert llm.generate([PROMPTS[0]], forced.clone(skip_special_tokens=False))[0].text == eos * 3
+    ended = forced.clone(ignore_eos=False, skip_special_tokens=False)  # as vLLM: the token that ends it is not text
+    assert llm.generate([PROMPTS[0]], ended)[0].outputs[0].text == ""
+    assert llm.generate([PROMPTS[0]], ended.clone(include_stop_str_in_output=True))[0].text == eos
+
+
 def test_stop_strings_need_a_tokenizer(tiny_opt_no_tokenizer):
     llm = LLM(str(tiny_opt_no_tokenizer), load_installed_plugins=False)
     with pytest.raises(ValueError, match="asks for stop strings, but .* has no tokenizer"):
@@ -743,10 +753,15 @@ def test_vllm_fields_at_their_defaults_are_taken_and_at_other_values_refused_nam
         truncate_prompt_tokens=None,
         structured_outputs=None,
     )
-    assert ported.skip_special_tokens is True and "skip_special_tokens" not in repr(ported)
+    assert ported.detokenize is True and "detokenize" not in repr(ported)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
     assert llm.generate([PROMPTS[0]], ported)[0].outputs == llm.generate([PROMPTS[0]], plain)[0].outputs
-    for name, value in [("detokenize", False), ("best_of", 3), ("skip_special_tokens", 1), ("structured_outputs", {})]:
+    for name, value in [
+        ("detokenize", False),
+        ("best_of", 3),
+        ("spaces_between_special_tokens", 1),
+        ("structured_outputs", {}),
+    ]:
         with pytest.raises(ValueError, match=rf"SamplingParams: {name}=.* is not supported by pluginhost") as caught:
             SamplingParams(**{name: value})
         assert caught.value.param == name

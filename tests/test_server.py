@@ -725,9 +725,9 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
         ),
         (  # a boolean only as a boolean
             "/v1/completions",
-            {"prompt": "x", "skip_special_tokens": 1},
-            "skip_special_tokens",
-            "skip_special_tokens is not supported (only true or null)",
+            {"prompt": "x", "spaces_between_special_tokens": 1},
+            "spaces_between_special_tokens",
+            "spaces_between_special_tokens is not supported (only true or null)",
         ),
         (
             "/v1/chat/completions",

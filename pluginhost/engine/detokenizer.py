@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
 
     ``stop`` strings end the text before them (``include_stop``: after them,
     as vLLM's ``include_stop_str_in_output``): ``push`` then reports the
-    string found, and ``text`` no longer grows.
+    string found, and ``text`` no longer grows. Special tokens are left out of
+    the text unless ``skip_special_tokens`` is false (vLLM's setting).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         *,
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -59,7 +61,8 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop
         # Decoding skips them: left out of the window, so a run of them (end-of-sequence under ignore_eos, padding)
         # is not decoded again at every token after it.
-        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._skip_special = skip_special_tokens
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()) if skip_special_tokens else ())
         self.text = ""
 
     @property
@@ -99,7 +102,7 @@ class IncrementalDetokenizer:
         SentencePiece's byte fallback). vLLM leaves it out too; the tokens stay in ``token_ids``.
         """
         pending = self._ids[self._read :]
-        inside, cut = _cut_off_character(self._tokenizer, pending)
+        inside, cut = _cut_off_character(self._tokenizer, pending, self._skipped)
         pending = pending[: len(pending) - inside]
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix : self._read + len(pending)])
@@ -129,7 +132,7 @@ class IncrementalDetokenizer:
         """How many of the context's last tokens hold nothing but the start of a character it does not finish."""
         if not self._ids or not self._decode(self._ids).endswith(_INCOMPLETE):
             return 0
-        return _cut_off_character(self._tokenizer, self._ids)[0]
+        return _cut_off_character(self._tokenizer, self._ids, self._skipped)[0]
 
     def _find_stop(self, new_chars: int) -> str | None:
         """The stop string that starts earliest among those the new characters complete; cut the text there."""
@@ -146,15 +149,14 @@ class IncrementalDetokenizer:
         return stop
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
 
 
-def _cut_off_character(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[int, int]:
+def _cut_off_character(tokenizer: PreTrainedTokenizerBase, ids: list[int], skipped: frozenset[int]) -> tuple[int, int]:
     """A character the bytes of ``ids`` start without finishing: how many of the last ids hold nothing but its
-    bytes (or are skipped in decoding, as special tokens are), and how many of its bytes are left in the id
+    bytes (or are ``skipped`` in decoding, as special tokens are), and how many of its bytes are left in the id
     before them (a token holding text, then the character's start). ``(0, 0)``: none."""
-    special = set(getattr(tokenizer, "all_special_ids", ()) if ids else ())  # decoding skips them
-    pieces = [b"" if token in special else token_bytes(tokenizer, token) for token in ids]
+    pieces = [b"" if token in skipped else token_bytes(tokenizer, token) for token in ids]
     cut, inside = _cut_off_bytes(b"".join(pieces)), 0
     while cut and inside < len(pieces) and len(pieces[-1 - inside]) <= cut:
         cut -= len(pieces[-1 - inside])

@@ -98,7 +98,11 @@ class InputProcessor:
             detokenizer = None
             if loaded.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
-                    loaded.tokenizer, token_ids, params.stop or (), include_stop=params.include_stop_str_in_output
+                    loaded.tokenizer,
+                    token_ids,
+                    params.stop or (),
+                    include_stop=params.include_stop_str_in_output,
+                    skip_special_tokens=params.skip_special_tokens,
                 )
             sampling = SamplingState(
                 params,

@@ -3,7 +3,7 @@
 Requests follow OpenAI's fields and defaults, plus vLLM's sampling extras
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``allowed_token_ids``, ``bad_words``,
-``include_stop_str_in_output``) and ``extra_args`` (also accepted as
+``include_stop_str_in_output``, ``skip_special_tokens``) and ``extra_args`` (also accepted as
 vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
 ``extra_body``. Chat also takes vLLM's ``chat_template_kwargs``, variables for
@@ -150,7 +150,6 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     **{
         name: tuple(value for value in VLLM_NEUTRAL[name] if value is not None)
         for name in (
-            "skip_special_tokens",
             "spaces_between_special_tokens",
             "prompt_logprobs",
             "truncate_prompt_tokens",
@@ -196,6 +195,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     #: vLLM's: each choice carries its ``token_ids`` (a stream's chunk, its new ones) and the prompt's
@@ -261,6 +261,7 @@ class _SamplingFields(_Strict):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
             **optional,
