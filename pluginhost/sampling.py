@@ -65,12 +65,13 @@ class SamplingParams:
       -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
-    * ``skip_special_tokens``: leave special tokens' text out of the text (``False``:
-      keep it, as vLLM; a stop token's text stays out either way).
+    * ``skip_special_tokens``: leave special tokens' text out of the text (``False``: keep it, as vLLM).
     * ``include_stop_str_in_output``: the text stops after the stop string instead,
-      and holds the text of a stop token id that ended it (not of a special token).
+      and holds the text of the stop token that ended it (a special token's only with
+      ``skip_special_tokens=False``), as vLLM decodes it then.
     * ``stop_token_ids``: token ids that end generation; the token is kept in
-      ``token_ids`` but its text is not added, as vLLM does (end-of-sequence alike).
+      ``token_ids`` but its text is not added (but see ``include_stop_str_in_output``),
+      as vLLM does (end-of-sequence alike).
     * ``ignore_eos``: keep generating past the end-of-sequence token.
     * ``logit_bias``: ``{token_id: bias}`` added to those tokens' logits before
       the penalties, temperature and filters (a ``-inf`` bias bans a token).

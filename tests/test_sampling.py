@@ -573,6 +573,23 @@ def test_several_stop_strings_end_at_the_earliest(scripted):
     # One token completing two (" quick" holds "qui" and "ui"): the one earlier in the text, whichever is listed first.
     out = scripted.generate([[2]], greedy(max_tokens=40, stop=["ui", "qui"]))[0]
     assert out.text == "The " and out.outputs[0].stop_reason == "qui"
+    # Kept in the text, the one that ends first: "m" inside "umps" (the text held a whole "m" and went on).
+    out = scripted.generate([[2]], greedy(max_tokens=40, stop=["umps", "m"], include_stop_str_in_output=True))[0]
+    assert out.text == "The quick brown fox jum" and out.outputs[0].stop_reason == "m"
+
+
+def test_a_stop_token_whose_text_completes_a_stop_string_stops_there_when_it_is_kept(scripted):
+    # include_stop_str_in_output decodes the stop token (as vLLM): a stop string it completes is the reason, and
+    # the text ends after that string (it kept the token's whole text, the token id the reason).
+    pieces = [scripted.tokenizer.decode([t]) for t in Scripted.script[1:]]
+    at = next(i for i, piece in enumerate(pieces) if len(piece.strip()) >= 3)  # a token of three characters or more
+    word = pieces[at].strip()
+    params = greedy(max_tokens=40, stop=[word[:2]], stop_token_ids=[Scripted.script[1 + at]])
+    out = scripted.generate([[2]], params.clone(include_stop_str_in_output=True))[0].outputs[0]
+    before = "".join(pieces[:at]) + pieces[at][: pieces[at].index(word)]
+    assert (out.text, out.stop_reason) == (before + word[:2], word[:2])
+    out = scripted.generate([[2]], params)[0].outputs[0]  # not kept: the token id ended it, its text left out
+    assert (out.text, out.stop_reason) == ("".join(pieces[:at]), Scripted.script[1 + at])
 
 
 def test_stop_strings_wait_for_min_tokens(scripted):

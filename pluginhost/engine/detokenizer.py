@@ -135,17 +135,24 @@ class IncrementalDetokenizer:
         return _cut_off_character(self._tokenizer, self._ids, self._skipped)[0]
 
     def _find_stop(self, new_chars: int) -> str | None:
-        """The stop string that starts earliest among those the new characters complete; cut the text there."""
+        """The stop string the text ends soonest at, of those the new characters complete; cut the text there.
+
+        Soonest: the earliest start, where the text ends before it; the earliest end, where it keeps the string
+        (a later-starting one may end first: ``"m"`` in ``"umps"``, and no stop string is left whole mid-text).
+        """
         found: tuple[int, str] | None = None
         for stop in self._stop:
             # Only where the new characters could complete it.
             index = self.text.find(stop, max(0, len(self.text) - new_chars - len(stop) + 1))
-            if index >= 0 and (found is None or index < found[0]):
-                found = (index, stop)
+            if index < 0:
+                continue
+            cut = index + len(stop) if self._include_stop else index
+            if found is None or cut < found[0]:
+                found = (cut, stop)
         if found is None:
             return None
-        index, stop = found
-        self.text = self.text[: index + len(stop) if self._include_stop else index]
+        cut, stop = found
+        self.text = self.text[:cut]
         return stop
 
     def _decode(self, ids: list[int]) -> str:

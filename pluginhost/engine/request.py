@@ -85,8 +85,9 @@ class Sequence:
             self.finish_reason = "stop"
             self.stop_reason = token if token in (self.params.stop_token_ids or ()) else None
             if self.detokenizer is not None:
-                if self.params.include_stop_str_in_output:
-                    self.detokenizer.push(token, check_stop=False)
+                if self.params.include_stop_str_in_output:  # its text may complete a stop string: then that ended it
+                    found = self.detokenizer.push(token, check_stop=len(self.token_ids) > self.params.min_tokens)
+                    self.stop_reason = found if found is not None else self.stop_reason
                 self.detokenizer.flush()
             return
         stop_string = None
