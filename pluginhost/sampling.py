@@ -192,26 +192,10 @@ class SamplingParams:
             value = getattr(self, name)
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        check(
-            "stop",
-            stop is None or (isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop)),
-            f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+        self.stop = _strings(
+            check, "stop", stop, bool, "a non-empty string or a list of them", MAX_STOP_STRINGS, "strings", self.stop
         )
-        check(
-            "stop",
-            stop is None or len(stop) <= MAX_STOP_STRINGS,
-            f"stop may hold at most {MAX_STOP_STRINGS} strings (each is looked for after every token), got "
-            f"{len(stop or ())}",
-        )
-        self.stop = list(stop) if stop else None
-        ids = self.stop_token_ids
-        checked = _token_ids(ids) if isinstance(ids, list | tuple) else None
-        check(
-            "stop_token_ids",
-            ids is None or checked is not None,
-            f"stop_token_ids must be a list of token ids >= 0, got {_short(ids)}",
-        )
-        self.stop_token_ids = checked or None
+        self.stop_token_ids = _id_list(check, "stop_token_ids", self.stop_token_ids) or None
         self._check_token_choices(check)
         check(
             "extra_args",
@@ -244,32 +228,23 @@ class SamplingParams:
             self.logit_bias = dict(zip(ids, values, strict=True))  # type: ignore[arg-type]  # checked above
         else:
             self.logit_bias = None
-        allowed = self.allowed_token_ids
-        ids = _token_ids(allowed) if isinstance(allowed, list | tuple) else None
-        check(
-            "allowed_token_ids",
-            allowed is None or ids is not None,
-            f"allowed_token_ids must be a list of token ids >= 0, got {_short(allowed)}",
-        )
+        allowed = _id_list(check, "allowed_token_ids", self.allowed_token_ids)
         check(
             "allowed_token_ids",
             allowed is None or len(allowed) > 0,
             "allowed_token_ids is empty: it would allow no token (None allows every token)",
         )
-        self.allowed_token_ids = ids
-        words = self.bad_words
-        check(
+        self.allowed_token_ids = allowed
+        self.bad_words = _strings(
+            check,
             "bad_words",
-            words is None or (isinstance(words, list | tuple) and all(isinstance(w, str) and w.strip() for w in words)),
-            f"bad_words must be a list of words (non-blank strings), got {_short(words)}",
+            self.bad_words,
+            str.strip,
+            "a list of words (non-blank strings)",
+            MAX_BAD_WORDS,
+            "words",
+            self.bad_words,
         )
-        check(
-            "bad_words",
-            words is None or len(words) <= MAX_BAD_WORDS,
-            f"bad_words may hold at most {MAX_BAD_WORDS} words (each is looked for after every token), got "
-            f"{len(words or ())}",
-        )
-        self.bad_words = list(words) if words else None
 
     @property
     def greedy(self) -> bool:
@@ -377,6 +352,31 @@ def _plain(value: object) -> object:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strings(
+    check: Any, name: str, values: Any, usable: Any, what: str, most: int, unit: str, given: Any
+) -> list[str] | None:
+    """``values`` (a list of strings each ``usable``, at most ``most``) as a list, or None for none; ``check``
+    refuses them otherwise, showing ``given``. Each is looked for after every token: hence the bound."""
+    check(
+        name,
+        values is None or (isinstance(values, list | tuple) and all(isinstance(v, str) and usable(v) for v in values)),
+        f"{name} must be {what}, got {_short(given)}",
+    )
+    check(
+        name,
+        values is None or len(values) <= most,
+        f"{name} may hold at most {most} {unit} (each is looked for after every token), got {len(values or ())}",
+    )
+    return list(values) if values else None
+
+
+def _id_list(check: Any, name: str, value: Any) -> list[int] | None:
+    """``value``, a list (or tuple) of token ids, as a list of Python ints; ``check`` refuses anything else."""
+    ids = _token_ids(value) if isinstance(value, list | tuple) else None
+    check(name, value is None or ids is not None, f"{name} must be a list of token ids >= 0, got {_short(value)}")
+    return ids
 
 
 def _token_ids(values: Any) -> list[int] | None:

@@ -37,6 +37,17 @@ def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 12, **kwargs})
 
 
+@torch.no_grad()
+def transformers_greedy(reference: HFOPTForCausalLM, **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy ``generate`` on ``PROMPTS`` (12 new tokens each, end-of-sequence ignored)."""
+    return [
+        reference.generate(
+            torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=1, **generate_kwargs
+        )[0, len(p) :].tolist()
+        for p in PROMPTS
+    ]
+
+
 # -- penalties ----------------------------------------------------------------------------
 
 
@@ -44,19 +55,7 @@ def greedy(**kwargs) -> SamplingParams:
 def test_repetition_penalty_equals_transformers_generate(llm, reference, penalty):
     plain = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
     ours = [o.token_ids for o in llm.generate(PROMPTS, greedy(repetition_penalty=penalty))]
-    with torch.no_grad():
-        theirs = [
-            reference.generate(
-                torch.tensor([p]),
-                max_new_tokens=12,
-                do_sample=False,
-                repetition_penalty=penalty,
-                eos_token_id=None,
-                pad_token_id=1,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]
-    assert ours == theirs
+    assert ours == transformers_greedy(reference, repetition_penalty=penalty)
     assert ours != plain  # the penalty changed something, so the comparison means something
 
 
@@ -358,19 +357,7 @@ def test_logit_bias_equals_transformers_sequence_bias(llm, reference):
     plain = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
     bias = {plain[0][0]: -4.0, plain[1][2]: -9.5, 77: 3.0, 300: 2.5}
     ours = [o.token_ids for o in llm.generate(PROMPTS, greedy(logit_bias=bias))]
-    with torch.no_grad():
-        theirs = [
-            reference.generate(
-                torch.tensor([p]),
-                max_new_tokens=12,
-                do_sample=False,
-                sequence_bias={(t,): b for t, b in bias.items()},
-                eos_token_id=None,
-                pad_token_id=1,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]
-    assert ours == theirs
+    assert ours == transformers_greedy(reference, sequence_bias={(t,): b for t, b in bias.items()})
     assert ours != plain  # the bias changed something, so the comparison means something
 
 

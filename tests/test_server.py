@@ -237,23 +237,21 @@ def test_streamed_text_with_stop_strings_adds_up_to_the_whole(client, offline, c
         assert text == free[:9] and expected.finish_reason == "stop"
 
 
+def completion_texts(client: openai.OpenAI, **request) -> tuple[str, str]:
+    """The completion's text for ``request`` (one prompt, one choice), answered whole, then streamed."""
+    whole = client.completions.create(model="demo", **request).choices[0].text
+    chunks = client.completions.create(model="demo", stream=True, **request)
+    return whole, "".join(c.choices[0].text for c in chunks)
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(client, offline):
     plain = offline.generate([PROMPTS[0]], greedy(20))[0].text
     stop = plain.split()[2]  # a word the answer has
     expected = offline.generate([PROMPTS[0]], greedy(20, stop=[stop], include_stop_str_in_output=True))[0]
     assert expected.text.endswith(stop) and expected.text == plain[: plain.index(stop) + len(stop)]
-    for stream in (False, True):
-        answer = client.completions.create(
-            model="demo",
-            prompt=PROMPTS[0],
-            max_tokens=20,
-            temperature=0,
-            stop=[stop],
-            stream=stream,
-            extra_body={"include_stop_str_in_output": True},
-        )
-        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
-        assert text == expected.text
+    asked = {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stop": [stop]}
+    texts = completion_texts(client, **asked, extra_body={"include_stop_str_in_output": True})
+    assert texts == (expected.text, expected.text)
 
 
 def test_vllm_extras_through_extra_body(client, offline):
@@ -274,18 +272,15 @@ def test_logit_bias_allowed_token_ids_and_bad_words_answer_as_the_offline_engine
     asked = {"logit_bias": {module: 5.0}, "bad_words": ["plugin"]}
     expected = offline.generate([PROMPTS[0]], greedy(10, **asked))[0].text
     assert expected != offline.generate([PROMPTS[0]], greedy(10))[0].text
-    for stream in (False, True):
-        answer = client.completions.create(
-            model="demo",
-            prompt=PROMPTS[0],
-            max_tokens=10,
-            temperature=0,
-            logit_bias={str(module): 5},  # the client's own field; JSON's keys are strings
-            stream=stream,
-            extra_body={"bad_words": ["plugin"]},
-        )
-        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
-        assert text == expected
+    texts = completion_texts(
+        client,
+        prompt=PROMPTS[0],
+        max_tokens=10,
+        temperature=0,
+        logit_bias={str(module): 5},  # the client's own field; JSON's keys are strings
+        extra_body={"bad_words": ["plugin"]},
+    )
+    assert texts == (expected, expected)
     allowed = tokenizer.encode(" a plugin is", add_special_tokens=False)
     chat = client.chat.completions.create(
         model="demo", messages=USER, max_tokens=6, temperature=0, extra_body={"allowed_token_ids": allowed}
