@@ -29,7 +29,8 @@ GREEDY_TEMPERATURE = 1e-5
 #: times slower. OpenAI's API allows 4; vLLM sets no limit.
 MAX_STOP_STRINGS = 64
 
-#: The most ``bad_words`` one request may give: like stop strings, each is looked for after every token.
+#: The most ``bad_words`` one request may give: each is tokenized twice when the engine takes the request, and
+#: those of several tokens are compared with the output at every step its last token begins one.
 MAX_BAD_WORDS = 1024
 
 
@@ -193,7 +194,14 @@ class SamplingParams:
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         self.stop = _strings(
-            check, "stop", stop, bool, "a non-empty string or a list of them", MAX_STOP_STRINGS, "strings", self.stop
+            check,
+            "stop",
+            stop,
+            bool,
+            "a non-empty string or a list of them",
+            MAX_STOP_STRINGS,
+            "strings (each is looked for after every token)",
+            self.stop,
         )
         self.stop_token_ids = _id_list(check, "stop_token_ids", self.stop_token_ids) or None
         self._check_token_choices(check)
@@ -242,7 +250,7 @@ class SamplingParams:
             str.strip,
             "a list of words (non-blank strings)",
             MAX_BAD_WORDS,
-            "words",
+            "words (each is tokenized for the request, and checked as the output grows)",
             self.bad_words,
         )
 
@@ -357,8 +365,8 @@ def _is_int(value: object) -> bool:
 def _strings(
     check: Any, name: str, values: Any, usable: Any, what: str, most: int, unit: str, given: Any
 ) -> list[str] | None:
-    """``values`` (a list of strings each ``usable``, at most ``most``) as a list, or None for none; ``check``
-    refuses them otherwise, showing ``given``. Each is looked for after every token: hence the bound."""
+    """``values`` (a list of at most ``most`` strings, each ``usable``) as a list, or None for none; ``check``
+    refuses them otherwise, showing ``given``. ``unit`` names them, and says why they are bounded."""
     check(
         name,
         values is None or (isinstance(values, list | tuple) and all(isinstance(v, str) and usable(v) for v in values)),
@@ -367,7 +375,7 @@ def _strings(
     check(
         name,
         values is None or len(values) <= most,
-        f"{name} may hold at most {most} {unit} (each is looked for after every token), got {len(values or ())}",
+        f"{name} may hold at most {most} {unit}, got {len(values or ())}",
     )
     return list(values) if values else None
 

@@ -111,11 +111,12 @@ def llm(tiny_opt: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def demo_llm() -> LLM:
-    """An engine on the demo model (real words, a real tokenizer): one per test module that asks for it."""
+    """An engine on the demo model (real words, a real tokenizer), on the default device, as a server's engine built
+    beside it is (seeded draws then come from the same kind of generator): one per test module that asks for it."""
     from pluginhost import LLM
     from pluginhost.demo import ensure_demo_model
 
-    return LLM(str(ensure_demo_model()), load_installed_plugins=False, device="cpu")
+    return LLM(str(ensure_demo_model()), load_installed_plugins=False)
 
 
 @pytest.fixture(scope="session")

@@ -724,6 +724,9 @@ def test_chat_needs_a_chat_template_and_says_so(llm):
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     answer = llm.chat(conversation, SamplingParams(max_tokens=2, ignore_eos=True), chat_template=template)[0]
     assert answer.prompt == "user: Hi\nassistant:" and len(answer.token_ids) == 2
+    with pytest.raises(ValueError, match="set add_generation_prompt=False to continue") as caught:
+        llm.chat(conversation, chat_template=template, continue_final_message=True)
+    assert caught.value.param == "continue_final_message"
 
 
 @pytest.mark.parametrize(

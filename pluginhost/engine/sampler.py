@@ -21,9 +21,11 @@ without them is one ``argmax``. A row whose state is ``None`` gets no token
 
 A row the processors (or the request's own choices) leave without a token to
 choose (every logit -inf, or a NaN, which ``argmax`` would pick) raises
-``NoTokenLeft``, naming the processor, before any row draws: greedy decoding would pick token 0 for ever, sampling
-would fail. What the check costs (one pass over the logits after each
-processor, one read for the whole batch) is paid only when processors ran.
+``NoTokenLeft``, naming the processor (none when the request's own choices
+emptied it), before any row draws: greedy decoding would pick token 0 for ever,
+sampling would fail. What the check costs (one pass over the logits after each
+processor, and after the requests' choices when one may empty its row; one read
+for the whole batch) is paid only then.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class NoTokenLeft(Exception):
         by_min_tokens: frozenset[int] = frozenset(),
         by_request: frozenset[int] = frozenset(),
     ) -> None:
-        super().__init__(f"the logits processors left no token to choose in rows {sorted(rows)}")
+        super().__init__(f"the logits processors or the requests' own choices left no token in rows {sorted(rows)}")
         self.rows, self.by_min_tokens, self.by_request = rows, by_min_tokens, by_request
 
     def renumbered(self, rows: Sequence[int]) -> NoTokenLeft:
