@@ -38,7 +38,7 @@ import torch
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, Sequence
 from pluginhost.engine.runner import ModelOutputError, ModelRunner
-from pluginhost.engine.sampler import NoTokenLeft, sample
+from pluginhost.engine.sampler import NoTokenLeft, choices_given, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import (
     EngineOverloadedError,
@@ -802,15 +802,7 @@ def _choices_emptied(request: EngineRequest, sequence: Sequence, by_min_tokens: 
     ``min_tokens``) left a sample no token to choose: what the engine could not see when it took the request (a
     bad word of several tokens bans its last only once the others are out)."""
     params = request.params
-    given = [
-        name
-        for name, value in (
-            ("allowed_token_ids", params.allowed_token_ids),
-            ("bad_words", params.bad_words),
-            ("logit_bias", params.logit_bias),
-        )
-        if value
-    ]
+    given = choices_given(params)
     held = f", and min_tokens={params.min_tokens} holds back the tokens that would end it," if by_min_tokens else ""
     return InvalidParameterError(
         f"this request's {' and '.join(given)}{held} left no token to choose after {len(sequence.token_ids)} "

@@ -15,7 +15,7 @@ from pluginhost.engine.detokenizer import IncrementalDetokenizer
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, OutputCallback
 from pluginhost.engine.request import Sequence as EngineSequence
-from pluginhost.engine.sampler import SamplingState, TokenChoices
+from pluginhost.engine.sampler import SamplingState, TokenChoices, choices_given
 from pluginhost.errors import InvalidParameterError, PluginHookError, PromptTooLongError, RequestRefusedError
 from pluginhost.sampling import SamplingParams, check_min_tokens_within_cap, kind_of
 from pluginhost.tokenizer import most_chars_per_token
@@ -228,7 +228,8 @@ class InputProcessor:
     def _token_choices(self, index: int, params: SamplingParams, held_back: frozenset[int]) -> TokenChoices | None:
         """The request's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as the sampler applies them; refused
         (``InvalidParameterError``) when they name a token outside the vocabulary, or leave none to choose."""
-        if not (params.logit_bias or params.allowed_token_ids or params.bad_words):
+        fields = choices_given(params)
+        if not fields:
             return None
         loaded = self._loaded
         V, device = loaded.vocab_size, loaded.device
@@ -254,19 +255,17 @@ class InputProcessor:
         # only after the others: the sampler checks for those): refused now if nothing.
         choosable = set(params.allowed_token_ids) - never if params.allowed_token_ids else None
         left = len(choosable) if choosable is not None else V - len(never)
-        given = " and ".join(n for n in ("allowed_token_ids", "bad_words", "logit_bias") if getattr(params, n))
+        given = f"its {' and '.join(fields)} {'leave' if len(fields) > 1 else 'leaves'}"
         if not left:
             raise InvalidParameterError(
-                f"prompt {index}: its {given} {'leave' if ' and ' in given else 'leaves'} no token of the vocabulary "
-                "to choose. Allow more tokens, or ban fewer.",
+                f"prompt {index}: {given} no token of the vocabulary to choose. Allow more tokens, or ban fewer.",
                 param="allowed_token_ids" if params.allowed_token_ids else "logit_bias",
             )
         ending = {t for t in held_back if t < V}
         if params.min_tokens and (choosable <= ending if choosable is not None else left <= len(ending - never)):
             raise InvalidParameterError(
-                f"prompt {index}: its {given} {'leave' if ' and ' in given else 'leaves'} only tokens that would end "
-                "it, which min_tokens="
-                f"{params.min_tokens} forbids: no token to choose. Allow more tokens, or lower min_tokens.",
+                f"prompt {index}: {given} only tokens that would end it, which min_tokens={params.min_tokens} "
+                "forbids: no token to choose. Allow more tokens, or lower min_tokens.",
                 param="min_tokens",
             )
 

@@ -87,7 +87,8 @@ class Sequence:
             if self.detokenizer is not None:
                 if self.params.include_stop_str_in_output:  # its text may complete a stop string: then that ended it
                     found = self.detokenizer.push(token, check_stop=len(self.token_ids) > self.params.min_tokens)
-                    self.stop_reason = found if found is not None else self.stop_reason
+                    if found is not None:
+                        self.stop_reason = found
                 self.detokenizer.flush()
             return
         stop_string = None

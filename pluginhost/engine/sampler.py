@@ -40,7 +40,12 @@ from torch import Tensor
 
 from pluginhost.sampling import SamplingParams
 
-__all__ = ["NoTokenLeft", "Processor", "SamplingState", "TokenChoices", "sample", "top_logprobs"]
+__all__ = ["NoTokenLeft", "Processor", "SamplingState", "TokenChoices", "choices_given", "sample", "top_logprobs"]
+
+
+def choices_given(params: SamplingParams) -> list[str]:
+    """The fields making a request's ``TokenChoices`` that ``params`` sets, in the order messages name them."""
+    return [name for name in ("allowed_token_ids", "bad_words", "logit_bias") if getattr(params, name)]
 
 
 @dataclass(frozen=True)
