@@ -766,6 +766,8 @@ class _Completions(_Shape):
     def __init__(self, api: _API, request_id: str, body: CompletionRequest) -> None:
         super().__init__(api, request_id, body)
         self.echo = body.echo
+        #: Each prompt's echoed text, by its request: decoded once, not for each of its n choices.
+        self._echoes: dict[str, str] = {}
 
     def echoed(self, output: RequestOutput) -> str:
         """What ``echo`` puts before a choice's text: its prompt, as given, or the text of a prompt of token ids,
@@ -774,7 +776,9 @@ class _Completions(_Shape):
             return ""
         if output.prompt is not None or self.tokenizer is None:
             return output.prompt or ""
-        return self.tokenizer.decode(output.prompt_token_ids)
+        if output.request_id not in self._echoes:
+            self._echoes[output.request_id] = self.tokenizer.decode(output.prompt_token_ids)
+        return self._echoes[output.request_id]
 
     def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         offsets = _choice_offsets(streams)
