@@ -28,6 +28,7 @@ import torch
 from common import checkpoint_dir, machine, random_prompts, setup_threads
 
 from pluginhost import LLM, SamplingParams, hookimpl
+from pluginhost.engine.runner import StepOutput
 from pluginhost.logits_processors import LogitsProcessor
 
 
@@ -127,7 +128,8 @@ def engine_step_us(llm: LLM, prompts: list[list[int]], new: int, runs: int) -> f
     """Best over ``runs`` of the median decode step (us) with the forward replaced by stored logits."""
     runner = llm.engine.runner
     stored = torch.randn(len(prompts), llm.vocab_size, generator=torch.Generator().manual_seed(1))
-    runner.execute = lambda plan: stored[: len(plan.active_rows)].clone()  # a fresh tensor, as a forward gives
+    # A fresh tensor, as a forward gives.
+    runner.execute = lambda plan: StepOutput(stored[: len(plan.active_rows)].clone())
     try:
         step_ms(llm, prompts, 8)  # warm up: the first steps allocate
         return min(step_ms(llm, prompts, new) for _ in range(runs)) * 1000

@@ -194,7 +194,8 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
                 tokens=inputs.tokens + [0] * finished,
                 positions=inputs.positions + [last] * finished,
             )
-            return run(padded)[: inputs.num_rows]
+            computed = run(padded)
+            return dataclasses.replace(computed, logits=computed.logits[: inputs.num_rows])
 
         core.runner.run = run_every_row
     run_server(build_app(engine, served_model_name="bench"), engine, bind("127.0.0.1", port), served_model_name="bench")

@@ -77,6 +77,10 @@ class RequestOutput:
     #: The output's own copy of the prompt's token ids (changing it changes nothing else).
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    #: ``None``, or with ``prompt_logprobs``, one entry per prompt token: ``None`` for the first (nothing precedes
+    #: it), then its ``{token_id: logprob}`` given the tokens before it (the prompt's token and the top k; each a
+    #: read-only ``TokenLogprobs``). The list is the output's own.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

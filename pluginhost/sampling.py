@@ -64,6 +64,10 @@ class SamplingParams:
       log-probabilities (of the model's distribution, before penalties,
       temperature and filtering) of the chosen token and of the k most likely;
       -1: of every token of the vocabulary, as in vLLM (within ``max_logprobs``).
+    * ``prompt_logprobs``: ``None``, or k >= 0 (-1: all): the output's
+      ``prompt_logprobs`` holds, for each prompt token after the first, the
+      log-probabilities of it and of the k most likely tokens given the
+      tokens before it (the model's distribution; within ``max_logprobs``).
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
     * ``skip_special_tokens``: leave special tokens' text out of the text (``False``: keep it, as vLLM).
@@ -83,10 +87,10 @@ class SamplingParams:
       ``MAX_BAD_WORDS``.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
 
-    vLLM's fields for what pluginhost does not do (``best_of``, ``prompt_logprobs``,
-    ``detokenize``, ``spaces_between_special_tokens``, ...; see
-    ``VLLM_NEUTRAL``) are taken at the values that ask for nothing else, as a port
-    passes them, and any other value is refused naming the field.
+    vLLM's fields for what pluginhost does not do (``best_of``, ``detokenize``,
+    ``spaces_between_special_tokens``, ...; see ``VLLM_NEUTRAL``) are taken at
+    the values that ask for nothing else, as a port passes them, and any other
+    value is refused naming the field.
     """
 
     n: int = 1
@@ -104,11 +108,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     extra_args: dict[str, Any] | None = field(default=None)
     # vLLM's, at their neutral values only (VLLM_NEUTRAL): kept out of the repr, which shows what decodes.
     # (bad_words, allowed_token_ids and logit_bias are taken; they stay where vLLM's order puts them.)
     best_of: int | None = field(default=None, repr=False)
-    prompt_logprobs: int | None = field(default=None, repr=False)
     detokenize: bool = field(default=True, repr=False)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = field(default=True, repr=False)
@@ -184,11 +188,13 @@ class SamplingParams:
             self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,
             f"seed must be in [-2**63, 2**64 - n] (sample i draws from seed + i), got {self.seed!r}",
         )
-        check(
-            "logprobs",
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= -1),
-            f"logprobs must be None, an integer >= 0, or -1 for the whole vocabulary, got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                name,
+                value is None or (_is_int(value) and value >= -1),
+                f"{name} must be None, an integer >= 0, or -1 for the whole vocabulary, got {value!r}",
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
@@ -277,7 +283,6 @@ class SamplingParams:
 #: (``server.protocol``, which adds the fields only a route has).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
-    "prompt_logprobs": (None,),
     "detokenize": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),

@@ -293,7 +293,8 @@ def assert_decoding_matches() -> Callable[..., None]:
     ``check(outputs, prompts, reference, tolerance=1e-4, against="generate")``: for each prompt, at
     every step, the token transformers picks and each reported log-probability within ``tolerance``
     of its own. ``against="generate"``: transformers' cached ``generate``; ``"forward"``: one full
-    forward over the prompt and pluginhost's tokens (no cache on transformers' side).
+    forward over the prompt and pluginhost's tokens (no cache on transformers' side). An output with
+    ``prompt_logprobs`` has them checked against transformers' forward over the prompt too.
     """
     import torch
 
@@ -301,6 +302,8 @@ def assert_decoding_matches() -> Callable[..., None]:
         outputs: Any, prompts: list[list[int]], reference: Any, tolerance: float = 1e-4, against: str = "generate"
     ) -> None:
         for prompt, out in zip(prompts, outputs, strict=True):
+            if out.prompt_logprobs is not None:  # first: transformers' dynamic RoPE keeps the longest length it ran
+                check_prompt(out.prompt_logprobs, prompt, reference, tolerance)
             with torch.no_grad():
                 if against == "forward":
                     logits = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
@@ -321,5 +324,15 @@ def assert_decoding_matches() -> Callable[..., None]:
             steps = logits.float().log_softmax(-1)  # (steps, V): the distribution each token was drawn from
             for step, candidates in zip(steps, out.logprobs, strict=True):
                 assert max(abs(v - float(step[t])) for t, v in candidates.items()) <= tolerance
+
+    def check_prompt(scores: list[Any], prompt: list[int], reference: Any, tolerance: float) -> None:
+        """Each prompt token's log-probability and its most likely ones, as transformers' forward over the prompt."""
+        with torch.no_grad():
+            steps = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)  # (T - 1, V)
+        assert len(scores) == len(prompt) and scores[0] is None
+        for token, step, reported in zip(prompt[1:], steps, scores[1:], strict=True):
+            assert token in reported and max(abs(v - float(step[t])) for t, v in reported.items()) <= tolerance
+            likeliest = [float(step[t]) for t in reported if t != token]  # the top k: none less likely than others
+            assert not likeliest or min(likeliest) >= float(step.topk(len(reported)).values[-1]) - tolerance
 
     return check

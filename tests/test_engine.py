@@ -46,15 +46,23 @@ def test_outputs_have_vllms_shape(llm):
     assert not CompletionOutput(0, "", []).finished()
 
 
+def assert_same_logprobs(one: list | None, other: list | None, tolerance: float = 1e-5) -> None:
+    """Two lists of ``logprobs`` or ``prompt_logprobs``: the same tokens at each step, values within ``tolerance``."""
+    assert (one is None) == (other is None) and len(one or ()) == len(other or ())
+    for a, b in zip(one or (), other or (), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < tolerance
+
+
 def test_batched_results_equal_one_by_one(llm):
-    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=3, ignore_eos=True)
     batched = llm.generate(PROMPTS, params)
     for prompt, together in zip(PROMPTS, batched, strict=True):
         alone = llm.generate([prompt], params)[0]
         assert alone.token_ids == together.token_ids
-        for a, b in zip(alone.logprobs, together.logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert max(abs(a[k] - b[k]) for k in a) < 1e-5
+        assert_same_logprobs(alone.logprobs, together.logprobs)
+        assert_same_logprobs(alone.prompt_logprobs, together.prompt_logprobs)  # padded beside longer prompts
 
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "gpt2"])
@@ -68,7 +76,7 @@ def test_a_prompt_longer_than_max_num_batched_tokens_is_prefilled_in_pieces_to_t
     passes = []
     llm.model.register_forward_pre_hook(lambda module, args: passes.append(tuple(args[0].shape)))
     prompts = [[2, *range(10, 50)], [2, 5, 6]]  # 41 tokens; the second waits for the next prefill step
-    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert passes[:3] == [(1, 16), (1, 16), (1, 9)] and (1, 3) in passes  # (rows, tokens) of each pass
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
@@ -233,11 +241,12 @@ def test_a_model_without_setup_caches_is_recomputed_each_step_with_the_same_resu
         setup_caches = None  # a minimal plugin model: forward and compute_logits only
 
     engine = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", NoCache)])
-    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
     recomputed, cached = engine.generate(PROMPTS, params), llm.generate(PROMPTS, params)
     for a, b in zip(recomputed, cached, strict=True):
         assert a.token_ids == b.token_ids
-        assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True) for k in x)
+        assert_same_logprobs(a.logprobs, b.logprobs, 1e-4)
+        assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs, 1e-4)
 
 
 class ChecksActivations:
@@ -897,6 +906,37 @@ def test_logprobs_minus_one_reports_the_whole_vocabulary_as_vllm_does(tiny_opt, 
         assert sorted(step) == list(range(vocabulary))
         assert max(step, key=step.get) == token  # greedy: the most likely
         assert math.isclose(sum(math.exp(v) for v in step.values()), 1.0, rel_tol=1e-4)
+
+
+def test_prompt_logprobs_score_each_prompt_once_as_vllm_reports_them(tiny_opt, llm):
+    """vLLM's ``prompt_logprobs``: ``None`` for the first token, then each token's and the top k's, given the tokens
+    before it; once per request, whatever its n; within ``max_logprobs``; the model's own distribution."""
+    prompt = PROMPTS[0]
+    with torch.no_grad():  # the model's own forward over the prompt: position p predicts token p + 1
+        steps = llm.model.compute_logits(llm.model(torch.tensor([prompt]), torch.arange(len(prompt))[None]))
+    steps = steps[0, :-1].log_softmax(-1)
+    params = SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=5, prompt_logprobs=2, logit_bias={41: 5.0})
+    out, one_token = llm.generate([prompt, [2]], params)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for token, step, reported in zip(prompt[1:], steps, out.prompt_logprobs[1:], strict=True):
+        values, ids = step.topk(2)
+        assert list(reported)[0] == token and set(ids.tolist()) <= set(reported) <= {token, *ids.tolist()}
+        assert max(abs(v - float(step[t])) for t, v in reported.items()) < 1e-5  # no bias: the model's own
+    assert one_token.prompt_logprobs == [None]  # nothing precedes its only token
+    assert llm.generate([prompt], SamplingParams(max_tokens=1))[0].prompt_logprobs is None  # not asked for
+    own = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert [list(step) for step in own[1:]] == [[t] for t in prompt[1:]]  # k = 0: the prompt's own tokens
+    with pytest.raises(TypeError, match="read-only"):
+        own[1][5] = 0.0
+    with pytest.raises(ValueError, match=r"prompt_logprobs=21 is more than this engine allows \(20\)") as refused:
+        llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=21))
+    assert refused.value.param == "prompt_logprobs"
+    with pytest.raises(ValueError, match="prompt_logprobs must be None, an integer >= 0, or -1"):
+        SamplingParams(prompt_logprobs=-2)
+    every = LLM(str(tiny_opt), load_installed_plugins=False, max_logprobs=-1)
+    whole = every.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=-1))[0].prompt_logprobs
+    assert all(sorted(step) == list(range(llm.vocab_size)) for step in whole[1:])
+    assert all(math.isclose(sum(math.exp(v) for v in step.values()), 1.0, rel_tol=1e-4) for step in whole[1:])
 
 
 def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt):
@@ -1682,8 +1722,9 @@ def test_the_row_cap_holds_while_open_ended_sequences_run_so_none_is_preempted_t
 
 
 def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they_were(long_opt, monkeypatch):
-    """Preempted sequences keep their tokens, sampling state and penalties: each output is the one it has alone."""
-    greedy = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    """Preempted sequences keep their tokens, sampling state and penalties: each output is the one it has alone (its
+    prompt's log-probabilities too, scored once)."""
+    greedy = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, prompt_logprobs=2)
     params = [
         greedy,
         greedy.clone(presence_penalty=0.5),
@@ -1692,7 +1733,8 @@ def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they
     ]
     prompts = [[2, 10 + i, 20 + i] for i in range(4)]
     unbounded = LLM(str(long_opt), load_installed_plugins=False)
-    expected = [unbounded.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    alone = [unbounded.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    expected = [out.token_ids for out in alone]
     llm = LLM(str(long_opt), load_installed_plugins=False)
     room = {"now": memory_for(llm, 8, 512)}
     monkeypatch.setattr("pluginhost.engine.runner.available_bytes", lambda device: room["now"](device))
@@ -1709,12 +1751,18 @@ def test_when_the_memory_shrinks_the_newest_sequences_wait_and_resume_where_they
         llm.engine.step()
     assert [r.error for r in requests] == [None] * 4
     assert [r.output().token_ids for r in requests] == expected
+    for request, out in zip(requests, alone, strict=True):
+        assert_same_logprobs(request.output().prompt_logprobs, out.prompt_logprobs)
     assert sum(s.num_preempted for s in stats) == 2 and max(s.num_running for s in stats[after:]) == 2
-    assert any(inputs.kind == "prefill" and len(inputs.texts[0]) > 256 for inputs, _ in sent)  # recomputed
+    recomputed = [inputs for inputs, _ in sent if inputs.kind == "prefill" and len(inputs.texts[0]) > 256]
+    assert recomputed and not any(inputs.scored for inputs in recomputed)  # a prompt is scored once
     other_rank = LLM(str(long_opt), load_installed_plugins=False).engine.runner  # runs what it is sent, as a rank does
-    for inputs, logits in sent:
+    for inputs, output in sent:
         replayed = other_rank.run(inputs)
-        assert (replayed is None) == (logits is None) and (logits is None or torch.equal(replayed, logits))
+        assert (replayed is None) == (output is None)
+        if output is not None:
+            assert torch.equal(replayed.logits, output.logits)
+            assert replayed.prompt_scores.keys() == output.prompt_scores.keys()
     assert other_rank.cache_shape == llm.engine.runner.cache_shape
 
 

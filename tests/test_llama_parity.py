@@ -101,7 +101,9 @@ def test_cached_batched_decoding_matches_transformers_at_every_step(
     variant, assert_decoding_matches, decoding_attention
 ):
     llm = LLM(str(variant), load_installed_plugins=False, dtype="float32", device="cpu")
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    )
     assert_decoding_matches(outs, PROMPTS, hf(variant), TOLERANCE)
 
 
@@ -112,7 +114,9 @@ def test_cached_decoding_through_every_kernel_matches_transformers(
     model_type, config = VARIANTS[name]
     path = make_tiny_model(tmp_path, model_type, seed=1, **config)
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu")
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True))
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    )
     assert_decoding_matches(outs, PROMPTS, hf(path), TOLERANCE)
 
 
@@ -127,7 +131,7 @@ def test_rope_following_the_length_gives_each_request_what_transformers_gives_it
     model_type, config = LENGTH_DEPENDENT[name]
     path = make_tiny_model(tmp_path, model_type, seed=2, **config)
     llm = LLM(str(path), load_installed_plugins=False, dtype="float32", device="cpu", model_impl=model_impl)
-    params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, ignore_eos=True)
+    params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5, prompt_logprobs=2, ignore_eos=True)
     llm.generate([[2, *range(10, 31)]], params)  # 22 + 10 positions: longer than any below
     prompts = [[2, *range(10, 28)], [2, 5], [2, *range(30, 41)]]  # past 16 at once, never, while decoding
     outs = llm.generate(prompts, params)  # one batch, prefilled together where padding allows

@@ -63,7 +63,9 @@ def test_full_forward_matches_transformers(variant_dir):
 def test_cached_decoding_matches_transformers_at_every_step(variant_dir, assert_decoding_matches, decoding_attention):
     """Batched, left-padded, cached greedy decoding: each step equals a full forward of transformers."""
     llm = LLM(str(variant_dir), load_installed_plugins=False, dtype="float32", device="cpu")
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True))
+    outs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    )
     assert_decoding_matches(outs, PROMPTS, hf_model(variant_dir), TOLERANCE, against="forward")
 
 

@@ -8,6 +8,7 @@ offline engine on the same (demo) model, greedy, so they must be equal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -26,6 +27,7 @@ from pluginhost.testing import RegistersModel, make_tiny_opt
 from pluginhost.testing.models import byte_fallback_tokenizer
 from pluginhost.testing.scripted import scripted_opt
 from pluginhost.testing.server import metric, running_server, wait_until
+from pluginhost.tokenizer import token_text
 
 TIMEOUT = 60
 JSON = {"content-type": "application/json"}
@@ -211,6 +213,41 @@ def test_stop_strings_n_seed_and_logprobs(client, offline):
         [s[t] for s, t in zip(expected.logprobs, expected.token_ids, strict=True)], abs=1e-4
     )
     assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
+
+
+def merged_completion(answer, stream: bool) -> tuple[str, dict[str, list], list[str]]:
+    """A one-choice completion's text, logprobs (each list joined across a stream's chunks) and finish reasons."""
+    choices = [c.choices[0] for c in answer if c.choices] if stream else answer.choices
+    logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for choice in choices:
+        for name, values in logprobs.items():
+            values.extend(getattr(choice.logprobs, name) if choice.logprobs else [])
+    return "".join(c.text for c in choices), logprobs, [c.finish_reason for c in choices if c.finish_reason]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, offline, stream):
+    """lm-eval's loglikelihood requests: echo with logprobs (and max_tokens 1, or 0 for the prompt alone) answer
+    each prompt token's log-probability given those before it, the first one null, then the generated tokens'."""
+    tokenizer = offline.get_tokenizer()
+    expected = offline.generate([PROMPTS[0]], greedy(3, logprobs=1, prompt_logprobs=1))[0]
+    prompt, generated = expected.prompt_token_ids, expected.token_ids
+    scores = [None] + [step[token] for step, token in zip(expected.prompt_logprobs[1:], prompt[1:], strict=True)]
+    names = [token_text(tokenizer, token) for token in prompt + generated]
+    for max_tokens, shown in ((3, len(prompt) + 3), (0, len(prompt))):
+        answer = client.completions.create(
+            model="demo", prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0, echo=True, logprobs=1, stream=stream
+        )
+        text, logprobs, finish_reasons = merged_completion(answer, stream)
+        assert text == PROMPTS[0] + (expected.text if max_tokens else "") and finish_reasons == ["length"]
+        assert logprobs["tokens"] == names[:shown]
+        wanted = scores + [step[token] for step, token in zip(expected.logprobs, generated, strict=True)]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(wanted[1:shown], abs=1e-4)
+        assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+        assert logprobs["text_offset"] == [sum(len(name) for name in names[:i]) for i in range(shown)]
+        if not stream:  # nothing generated is counted for the prompt alone
+            assert answer.usage.completion_tokens == (3 if max_tokens else 0)
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -440,7 +477,7 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
             "/v1/completions",
             {"model": "demo", "prompt": "x", "max_tokens": 0},
             400,
-            "max_tokens must be an integer >= 1",
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
         ),
         ("/v1/completions", {"model": "demo", "prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1]"),
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**6}, 400, "more than max_model_len=256"),
@@ -656,10 +693,9 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
     [
         (
             "/v1/completions",
-            {"prompt": "x", "echo": True, "logprobs": 1},
-            "echo",
-            "echo with logprobs needs the prompt's log-probabilities, which pluginhost does not compute: ask for "
-            "echo or logprobs, not both",
+            {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2},
+            "min_tokens",
+            "min_tokens (2) must be 0 with max_tokens 0",
         ),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix", "suffix is not supported"),
         (
@@ -716,7 +752,8 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
             "/v1/completions",
             {"prompt": "x", "prompt_logprobs": 2},
             "prompt_logprobs",
-            "prompt_logprobs is not supported (only null)",
+            "prompt_logprobs is not supported (only null): for the prompt's log-probabilities, ask /v1/completions "
+            "for echo with logprobs",
         ),
         (  # a boolean only as a boolean
             "/v1/completions",
@@ -934,7 +971,7 @@ def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(client):
 
 
 def test_token_bytes_of_byte_level_and_sentencepiece_pieces(offline):
-    from pluginhost.tokenizer import token_bytes, token_text
+    from pluginhost.tokenizer import token_bytes
 
     byte_level = offline.get_tokenizer()  # the demo model's (GPT-2's byte alphabet)
     ids = byte_level("héllo → 世界", add_special_tokens=False)["input_ids"]
@@ -1138,9 +1175,10 @@ def test_tokens_the_model_gives_no_chance_have_logprob_minus_9999_in_strict_json
     runner, real = engine.engine.runner, engine.engine.runner.execute
 
     def masked(step):
-        logits = real(step).clone()  # the step's own is an inference tensor
+        computed = real(step)
+        logits = computed.logits.clone()  # the step's own is an inference tensor
         logits[:, :100] = logits[:, 103:] = float("-inf")  # only tokens 100-102 may come
-        return logits
+        return dataclasses.replace(computed, logits=logits)
 
     monkeypatch.setattr(runner, "execute", masked)
 

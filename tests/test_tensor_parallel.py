@@ -30,7 +30,7 @@ from pluginhost.testing import make_tiny_model
 from pluginhost.testing.server import wait_until
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
 SEEDED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
 
 
@@ -75,10 +75,13 @@ def tiny_models(tmp_path_factory, tiny_opt):
 def assert_same(one, two):
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
-        if a.logprobs is not None:
-            for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-                assert step_a.keys() == step_b.keys()
-                assert max(abs(step_a[t] - step_b[t]) for t in step_a) < 1e-4
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for logprobs_a, logprobs_b in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            for step_a, step_b in zip(logprobs_a or (), logprobs_b or (), strict=True):
+                assert (step_a is None) == (step_b is None)
+                if step_a is not None:
+                    assert step_a.keys() == step_b.keys()
+                    assert max(abs(step_a[t] - step_b[t]) for t in step_a) < 1e-4
 
 
 @pytest.mark.parametrize(

@@ -156,7 +156,7 @@ def test_cached_decoding_matches_transformers_at_every_step(pair, assert_decodin
     """A batch of prompts of different lengths, cached greedy decoding: each step equals transformers' full forward."""
     llm, reference = pair
     assert llm.model.cache_supported and llm.engine.runner.cached  # the engine's KVCache, not recomputation
-    outs = llm.generate(PROMPTS, greedy(12, logprobs=5))
+    outs = llm.generate(PROMPTS, greedy(12, logprobs=5, prompt_logprobs=5))
     assert llm.engine.runner.cache_shape[0] > 0
     assert_decoding_matches(outs, PROMPTS, reference, TOLERANCE, against="forward")
 

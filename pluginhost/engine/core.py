@@ -37,7 +37,7 @@ import torch
 
 from pluginhost.engine.loader import LoadedModel
 from pluginhost.engine.request import EngineRequest, Sequence
-from pluginhost.engine.runner import ModelOutputError, ModelRunner
+from pluginhost.engine.runner import ModelOutputError, ModelRunner, PromptScores
 from pluginhost.engine.sampler import NoTokenLeft, choices_given, sample
 from pluginhost.engine.scheduler import ScheduledStep, Scheduler
 from pluginhost.errors import (
@@ -294,7 +294,7 @@ class EngineCore:
             if not self._update_processors(plan):
                 return True
             try:
-                tokens, logprobs = self._run(plan)
+                tokens, logprobs, prompt_scores = self._run(plan)
             except KVCacheMemoryError as full:  # nothing ran: make the batch fit, and go on next step
                 self._fit_memory(plan, full)
                 return True
@@ -316,6 +316,8 @@ class EngineCore:
             # Prompt tokens of the sequences prefilled for the first time (not those recomputed after a preemption).
             first = [plan.rows[r] for r in plan.prefill_rows if not plan.rows[r].token_ids]
             prompt_tokens = sum(len(s.prompt_token_ids) for s in first)
+            for row, scores in prompt_scores.items():
+                plan.rows[row].request.score_prompt(scores)
             deliveries, gaps = self._advance(plan, tokens, logprobs)
             stats = EngineStats(
                 num_running=len(plan.rows),
@@ -354,9 +356,11 @@ class EngineCore:
             self._host.record_stats(stats)
         return True
 
-    def _run(self, plan: ScheduledStep) -> tuple[list[int], torch.Tensor | None]:
-        """Logits, log-probabilities (of the model's own distribution) and tokens of the active rows."""
-        logits = self.runner.execute(plan)  # (A, V): the active rows
+    def _run(self, plan: ScheduledStep) -> tuple[list[int], torch.Tensor | None, dict[int, PromptScores]]:
+        """Tokens and log-probabilities (of the model's own distribution) of the active rows; the prompts scored,
+        by row."""
+        computed = self.runner.execute(plan)
+        logits = computed.logits  # (A, V): the active rows
         active = plan.active_rows
         if logits.shape != (len(active), self.loaded.vocab_size):
             raise ModelOutputError(
@@ -376,7 +380,7 @@ class EngineCore:
                 tokens = sample(logits, [plan.rows[r].sampling for r in active])
             except NoTokenLeft as emptied:  # its rows count the active rows only: say which of the plan's
                 raise emptied.renumbered(active) from None
-            return tokens, logprobs  # type: ignore[return-value]  # every state given: every token set
+            return tokens, logprobs, computed.prompt_scores  # type: ignore[return-value]  # every state given
         # Processors see the whole batch, row i being the sequence in row i (idle rows hold no values).
         B = len(plan.rows)
         full = logits
@@ -389,7 +393,7 @@ class EngineCore:
             states[r] = plan.rows[r].sampling  # type: ignore[call-overload]
         with step_rows(active if len(active) < B else None):
             chosen = sample(full, states, self.processors)
-        return [chosen[r] for r in active], logprobs  # type: ignore[misc]
+        return [chosen[r] for r in active], logprobs, computed.prompt_scores  # type: ignore[misc]
 
     # -- logits processors --------------------------------------------------------------
 

@@ -156,13 +156,15 @@ class InputProcessor:
             )
         vocabulary = loaded.vocab_size  # what -1 asks for, and allows (vLLM's reading)
         allowed = vocabulary if config.max_logprobs == -1 else config.max_logprobs
-        if params.logprobs is not None and (vocabulary if params.logprobs == -1 else params.logprobs) > allowed:
-            whole = f" (the whole vocabulary, {vocabulary})" if params.logprobs == -1 else ""
-            raise InvalidParameterError(
-                f"logprobs={params.logprobs}{whole} is more than this engine allows ({allowed}): "
-                "ask for fewer, or raise max_logprobs (-1: the whole vocabulary)",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and (vocabulary if asked == -1 else asked) > allowed:
+                whole = f" (the whole vocabulary, {vocabulary})" if asked == -1 else ""
+                raise InvalidParameterError(
+                    f"{name}={asked}{whole} is more than this engine allows ({allowed}): "
+                    "ask for fewer, or raise max_logprobs (-1: the whole vocabulary)",
+                    param=name,
+                )
         for processor in loaded.logits_processors:
             try:
                 processor.cls.validate_params(params)

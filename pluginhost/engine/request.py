@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from pluginhost.engine.detokenizer import IncrementalDetokenizer
+    from pluginhost.engine.runner import PromptScores
     from pluginhost.sampling import SamplingParams
 
 __all__ = ["EngineRequest", "OutputCallback", "Sequence"]
@@ -154,6 +155,19 @@ class EngineRequest:
     abort_called: set[str] = field(default_factory=set)
     #: The output once finished, as ``on_output`` hooks left it.
     final_output: RequestOutput | None = None
+    #: With ``prompt_logprobs``: the prompt's, from the step that first prefilled it (kept through preemptions).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def score_prompt(self, scores: PromptScores) -> None:
+        """Take the prompt's ``prompt_logprobs`` from its scores: ``None`` for its first token, then each token's
+        ``{token: logprob}`` of it and of the most likely (as a generated token's, the prompt's token first)."""
+        chosen, top_ids, top_values = scores.chosen.tolist(), scores.top_ids.tolist(), scores.top_values.tolist()
+        logprobs: list[TokenLogprobs | None] = [None]
+        for token, logprob, ids, values in zip(self.prompt_token_ids[1:], chosen, top_ids, top_values, strict=True):
+            step = {token: logprob}
+            step.update(zip(ids, values, strict=True))
+            logprobs.append(TokenLogprobs(step))
+        self.prompt_logprobs = logprobs
 
     @property
     def last_token_time(self) -> float | None:
@@ -177,4 +191,5 @@ class EngineRequest:
             self.prompt,
             list(self.prompt_token_ids),
             [s.output(streaming=self.streaming) for s in self.sequences],
+            list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

@@ -36,7 +36,7 @@ from pluginhost.engine.request import Sequence
 from pluginhost.engine.scheduler import ScheduledStep
 from pluginhost.errors import KVCacheMemoryError, ModelClassError
 
-__all__ = ["ModelOutputError", "ModelRunner", "StepInputs"]
+__all__ = ["ModelOutputError", "ModelRunner", "PromptScores", "StepInputs", "StepOutput"]
 
 logger = logging.getLogger("pluginhost")
 
@@ -89,12 +89,15 @@ class StepInputs:
     pass_tokens: int = 0
     #: prefill: each text's prompt length (shorter than the text for a sequence preempted after some tokens).
     prompt_lengths: list[int] = field(default_factory=list)
+    #: prefill and recompute: the texts (by index) whose prompt is scored (``prompt_logprobs``), each with how many
+    #: of the most likely tokens to report at every position (-1: all). A text scored is a prompt, nothing generated.
+    scored: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, step: ScheduledStep, *, cached: bool, pass_tokens: int = 0) -> StepInputs:
         if not cached:
             texts = [step.rows[r].prompt_token_ids + step.rows[r].token_ids for r in step.active_rows]
-            return cls("recompute", texts=texts)
+            return cls("recompute", texts=texts, scored=_scored(step, step.active_rows))
         moves = cls.moves_of(step)
         if step.prefill_rows:
             texts = [list(step.rows[r].prefill_token_ids) for r in step.prefill_rows]
@@ -108,6 +111,7 @@ class StepInputs:
                 texts=texts,
                 pass_tokens=pass_tokens,
                 prompt_lengths=[len(step.rows[r].prompt_token_ids) for r in step.prefill_rows],
+                scored=_scored(step, step.prefill_rows),
             )
         positions = [s.num_computed for s in step.rows]
         return cls("decode", len(step.rows), max(positions) + 1, moves, [s.token_ids[-1] for s in step.rows], positions)
@@ -116,6 +120,28 @@ class StepInputs:
     def moves_of(step: ScheduledStep) -> tuple[tuple[int, int, int], ...]:
         # A sequence with nothing computed yet (its prefill failed before the forward) has no cache row to move.
         return tuple((src, dst, step.rows[dst].num_computed) for src, dst in step.moves if step.rows[dst].num_computed)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """A prompt's own log-probabilities (``prompt_logprobs``): at each position from the second, of the prompt's token
+    there and of the ``k`` most likely, given the tokens before it (the model's distribution, nothing applied)."""
+
+    #: (L - 1,) float32: the log-probability of prompt token ``p + 1`` at row ``p``.
+    chosen: Tensor
+    #: (L - 1, k) float32 and int64: the most likely tokens at each position, the most likely first.
+    top_values: Tensor
+    top_ids: Tensor
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step computed: the logits of its active rows, and the prompts scored."""
+
+    #: (A, V) float32, the active rows in row order.
+    logits: Tensor
+    #: The scored prompts' log-probabilities, by their index in ``StepInputs.texts`` (``execute``: by row).
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -172,8 +198,9 @@ class ModelRunner:
         """(rows, slots) of the KV cache now."""
         return self._rows, self._slots
 
-    def execute(self, step: ScheduledStep) -> Tensor:
-        """The logits of the step's active rows, (len(active_rows), V) float32, in row order.
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        """The logits of the step's active rows, (len(active_rows), V) float32, in row order; the prompts scored,
+        by row.
 
         ``KVCacheMemoryError`` before anything runs when the cache cannot grow to what the step needs.
         """
@@ -192,7 +219,11 @@ class ModelRunner:
                 self.check_memory(inputs.num_rows, inputs.slots_needed, rows_in_use)  # in what they freed
             if not self._fits(inputs.num_rows, inputs.slots_needed):
                 inputs = replace(inputs, cache_shape=self._grown_shape(inputs.num_rows, inputs.slots_needed))
-        return self.run(inputs)
+        output = self.run(inputs)
+        if output.prompt_scores:
+            rows = step.prefill_rows if inputs.kind == "prefill" else step.active_rows
+            output = replace(output, prompt_scores={rows[i]: s for i, s in output.prompt_scores.items()})
+        return output
 
     def apply_moves(self, step: ScheduledStep) -> None:
         """Move the step's rows in the cache, once (the engine does it first in every step); then clear them.
@@ -305,10 +336,10 @@ class ModelRunner:
         return self.memory_sharers * sum(2 * c.k[:1, :, :1].numel() * c.k.element_size() for c in self._caches)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> Tensor:
-        """The logits of a step described by ``inputs`` (what ``execute`` runs, and every rank of a split model)."""
+    def run(self, inputs: StepInputs) -> StepOutput:
+        """What a step described by ``inputs`` computes (what ``execute`` runs, and every rank of a split model)."""
         if inputs.kind == "recompute":
-            return self._recompute(inputs.texts)
+            return self._recompute(inputs.texts, inputs.scored)
         for src, dst, length in inputs.moves:  # first: they stay within the rows held, and a failing resize
             for cache in self._caches:  # must not leave a moved sequence reading another's row
                 cache.move(src, dst, length)
@@ -323,10 +354,11 @@ class ModelRunner:
             # Compiled only at the cache's full rows: under a memory shortage its rows follow the memory free, and
             # each count would compile anew (seconds each, the batch waiting), as often as the memory changes.
             if self.compiled is not None and self._rows == self.max_num_seqs:
-                return self.compiled.logits(
+                logits = self.compiled.logits(
                     inputs.tokens, inputs.positions, cache_rows=self._rows, cache_slots=self._slots
                 )
-            return self._decode_logits(inputs.tokens, inputs.positions)
+                return StepOutput(logits)
+            return StepOutput(self._decode_logits(inputs.tokens, inputs.positions))
         texts, prompt_lengths = inputs.texts, inputs.prompt_lengths
         # Preempted after generating, with RoPE following the length: its keys again as it wrote them, each at the
         # length it had then (the prompt's, then one more a token); at the whole length, later tokens changed.
@@ -338,7 +370,9 @@ class ModelRunner:
             piece = max(1, inputs.pass_tokens // len(group)) if inputs.pass_tokens else width
             return [*range(piece, width, piece), width]
 
-        return self._logits(self._last_hidden(texts, inputs.rows, ends, alone=replayed))  # (P, V)
+        scores: dict[int, PromptScores] = {}
+        hidden = self._last_hidden(texts, inputs.rows, ends, alone=replayed, scored=inputs.scored, scores=scores)
+        return StepOutput(self._logits(hidden), scores)  # (P, V)
 
     def _decode_logits(self, tokens: list[int], positions: list[int]) -> Tensor:
         """One token for every row: logits (B, V) float32."""
@@ -359,33 +393,49 @@ class ModelRunner:
         cache_rows: list[int] | None,
         ends: Callable[[list[int], int], list[int]],
         alone: set[int] = frozenset(),
+        scored: dict[int, int] | None = None,
+        scores: dict[int, PromptScores] | None = None,
     ) -> Tensor:
         """The hidden state of each text's last token (len(texts), W): texts of similar length share a pass
         (``_similar_lengths``; those in ``alone`` have theirs), in pieces ending at ``ends(group, width)``.
 
         ``cache_rows``: each text's row of the KV cache, written as it goes; ``None``: a model without a cache.
+        The texts in ``scored`` (index: top k) are scored as they pass, into ``scores`` (by index).
         """
         lengths = [len(text) for text in texts]
         hidden = None
         for group in _similar_lengths(list(range(len(texts))), lengths, padding=not self._unpadded, alone=alone):
             rows = [cache_rows[i] for i in group] if cache_rows is not None else None
             width = max(lengths[i] for i in group)
-            joined = self._prefill([texts[i] for i in group], rows, ends(group, width))  # (k, W), in group order
+            asked = {j: scored[i] for j, i in enumerate(group) if scored and i in scored}  # by place in the group
+            found: dict[int, PromptScores] = {}
+            joined = self._prefill([texts[i] for i in group], rows, ends(group, width), asked, found)  # (k, W)
+            if scores is not None:
+                scores.update((group[j], s) for j, s in found.items())
             if hidden is None:
                 hidden = joined.new_empty((len(texts), joined.shape[-1]))
             hidden[torch.tensor(group, device=self.device)] = joined
         assert hidden is not None
         return hidden
 
-    def _prefill(self, prompts: list[list[int]], cache_rows: list[int] | None, ends: list[int]) -> Tensor:
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        cache_rows: list[int] | None,
+        ends: list[int],
+        scored: dict[int, int] | None = None,
+        scores: dict[int, PromptScores] | None = None,
+    ) -> Tensor:
         """The prompts of these cache rows (``None``: no cache), right-padded; the hidden state of each one's last
         token.
 
         In pieces of positions ending at ``ends`` (the last: the padded length), one pass each: a piece's
         tokens attend the cache's slots up to its end, as a decoding step attends them. A pass over T
         tokens holds a T x T mask and attention (a 16k-token prompt of a tiny model took 1.5 GiB more,
-        a 64k one ~24), a piece's T x its width.
+        a 64k one ~24), a piece's T x its width. The prompts in ``scored`` (index: top k) are scored piece
+        by piece, into ``scores``.
         """
+        pieces: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {j: [] for j in scored or {}}
         ids, positions, last = self._padded(prompts)
         rows = torch.tensor(cache_rows, device=self.device) if cache_rows is not None else None
         k = ids.shape[0]
@@ -398,14 +448,34 @@ class ModelRunner:
                 out = hidden.new_empty((k, hidden.shape[-1]))
             ending = ((last >= start) & (last < end)).nonzero().flatten()  # the rows whose last token is here
             out[ending] = hidden[ending, last[ending] - start]
+            for j, top in (scored or {}).items():  # position p predicts token p + 1: up to the prompt's last but one
+                stop = min(end, len(prompts[j]) - 1)
+                if stop > start:
+                    pieces[j].append(self._score(hidden[j, : stop - start], ids[j, start + 1 : stop + 1], top))
         assert out is not None
+        if scores is not None:
+            for j, parts in pieces.items():
+                scores[j] = PromptScores(*(torch.cat(p) for p in zip(*parts, strict=True))) if parts else _no_scores()
         return out  # (k, W)
 
-    def _recompute(self, texts: list[list[int]]) -> Tensor:
+    def _score(self, hidden: Tensor, following: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The log-probabilities of ``following`` (C,) and the ``k`` most likely tokens (-1: all) after each of
+        ``hidden`` (C, W): (C,), (C, k), (C, k), a bounded number of positions at a time (C x V floats each)."""
+        parts = []
+        for at in range(0, hidden.shape[0], _SCORED_AT_ONCE):
+            logprobs = self._logits(hidden[at : at + _SCORED_AT_ONCE]).log_softmax(dim=-1)  # (c, V)
+            chosen = logprobs.gather(1, following[at : at + _SCORED_AT_ONCE, None])[:, 0]  # (c,)
+            values, top_ids = logprobs.topk(logprobs.shape[-1] if k == -1 else min(k, logprobs.shape[-1]), dim=-1)
+            parts.append((chosen, values, top_ids))
+        return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
+
+    def _recompute(self, texts: list[list[int]], scored: dict[int, int]) -> StepOutput:
         """The active sequences' whole texts, for a model without a cache, grouped as prompts are prefilled (of
         equal length only, where padding would change the model's results: positions run on through the
-        padding, and RoPE following the length took the longest row's); logits (B, V)."""
-        return self._logits(self._last_hidden(texts, None, lambda group, width: [width]))
+        padding, and RoPE following the length took the longest row's); logits (B, V), and the prompts scored."""
+        scores: dict[int, PromptScores] = {}
+        hidden = self._last_hidden(texts, None, lambda group, width: [width], scored=scored, scores=scores)
+        return StepOutput(self._logits(hidden), scores)
 
     def _forward(self, ids: Tensor, positions: Tensor, rows: Tensor | slice | None, mask: Tensor) -> Tensor:
         """The model's hidden states (B, T, W) of ``ids`` (B, T)."""
@@ -542,6 +612,31 @@ class ModelRunner:
                 "modules (or the model must not define setup_caches)."
             )
         self._rows = self._slots = 0
+
+
+#: Positions of a prompt scored at once: their logits and log-probabilities are this many x the vocabulary each.
+_SCORED_AT_ONCE = 256
+
+
+def _scored(step: ScheduledStep, rows: list[int]) -> dict[int, int]:
+    """Of ``rows``, by index, the prompts to score (``prompt_logprobs``) and their top k: each request's once, by
+    its first sequence to be computed (its others, and a sequence preempted after generating, are not scored)."""
+    scored: dict[int, int] = {}
+    requests = set()
+    for i, row in enumerate(rows):
+        sequence = step.rows[row]
+        request = sequence.request
+        k = sequence.params.prompt_logprobs
+        if k is None or sequence.token_ids or request.prompt_logprobs is not None or id(request) in requests:
+            continue
+        requests.add(id(request))
+        scored[i] = k
+    return scored
+
+
+def _no_scores() -> PromptScores:
+    """The scores of a one-token prompt: nothing precedes its only token."""
+    return PromptScores(torch.empty(0), torch.empty(0, 0), torch.empty(0, 0, dtype=torch.long))
 
 
 def _rows_in_use(step: ScheduledStep) -> int:

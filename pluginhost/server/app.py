@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import re
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -336,9 +338,7 @@ class _API:
             raise bad_request(str(exc), param="prompt") from None
         names = _FieldNames("prompt")
         defaults = self.engine.sampling_defaults
-        params = self._params(
-            lambda: body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=defaults), names
-        )
+        params = self._params(lambda: body.completion_params(defaults), names)
         request_id = random_id("cmpl")
         streams = await self._start(prompts, params, request_id, names, arrival)
         shape = _Completions(self, request_id, body)
@@ -509,10 +509,13 @@ _ON_LOOP_ENTRIES = 2000
 
 
 def _answer_entries(finals: dict[int, RequestOutput]) -> int:
-    """How big an answer is to build: its tokens, and the log-probabilities reported for each."""
-    return sum(
-        len(c.token_ids) * (1 + (len(c.logprobs[0]) if c.logprobs else 0)) for o in finals.values() for c in o.outputs
-    )
+    """How big an answer is to build: its tokens, and the log-probabilities reported for each (an echoed prompt's
+    too, in each of its choices)."""
+    entries = 0
+    for o in finals.values():
+        prompt = len(o.prompt_logprobs) * (1 + len(o.prompt_logprobs[-1] or ())) if o.prompt_logprobs else 0
+        entries += sum(prompt + len(c.token_ids) * (1 + (len(c.logprobs[0]) if c.logprobs else 0)) for c in o.outputs)
+    return entries
 
 
 def _finish_reasons(request: EngineRequest) -> list[str]:
@@ -631,7 +634,7 @@ class _Shape:
         last: dict[int, RequestOutput] = {}
         try:
             async for index, output in _merged(streams):
-                last[index] = output
+                last[index] = self.shown(output)
         except RequestRefusedError as exc:  # a logits processor refused a request as it joined the batch
             raise bad_request(str(exc)) from None
         except InvalidParameterError as exc:  # its own settings left a sample no token to choose (bad_words)
@@ -641,6 +644,10 @@ class _Shape:
         finally:
             self.record(streams)
         return last
+
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """What the answer shows of an output: all of it (completions' ``max_tokens`` 0 leaves the choices out)."""
+        return output
 
     def record(self, streams: Sequence[RequestStream]) -> None:
         """Count each request and its latencies; one that has not finished was given up (client gone)."""
@@ -719,7 +726,7 @@ class _Shape:
         offsets = _choice_offsets(streams)
         try:
             async for index, output in _merged(streams):
-                last[index] = output
+                last[index] = output = self.shown(output)
                 for completion in output.outputs:
                     number = offsets[index] + completion.index
                     if number in finished:
@@ -765,9 +772,26 @@ class _Completions(_Shape):
 
     def __init__(self, api: _API, request_id: str, body: CompletionRequest) -> None:
         super().__init__(api, request_id, body)
-        self.echo = body.echo
+        self.echo, self.prompt_only = body.echo, body.prompt_only
         #: Each prompt's echoed text, by its request: decoded once, not for each of its n choices.
         self._echoes: dict[str, str] = {}
+
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """With ``max_tokens`` 0 (``echo``: the prompt alone), each choice as if nothing was generated: the engine's
+        one token is left out, and a finished choice ended at its length."""
+        if not self.prompt_only:
+            return output
+        empty = [
+            CompletionOutput(
+                c.index,
+                "",
+                [],
+                logprobs=[] if c.logprobs is not None else None,
+                finish_reason="length" if c.finished() else None,
+            )
+            for c in output.outputs
+        ]
+        return replace(output, outputs=empty)
 
     def echoed(self, output: RequestOutput) -> str:
         """What ``echo`` puts before a choice's text: its prompt, as given, or the text of a prompt of token ids,
@@ -786,7 +810,7 @@ class _Completions(_Shape):
             {
                 "index": offsets[index] + c.index,
                 "text": self.echoed(finals[index]) + (c.text if c.text is not None else ""),
-                "logprobs": self.logprobs(c)[0],
+                "logprobs": self.logprobs(c, prompt=finals[index])[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 **self.prompt_ids(finals[index]),
@@ -804,7 +828,8 @@ class _Completions(_Shape):
         def choice(
             number: int, output: RequestOutput, c: CompletionOutput, delta: str, start: int, first: bool
         ) -> dict[str, Any]:
-            logprobs, text_offsets[number] = self.logprobs(c, start, text_offsets.get(number, 0))
+            prompt = output if first else None
+            logprobs, text_offsets[number] = self.logprobs(c, start, text_offsets.get(number, 0), prompt)
             entry = {
                 "index": number,
                 "text": self.echoed(output) + delta if first else delta,
@@ -818,8 +843,11 @@ class _Completions(_Shape):
 
         return self.chunks(streams, usage, choice)
 
-    def logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> tuple[dict[str, Any] | None, int]:
-        """OpenAI's completions logprobs for the tokens from ``start`` on, and the text_offset after them.
+    def logprobs(
+        self, c: CompletionOutput, start: int = 0, offset: int = 0, prompt: RequestOutput | None = None
+    ) -> tuple[dict[str, Any] | None, int]:
+        """OpenAI's completions logprobs for the tokens from ``start`` on, and the text_offset after them; with
+        ``echo``, the ``prompt``'s tokens first (its first token's ``null``: nothing precedes it).
 
         ``offset`` is the text_offset of token ``start``: the length of the tokens' texts before it, each
         decoded alone, which a stream carries from chunk to chunk (decoding them all again for every chunk
@@ -827,12 +855,15 @@ class _Completions(_Shape):
         """
         if c.logprobs is None:
             return None, offset
+        steps: Iterable[tuple[int, dict[int, float] | None]] = zip(c.token_ids[start:], c.logprobs[start:], strict=True)
+        if self.echo and prompt is not None and prompt.prompt_logprobs is not None:
+            steps = itertools.chain(zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True), steps)
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for token, step in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+        for token, step in steps:
             text = self.token_text(token)
             tokens.append(text)
-            token_logprobs.append(_json_logprob(step[token]))
-            top.append({self.token_text(t): _json_logprob(v) for t, v in step.items()})
+            token_logprobs.append(None if step is None else _json_logprob(step[token]))
+            top.append(None if step is None else {self.token_text(t): _json_logprob(v) for t, v in step.items()})
             offsets.append(offset)
             offset += len(text)
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

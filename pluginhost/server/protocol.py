@@ -11,8 +11,8 @@ the chat template (Qwen3's ``{"enable_thinking": false}``).
 
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
 said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
-(``tools``, ``echo`` with ``logprobs``, ``reasoning_effort``, vLLM's
-``prompt_logprobs``...) are accepted at their neutral value (the one
+(``tools``, ``suffix``, ``reasoning_effort``, vLLM's ``prompt_logprobs``
+(completions' ``echo`` with ``logprobs`` gives the prompt's)...) are accepted at their neutral value (the one
 that asks for nothing this server does not do) and refused as not supported at
 any other. Fields that do not change the answer (``user`` and its successors
 ``safety_identifier`` and ``prompt_cache_key``, chat's ``store``, ``metadata``,
@@ -80,7 +80,8 @@ class _Strict(BaseModel):
         fields = cls.model_fields
         for key, value in data.items():
             if key in cls._neutral and value is not None and not is_neutral(value, cls._neutral[key]):
-                raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])})")
+                hint = _INSTEAD.get(key, "")
+                raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])}){hint}")
         return {
             key: value
             for key, value in data.items()
@@ -92,6 +93,12 @@ class _Strict(BaseModel):
                 or _takes_none(fields[key].annotation)
             )
         }
+
+
+#: What to ask for instead of a field refused at its value.
+_INSTEAD = {
+    "prompt_logprobs": ": for the prompt's log-probabilities, ask /v1/completions for echo with logprobs",
+}
 
 
 def _neutral_values(neutral: tuple[Any, ...]) -> str:
@@ -151,11 +158,13 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
         name: tuple(value for value in VLLM_NEUTRAL[name] if value is not None)
         for name in (
             "spaces_between_special_tokens",
-            "prompt_logprobs",
             "truncate_prompt_tokens",
             "structured_outputs",
         )
     },
+    # Null only: vLLM's answer gives each entry's rank and text, which pluginhost's outputs do not keep. A completion
+    # with echo and logprobs carries the prompt's log-probabilities, in OpenAI's shape.
+    "prompt_logprobs": (),
     "logits_processors": (),
     "guided_json": (),
     "guided_regex": (),
@@ -224,7 +233,12 @@ class _SamplingFields(_Strict):
         return self
 
     def sampling_params(
-        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` (``ValueError`` for values it refuses).
 
@@ -263,6 +277,7 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
             **optional,
         )
@@ -315,17 +330,31 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise FieldError(
-                "echo",
-                "echo with logprobs needs the prompt's log-probabilities, which pluginhost does not compute: ask for "
-                "echo or logprobs, not both",
-            )
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be 0 with max_tokens 0")
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise FieldError("best_of", "best_of is not supported (it must equal n, or be left out)")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """Whether the answer is the prompt alone (``echo`` with ``max_tokens`` 0, lm-eval's loglikelihood):
+        the engine generates one token, which the answer leaves out, as vLLM's does."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's ``SamplingParams``: ``echo`` with ``logprobs`` scores the prompt too, with as many of the
+        most likely tokens (``prompt_logprobs``, as vLLM sets it)."""
+        return self.sampling_params(
+            max_tokens=1 if self.prompt_only else self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+            defaults=defaults,
+        )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per list item (a list of ints is one prompt of token ids)."""
