@@ -816,6 +816,24 @@ def test_a_request_whose_logits_are_not_numbers_ends_with_a_clear_error_and_the_
     assert isinstance(second.error, ModelRunError)
     assert "gave logits that are not finite numbers (NaN or infinity) for this request" in str(second.error)
     assert first.error is None and first.output().token_ids == alone
+    # A prompt scored for prompt_logprobs is checked at every position: a NaN at one was a NaN in its answer (and a
+    # 500 from the server, whose JSON holds no NaN), while its last position's logits were fine.
+    nan_at_position_1 = [True]
+
+    def scoring_overflows(hidden):
+        logits = compute_logits(hidden)
+        if len(hidden) > 1 and nan_at_position_1 and nan_at_position_1.pop():  # the first call: the prompt's scores
+            logits[1] = float("nan")
+        return logits
+
+    llm.model.compute_logits = scoring_overflows
+    scored = llm._inputs.make_request("scored", PROMPTS[0], params.clone(prompt_logprobs=1))
+    llm.engine.submit([scored])
+    while not scored.finished:
+        llm.engine.step()
+    assert isinstance(scored.error, ModelRunError) and not nan_at_position_1
+    assert "not finite numbers (NaN or infinity) at a position of this request's prompt" in str(scored.error)
+    assert llm.generate([PROMPTS[0]], params.clone(prompt_logprobs=1))[0].token_ids == alone  # the engine goes on
 
 
 def test_running_requests_keep_decoding_while_newcomers_arrive_before_every_step(tiny_opt):

@@ -250,6 +250,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, offlin
             assert answer.usage.completion_tokens == (3 if max_tokens else 0)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_a_streamed_choice_waiting_for_a_row_still_echoes_the_prompts_logprobs(client, offline, max_tokens):
+    """n beyond the batch's rows (32): a choice's first chunk, its echo, comes before it runs; it carried no logprobs,
+    so the prompt's were missing from it (and from every choice with max_tokens 0)."""
+    tokenizer = offline.get_tokenizer()
+    names = [token_text(tokenizer, token) for token in tokenizer(PROMPTS[0])["input_ids"]]
+    stream = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=max_tokens, n=40, temperature=0, echo=True, logprobs=0, stream=True
+    )
+    tokens: dict[int, list[str]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens if choice.logprobs else [])
+    assert sorted(tokens) == list(range(40))
+    assert all(t == names + t[len(names) :] and len(t) == len(names) + max_tokens for t in tokens.values())
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_text_with_stop_strings_adds_up_to_the_whole(client, offline, chat):
     """Stop strings longer than the text so far: what is held back is never sent, then cut."""
@@ -482,6 +499,14 @@ USER = [{"role": "user", "content": "What is a plugin?"}]
         ("/v1/completions", {"model": "demo", "prompt": "x", "top_p": 2}, 400, "top_p must be in (0, 1]"),
         ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**6}, 400, "more than max_model_len=256"),
         ("/v1/completions", {"model": "demo", "prompt": [10**7]}, 400, "outside the vocabulary"),
+        (  # the prompt alone still has the engine generate one token, which the answer leaves out
+            "/v1/completions",
+            {"model": "demo", "prompt": [2] + [5] * 255, "echo": True, "max_tokens": 0},
+            400,
+            "prompt 0 has 256 tokens, which leaves no room within max_model_len=256 for the one token the engine "
+            "generates with max_tokens 0 (the answer leaves it out): a prompt alone may have at most max_model_len - 1 "
+            "tokens. Shorten the prompt.",
+        ),
         ("/v1/completions", {"model": "demo", "prompt": "caf\udce9"}, 400, "prompt 0 is not valid Unicode"),
         (
             "/v1/chat/completions",

@@ -73,10 +73,11 @@ def tiny_models(tmp_path_factory, tiny_opt):
 
 
 def assert_same(one, two):
+    """Requests' outputs with the same tokens, logprobs and prompt_logprobs."""
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
-        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
         for logprobs_a, logprobs_b in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (logprobs_a is None) == (logprobs_b is None)
             for step_a, step_b in zip(logprobs_a or (), logprobs_b or (), strict=True):
                 assert (step_a is None) == (step_b is None)
                 if step_a is not None:
@@ -1263,7 +1264,7 @@ def test_an_async_engine_starts_its_ranks_deaf_to_ctrl_c_and_they_generate_as_on
     engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, tensor_parallel_size=2)
 
     async def generate(prompt: list[int]):
-        return [out async for out in engine.generate(prompt, GREEDY)][-1].outputs[0]
+        return [out async for out in engine.generate(prompt, GREEDY)][-1]
 
     try:
         split = asyncio.run(asyncio.wait_for(generate(PROMPTS[0]), 120))

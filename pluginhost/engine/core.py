@@ -302,7 +302,7 @@ class EngineCore:
                 self._processor_failed(failure, plan, plan.active_rows)  # apply saw every row of the step
                 return True
             except _NonFiniteLogits as nonfinite:
-                self._nonfinite(plan, nonfinite.rows)
+                self._nonfinite(plan, nonfinite.rows, nonfinite.in_prompt)
                 return True
             except NoTokenLeft as emptied:
                 self._processors_emptied(plan, emptied)
@@ -371,8 +371,11 @@ class EngineCore:
         # NaN or +inf anywhere in a row (a float16 overflow, say), or nothing but -inf: greedy decoding would
         # pick token 0 for ever, sampling would fail. One pass over the logits; NaN propagates through amax.
         broken = ~logits.amax(dim=-1).isfinite()  # (A,)
-        if broken.any():
-            raise _NonFiniteLogits([active[i] for i in broken.nonzero().flatten().tolist()])
+        # A prompt scored (prompt_logprobs) is checked at every position: a NaN there is a NaN in its answer. (-inf is
+        # a token the model gives no chance; a position of NaN, +inf or nothing but -inf makes its every entry NaN.)
+        in_prompt = [row for row, scores in computed.prompt_scores.items() if scores.chosen.isnan().any()]
+        if broken.any() or in_prompt:
+            raise _NonFiniteLogits([active[i] for i in broken.nonzero().flatten().tolist()], in_prompt)
         wanted = any(plan.rows[r].params.logprobs is not None for r in active)
         logprobs = logits.log_softmax(dim=-1) if wanted else None  # before the sampler changes the logits
         if not self.processors:
@@ -434,21 +437,31 @@ class EngineCore:
                 refused[row] = exc
         return refused
 
-    def _nonfinite(self, plan: ScheduledStep, rows: list[int]) -> None:
-        """End the requests of ``rows``, whose logits are not numbers; the others run this step again."""
+    def _nonfinite(self, plan: ScheduledStep, rows: list[int], in_prompt: list[int] = ()) -> None:
+        """End the requests of ``rows``, whose logits are not numbers, and of ``in_prompt``, whose prompt scored
+        (``prompt_logprobs``) has such logits at a position; the others run this step again."""
         if self.loaded.dtype == torch.float16:
             hint = "float16's range (up to 65504) overflowed: use dtype bfloat16 or float32"
         else:
             hint = "check the model's weights and configuration (hf_overrides?), or use dtype float32"
-        error = ModelRunError(
-            f"The model {self.loaded.describe()} gave logits that are not finite numbers (NaN or infinity) for "
-            f"this request: {hint}. The request was ended; the others go on."
-        )
+
+        def error(where: str) -> ModelRunError:
+            return ModelRunError(
+                f"The model {self.loaded.describe()} gave logits that are not finite numbers (NaN or infinity) "
+                f"{where}: {hint}. The request was ended; the others go on."
+            )
+
+        ended = {id(plan.rows[r].request): (plan.rows[r].request, error("for this request")) for r in rows}
+        for r in in_prompt:
+            request = plan.rows[r].request
+            ended.setdefault(id(request), (request, error("at a position of this request's prompt (prompt_logprobs)")))
         logger.warning(
-            "ended %d of a step's %d rows: their logits were not finite numbers", len(rows), len(plan.active_rows)
+            "ended %d of a step's %d rows: their logits were not finite numbers",
+            len({*rows, *in_prompt}),
+            len(plan.active_rows),
         )
-        for request in {id(plan.rows[r].request): plan.rows[r].request for r in rows}.values():
-            self._end(request, error)
+        for request, cause in ended.values():
+            self._end(request, cause)
 
     def _processors_emptied(self, plan: ScheduledStep, emptied: NoTokenLeft) -> None:
         """End the requests of the rows logits processors left no token to choose, naming them; the others run again.
@@ -936,9 +949,9 @@ class _Unbuilt:
 
 
 class _NonFiniteLogits(Exception):
-    def __init__(self, rows: list[int]) -> None:
-        super().__init__(f"logits not finite in rows {rows}")
-        self.rows = rows
+    def __init__(self, rows: list[int], in_prompt: list[int]) -> None:
+        super().__init__(f"logits not finite in rows {rows}, and in the prompts scored of rows {in_prompt}")
+        self.rows, self.in_prompt = rows, in_prompt
 
 
 class _ProcessorFailure(Exception):

@@ -336,7 +336,7 @@ class _API:
             prompts = body.prompts()
         except ValueError as exc:
             raise bad_request(str(exc), param="prompt") from None
-        names = _FieldNames("prompt")
+        names = _FieldNames("prompt", prompt_only=body.prompt_only)
         defaults = self.engine.sampling_defaults
         params = self._params(lambda: body.completion_params(defaults), names)
         request_id = random_id("cmpl")
@@ -406,11 +406,25 @@ class _FieldNames:
         (r"\bShorten the prompt\b", "Shorten the messages"),
     )
 
+    #: With max_tokens 0 the engine still generates the one token the answer leaves out: a full prompt has no room.
+    _PROMPT_ONLY = (
+        (
+            r"which leaves no room to generate within (max_model_len=.*?)\. Shorten the prompt\.",
+            r"which leaves no room within \1 for the one token the engine generates with max_tokens 0 (the answer "
+            r"leaves it out): a prompt alone may have at most max_model_len - 1 tokens. Shorten the prompt.",
+        ),
+    )
+
     def __init__(
-        self, prompt_field: str, renamed: Mapping[str, str] | None = None, *, prompt_is_messages: bool = False
+        self,
+        prompt_field: str,
+        renamed: Mapping[str, str] | None = None,
+        *,
+        prompt_is_messages: bool = False,
+        prompt_only: bool = False,
     ) -> None:
         self.prompt_field, self.renamed = prompt_field, dict(renamed or {})
-        self.words = self._MESSAGES if prompt_is_messages else ()
+        self.words = (self._MESSAGES if prompt_is_messages else ()) + (self._PROMPT_ONLY if prompt_only else ())
 
     def bad_request(self, exc: ValueError) -> APIError:
         message = self._in_api_words(str(exc).removeprefix("SamplingParams: "))
@@ -773,6 +787,9 @@ class _Completions(_Shape):
     def __init__(self, api: _API, request_id: str, body: CompletionRequest) -> None:
         super().__init__(api, request_id, body)
         self.echo, self.prompt_only = body.echo, body.prompt_only
+        #: Whether choices carry logprobs: a choice still waiting for its row has none yet, but its first chunk, the
+        #: echo, carries the prompt's.
+        self.with_logprobs = body.logprobs is not None
         #: Each prompt's echoed text, by its request: decoded once, not for each of its n choices.
         self._echoes: dict[str, str] = {}
 
@@ -786,7 +803,7 @@ class _Completions(_Shape):
                 c.index,
                 "",
                 [],
-                logprobs=[] if c.logprobs is not None else None,
+                logprobs=[] if self.with_logprobs else None,
                 finish_reason="length" if c.finished() else None,
             )
             for c in output.outputs
@@ -853,9 +870,11 @@ class _Completions(_Shape):
         decoded alone, which a stream carries from chunk to chunk (decoding them all again for every chunk
         made a long answer's stream quadratic on the event loop).
         """
-        if c.logprobs is None:
+        if not self.with_logprobs:
             return None, offset
-        steps: Iterable[tuple[int, dict[int, float] | None]] = zip(c.token_ids[start:], c.logprobs[start:], strict=True)
+        steps: Iterable[tuple[int, dict[int, float] | None]] = zip(
+            c.token_ids[start:], (c.logprobs or [])[start:], strict=True
+        )
         if self.echo and prompt is not None and prompt.prompt_logprobs is not None:
             steps = itertools.chain(zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True), steps)
         tokens, token_logprobs, top, offsets = [], [], [], []
