@@ -44,7 +44,8 @@ class CompletionOutput:
 
     #: Which sample this is, 0 to n - 1.
     index: int
-    #: The generated text (special tokens skipped, cut before a stop string), or ``None`` without a tokenizer.
+    #: The generated text (special tokens skipped, cut before a stop string), ``""`` with ``detokenize=False``,
+    #: or ``None`` without a tokenizer.
     text: str | None
     #: Generated token ids only (a stop or end-of-sequence token that ended generation included).
     token_ids: list[int]

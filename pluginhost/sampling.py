@@ -71,6 +71,9 @@ class SamplingParams:
     * ``stop``: strings that end generation; the text stops before them
       (``finish_reason`` "stop", ``stop_reason`` the string). At most ``MAX_STOP_STRINGS`` (64).
     * ``skip_special_tokens``: leave special tokens' text out of the text (``False``: keep it, as vLLM).
+    * ``detokenize``: ``False`` leaves the text empty (``""``, as vLLM): tokens, logprobs and
+      ``prompt_logprobs`` only, none of the detokenizing's cost (lm-eval's loglikelihood requests); stop
+      strings need the text, and are refused with it.
     * ``include_stop_str_in_output``: the text stops after the stop string instead,
       and holds the text of the stop token that ended it (a special token's only with
       ``skip_special_tokens=False``), as vLLM decodes it then.
@@ -87,7 +90,7 @@ class SamplingParams:
       ``MAX_BAD_WORDS``.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
 
-    vLLM's fields for what pluginhost does not do (``best_of``, ``detokenize``,
+    vLLM's fields for what pluginhost does not do (``best_of``,
     ``spaces_between_special_tokens``, ...; see ``VLLM_NEUTRAL``) are taken at
     the values that ask for nothing else, as a port passes them, and any other
     value is refused naming the field.
@@ -113,7 +116,7 @@ class SamplingParams:
     # vLLM's, at their neutral values only (VLLM_NEUTRAL): kept out of the repr, which shows what decodes.
     # (bad_words, allowed_token_ids and logit_bias are taken; they stay where vLLM's order puts them.)
     best_of: int | None = field(default=None, repr=False)
-    detokenize: bool = field(default=True, repr=False)
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = field(default=True, repr=False)
     include_stop_str_in_output: bool = False
@@ -195,7 +198,7 @@ class SamplingParams:
                 value is None or (_is_int(value) and value >= -1),
                 f"{name} must be None, an integer >= 0, or -1 for the whole vocabulary, got {value!r}",
             )
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -208,6 +211,12 @@ class SamplingParams:
             MAX_STOP_STRINGS,
             "strings (each is looked for after every token)",
             self.stop,
+        )
+        check(
+            "stop",
+            self.detokenize or not self.stop,
+            "stop strings are looked for in the text, which detokenize=False leaves out: set detokenize=True, or "
+            "use stop_token_ids",
         )
         self.stop_token_ids = _id_list(check, "stop_token_ids", self.stop_token_ids) or None
         self._check_token_choices(check)
@@ -283,7 +292,6 @@ class SamplingParams:
 #: (``server.protocol``, which adds the fields only a route has).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
-    "detokenize": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),
     "structured_outputs": (None,),

@@ -757,11 +757,10 @@ def test_vllm_fields_at_their_defaults_are_taken_and_at_other_values_refused_nam
         truncate_prompt_tokens=None,
         structured_outputs=None,
     )
-    assert ported.detokenize is True and "detokenize" not in repr(ported)
+    assert ported.detokenize is True and "spaces_between_special_tokens" not in repr(ported)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, n=2)
     assert llm.generate([PROMPTS[0]], ported)[0].outputs == llm.generate([PROMPTS[0]], plain)[0].outputs
     for name, value in [
-        ("detokenize", False),
         ("best_of", 3),
         ("spaces_between_special_tokens", 1),
         ("structured_outputs", {}),

@@ -485,6 +485,35 @@ def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt
     assert "Traceback" not in disabled.stderr
 
 
+def test_lm_evals_loglikelihood_requests_port_by_changing_the_import(tiny_opt, llm):
+    """lm-eval's vLLM backend scores a continuation with ``prompt_logprobs=1, max_tokens=1, detokenize=False`` and
+    reads each entry through ``getattr(logprob, "logprob", logprob)``: pluginhost's floats read as vLLM's Logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    context, continuation = [2, 17, 200, 31, 99], [5, 64, 11]
+    params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    output = llm.generate([{"prompt_token_ids": context + continuation}], params)[0]
+    # lm-eval's _parse_logprobs, as it is
+    dicts = [
+        {token: getattr(logprob, "logprob", logprob) for token, logprob in step.items()} if step is not None else None
+        for step in output.prompt_logprobs
+    ]
+    tokens = context + continuation
+    score = sum(step.get(token) for token, step in zip(tokens[len(context) :], dicts[len(context) :], strict=True))
+    is_greedy = all(max(step, key=step.get) == token for token, step in zip(tokens[5:], dicts[5:], strict=True))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_opt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        steps = reference(torch.tensor([tokens])).logits[0, :-1].float().log_softmax(-1)  # position p predicts p + 1
+    expected = sum(float(steps[p - 1, tokens[p]]) for p in range(len(context), len(tokens)))
+    assert score == pytest.approx(expected, abs=1e-4)
+    assert is_greedy == all(int(steps[p - 1].argmax()) == tokens[p] for p in range(len(context), len(tokens)))
+    assert output.outputs[0].text == "" and len(output.outputs[0].token_ids) == 1  # as vLLM: no text, not None
+    said = llm.generate([{"prompt_token_ids": tokens}], params.clone(detokenize=True, max_tokens=6, ignore_eos=True))
+    assert said[0].outputs[0].text and said[0].outputs[0].token_ids[0] == output.outputs[0].token_ids[0]
+    with pytest.raises(ValueError, match="stop strings are looked for in the text, which detokenize=False leaves out"):
+        SamplingParams(detokenize=False, stop=["."])
+
+
 def test_generate_takes_vllms_use_tqdm(tiny_opt):
     """``use_tqdm=False`` is in most vLLM scripts; a callable makes the bar, which counts every prompt done."""
     from tqdm import tqdm

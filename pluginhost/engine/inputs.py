@@ -96,7 +96,7 @@ class InputProcessor:
             else:
                 generator = self._generator
             detokenizer = None
-            if loaded.tokenizer is not None:
+            if loaded.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(
                     loaded.tokenizer,
                     token_ids,

@@ -110,7 +110,7 @@ class Sequence:
         While streaming an unfinished sample, trailing text that may still turn out to start a stop
         string is held back.
         """
-        text = None
+        text = None if self.params.detokenize else ""  # as vLLM: empty, not missing (a model without a tokenizer)
         if self.detokenizer is not None:
             text = self.detokenizer.text
             held = self.detokenizer.stop_buffer if streaming and not self.finished else 0
