@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pluginhost.config import EngineConfig
     from pluginhost.engine import LLM
     from pluginhost.engine.async_llm import AsyncLLM
+    from pluginhost.inputs import TextPrompt, TokensPrompt
     from pluginhost.outputs import CompletionOutput, RequestOutput
     from pluginhost.sampling import SamplingParams
 
@@ -32,6 +33,8 @@ __all__ = [
     "PluginhostError",
     "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
     "hookimpl",
 ]
@@ -44,6 +47,8 @@ _LAZY = {
     "LLM": "pluginhost.engine",
     "SamplingParams": "pluginhost.sampling",
     "RequestOutput": "pluginhost.outputs",
+    "TextPrompt": "pluginhost.inputs",
+    "TokensPrompt": "pluginhost.inputs",
 }
 
 

@@ -15,7 +15,7 @@ import os
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from pluginhost.attribution import current_plugin
 from pluginhost.errors import ConfigError
@@ -164,6 +164,15 @@ class EngineConfig(BaseModel):
     #: Set once the engine is built: a change then would describe an engine that is not the one running.
     _fixed: bool = PrivateAttr(default=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _none_means_default(cls, data: Any) -> Any:
+        """``None`` for a setting whose vLLM default is ``None`` (a port passes its arguments' defaults): the default,
+        as if not given."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NONE_MEANS_DEFAULT)}
+        return data
+
     @field_validator("model", mode="before")
     @classmethod
     def _model_path_as_str(cls, value: Any) -> Any:
@@ -273,6 +282,10 @@ class EngineConfig(BaseModel):
     def provenance(self) -> dict[str, str]:
         """Who set each field last: ``default``, ``user`` or ``plugin:NAME``."""
         return dict(self._provenance)
+
+
+#: Settings vLLM's ``LLM`` takes as ``None`` for "its default" (lm-eval passes ``max_num_seqs=None`` unless told).
+_NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens"})
 
 
 def describe_validation_error(exc: Exception) -> str:

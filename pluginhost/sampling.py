@@ -114,7 +114,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     extra_args: dict[str, Any] | None = field(default=None)
     # vLLM's, at their neutral values only (VLLM_NEUTRAL): kept out of the repr, which shows what decodes.
-    # (bad_words, allowed_token_ids and logit_bias are taken; they stay where vLLM's order puts them.)
+    # (detokenize, bad_words, allowed_token_ids and logit_bias are taken; they stay where vLLM's order puts them.)
     best_of: int | None = field(default=None, repr=False)
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -292,7 +292,9 @@ class SamplingParams:
 #: (``server.protocol``, which adds the fields only a route has).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
-    "spaces_between_special_tokens": (True,),
+    # Either: pluginhost's detokenizer, as vLLM's for fast tokenizers (which ignores the field), puts no space
+    # between special tokens (lm-eval passes False with every request).
+    "spaces_between_special_tokens": (True, False),
     "truncate_prompt_tokens": (None,),
     "structured_outputs": (None,),
 }

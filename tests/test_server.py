@@ -784,7 +784,7 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
             "/v1/completions",
             {"prompt": "x", "spaces_between_special_tokens": 1},
             "spaces_between_special_tokens",
-            "spaces_between_special_tokens is not supported (only true or null)",
+            "spaces_between_special_tokens is not supported (only true or false or null)",
         ),
         (
             "/v1/chat/completions",
@@ -1614,6 +1614,38 @@ def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):
                 assert refused.value.code == 1008 and "Missing or wrong API key" in refused.value.reason
             with client.websocket_connect("/v1/live", headers={"Authorization": "Bearer s3cret"}) as socket:
                 assert socket.receive_json() == {"served": True}
+    finally:
+        engine.shutdown()
+
+
+class NoLogprobsHere:
+    """A site's policy and a redaction: plugins leaving a request asking for logprobs without them."""
+
+    @hookimpl
+    def on_request(self, request):
+        if (request.params.extra_args or {}).get("drop") == "on_request":
+            request.params.logprobs = None
+
+    @hookimpl
+    def on_output(self, request, output):
+        if (request.params.extra_args or {}).get("drop") == "on_output":
+            for sample in output.outputs:
+                sample.logprobs = None
+
+
+def test_completions_whose_logprobs_a_plugin_took_out_answer_them_null(tiny_opt):
+    # The choices' logprobs are shown when the body asks for them (a choice waiting for its row has none yet): a
+    # choice with tokens and no logprobs was a 500 ("zip() argument 2 is shorter"), whole and streamed.
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[NoLogprobsHere()])
+    try:
+        with running_server(build_app(engine, served_model_name="tiny")) as base:
+            for drop in ("on_request", "on_output"):
+                body = {"prompt": [2, 5, 9], "max_tokens": 3, "logprobs": 1, "extra_args": {"drop": drop}}
+                whole = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+                assert whole.status_code == 200 and whole.json()["choices"][0]["logprobs"] is None
+                streamed = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT)
+                events = [json.loads(e.removeprefix("data: ")) for e in streamed.text.split("\n\n")[:-2]]
+                assert all("error" not in e for e in events) and events[-1]["choices"][0]["logprobs"] is None
     finally:
         engine.shutdown()
 

@@ -485,14 +485,20 @@ def test_the_installed_plugin_through_the_cli(dummy_plugin_site: Path, dummy_opt
     assert "Traceback" not in disabled.stderr
 
 
-def test_lm_evals_loglikelihood_requests_port_by_changing_the_import(tiny_opt, llm):
+def test_lm_evals_loglikelihood_requests_port_by_changing_the_import(tiny_opt):
     """lm-eval's vLLM backend scores a continuation with ``prompt_logprobs=1, max_tokens=1, detokenize=False`` and
     reads each entry through ``getattr(logprob, "logprob", logprob)``: pluginhost's floats read as vLLM's Logprobs."""
     from transformers import AutoModelForCausalLM
 
+    from pluginhost import TokensPrompt  # lm-eval's `from vllm import LLM, SamplingParams, TokensPrompt`
+
     context, continuation = [2, 17, 200, 31, 99], [5, 64, 11]
     params = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
-    output = llm.generate([{"prompt_token_ids": context + continuation}], params)[0]
+    # lm-eval's engine and call, as they are: max_num_seqs (its max_batch_size) and lora_request None unless given
+    llm = LLM(str(tiny_opt), load_installed_plugins=False, max_num_seqs=None, max_num_batched_tokens=None, seed=1234)
+    assert llm.config.max_num_seqs == 32 and llm.config.provenance["max_num_seqs"] == "default"
+    prompt = TokensPrompt(prompt_token_ids=context + continuation)
+    output = llm.generate([prompt], sampling_params=params, use_tqdm=False, lora_request=None)[0]
     # lm-eval's _parse_logprobs, as it is
     dicts = [
         {token: getattr(logprob, "logprob", logprob) for token, logprob in step.items()} if step is not None else None
@@ -512,6 +518,34 @@ def test_lm_evals_loglikelihood_requests_port_by_changing_the_import(tiny_opt, l
     assert said[0].outputs[0].text and said[0].outputs[0].token_ids[0] == output.outputs[0].token_ids[0]
     with pytest.raises(ValueError, match="stop strings are looked for in the text, which detokenize=False leaves out"):
         SamplingParams(detokenize=False, stop=["."])
+    with pytest.raises(ValueError, match="lora_request=.* is not supported by pluginhost .*only None") as refused:
+        llm.generate([[2, 5]], params, lora_request=object())
+    assert refused.value.param == "lora_request"
+    assert llm.generate([[2, 5]], params, priority=[0])[0].outputs[0].token_ids  # vLLM's default priority
+    with pytest.raises(ValueError, match="priority is not supported by pluginhost"):
+        llm.generate([[2, 5]], params, priority=[1])
+
+
+def test_vllms_async_generate_arguments_at_their_defaults_are_taken(tiny_opt):
+    """vLLM's ``AsyncLLM.generate(prompt, params, request_id, lora_request=None, priority=0)``."""
+    import asyncio
+
+    from pluginhost import AsyncLLM, TextPrompt
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False)
+
+    async def last(prompt, **vllm_arguments):
+        params = SamplingParams(max_tokens=3, temperature=0)
+        return [out async for out in engine.generate(prompt, params, "r", **vllm_arguments)][-1]
+
+    try:
+        taken = asyncio.run(last(TextPrompt(prompt="Hello"), lora_request=None, priority=0))
+        assert taken.outputs[0].token_ids == asyncio.run(last("Hello")).outputs[0].token_ids
+        with pytest.raises(ValueError, match="priority is not supported by pluginhost") as refused:
+            asyncio.run(last("Hello", priority=2))
+        assert refused.value.param == "priority"
+    finally:
+        engine.shutdown()
 
 
 def test_generate_takes_vllms_use_tqdm(tiny_opt):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pluginhost.distributed import torchrun_rank
 from pluginhost.engine.core import EngineCore
-from pluginhost.engine.frontend import EngineFrontend
+from pluginhost.engine.frontend import EngineFrontend, no_lora_or_priority
 from pluginhost.engine.inputs import Prompt
 from pluginhost.engine.request import EngineRequest
 from pluginhost.host import PluginHost
@@ -134,6 +134,9 @@ class AsyncLLM(EngineFrontend):
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        lora_request: None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as tokens arrive; the last one is finished.
 
@@ -141,8 +144,10 @@ class AsyncLLM(EngineFrontend):
         a full queue raises ``EngineOverloadedError``; a model failure raises
         ``ModelRunError`` from the ``async for``. After ``abort``, the last
         output has ``finish_reason`` ``"abort"``. Leaving the loop early
-        aborts the request.
+        aborts the request. vLLM's ``lora_request`` and ``priority`` are taken
+        at their defaults (``None``, 0) and refused otherwise.
         """
+        no_lora_or_priority(lora_request, [priority])
         stream = await self.submit(prompt, sampling_params, request_id)
         try:
             async for output in stream:

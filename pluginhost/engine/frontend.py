@@ -17,6 +17,7 @@ from pluginhost.engine.core import EngineCore
 from pluginhost.engine.inputs import InputProcessor
 from pluginhost.engine.loader import LoadedModel, load_model, validated_config
 from pluginhost.engine.runner import ModelRunner
+from pluginhost.errors import InvalidParameterError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.registry import Registration
 from pluginhost.sampling import SamplingParams
@@ -24,7 +25,7 @@ from pluginhost.sampling import SamplingParams
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
 
-__all__ = ["EngineFrontend"]
+__all__ = ["EngineFrontend", "no_lora_or_priority"]
 
 #: Seconds ``close`` waits for a step in flight before ending a tensor-parallel engine's ranks regardless.
 _CLOSE_WAIT_S = 10.0
@@ -223,4 +224,20 @@ class EngineFrontend:
         return (
             f"{type(self).__name__}(model={self.config.model!r}, architecture={self.architecture!r}, "
             f"device={self.device}, dtype={self.dtype})"
+        )
+
+
+def no_lora_or_priority(lora_request: object, priority: Sequence[int] | None) -> None:
+    """Refuse vLLM's ``lora_request`` and ``priority`` when they ask for something (a port passes ``None``)."""
+    if lora_request is not None:
+        raise InvalidParameterError(
+            f"lora_request={lora_request!r} is not supported by pluginhost (it serves no LoRA adapters; only None): "
+            "see docs/porting-from-vllm.md",
+            param="lora_request",
+        )
+    if priority is not None and any(p != 0 for p in priority):
+        raise InvalidParameterError(
+            "priority is not supported by pluginhost (requests run first come, first served, as vLLM's default "
+            "scheduling; only None or every priority 0)",
+            param="priority",
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pluginhost.engine.frontend import EngineFrontend
+from pluginhost.engine.frontend import EngineFrontend, no_lora_or_priority
 from pluginhost.engine.inputs import Prompt, as_prompt_list
 from pluginhost.outputs import RequestOutput
 from pluginhost.sampling import SamplingParams, kind_of
@@ -47,6 +47,7 @@ class LLM(EngineFrontend):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Generate the answer to a conversation (a list of messages), or to each of a list of them, as vLLM's.
 
@@ -68,7 +69,7 @@ class LLM(EngineFrontend):
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def generate(
         self,
@@ -76,6 +77,8 @@ class LLM(EngineFrontend):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; one ``RequestOutput`` per prompt, in prompt order.
 
@@ -86,8 +89,11 @@ class LLM(EngineFrontend):
 
         ``use_tqdm``, as in vLLM: a progress bar of the prompts done, on stderr
         when it is a terminal (``False``: none; a callable: it makes the bar,
-        called like ``tqdm.tqdm``).
+        called like ``tqdm.tqdm``). vLLM's ``lora_request`` and ``priority`` are
+        taken as a port passes them when it asks for neither (``None``; every
+        priority 0), and refused otherwise.
         """
+        no_lora_or_priority(lora_request, priority)
         self._check_generates()
         prompt_list = as_prompt_list(prompts)
         params_list = _params_for(prompt_list, sampling_params, self.get_default_sampling_params)

@@ -870,7 +870,7 @@ class _Completions(_Shape):
         decoded alone, which a stream carries from chunk to chunk (decoding them all again for every chunk
         made a long answer's stream quadratic on the event loop).
         """
-        if not self.with_logprobs:
+        if not self.with_logprobs or (c.logprobs is None and c.token_ids[start:]):  # a plugin took them out
             return None, offset
         steps: Iterable[tuple[int, dict[int, float] | None]] = zip(
             c.token_ids[start:], (c.logprobs or [])[start:], strict=True
