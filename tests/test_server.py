@@ -175,6 +175,20 @@ def test_llm_chat_answers_each_conversation_as_the_chat_route(client, offline):
     assert going_on.prompt.endswith("A plugin is") and going_on.outputs[0].text
     overridden = {"add_generation_prompt": False, "continue_final_message": True, "tokenize": True}
     assert offline.chat(iter(begun), greedy(6), chat_template_kwargs=overridden)[0].outputs == going_on.outputs
+    # Served too, with vLLM's request fields (they were refused as not supported)
+    going_on_served = client.chat.completions.create(
+        model="demo",
+        messages=begun,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert going_on_served.choices[0].message.content == going_on.outputs[0].text
+    with pytest.raises(openai.BadRequestError, match="set add_generation_prompt=False to continue") as both:
+        client.chat.completions.create(
+            model="demo", messages=begun, max_tokens=6, extra_body={"continue_final_message": True}
+        )
+    assert both.value.body["param"] == "continue_final_message"
     assert offline.chat([]) == []
     with pytest.raises(ValueError, match=r"chat_template_kwargs cannot set return_dict: apply_chat_template's own"):
         offline.chat(USER, chat_template_kwargs={"return_dict": True})
@@ -832,6 +846,23 @@ def test_null_means_the_default_as_the_openai_client_sends_it(url, client, offli
     # A field that takes null keeps its meaning: completions' max_tokens null is as many as the context allows.
     unbounded = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": None}, timeout=TIMEOUT).json()
     assert unbounded["usage"]["completion_tokens"] > 6
+
+
+def test_a_request_id_names_the_answer_as_in_vllm(client):
+    """vLLM's ``request_id``: the answer's id is the route's prefix and it (and its cache_salt is taken)."""
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="demo",
+            prompt=PROMPTS[0],
+            max_tokens=2,
+            stream=stream,
+            extra_body={"request_id": "job-7", "cache_salt": "tenant-a"},
+        )
+        assert {chunk.id for chunk in answer} == {"cmpl-job-7"} if stream else answer.id == "cmpl-job-7"
+        chat = client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=2, stream=stream, extra_body={"request_id": "job-7"}
+        )
+        assert {chunk.id for chunk in chat} == {"chatcmpl-job-7"} if stream else chat.id == "chatcmpl-job-7"
 
 
 def test_openai_and_vllm_fields_at_their_neutral_values_are_accepted(url, client, offline):

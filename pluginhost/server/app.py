@@ -341,7 +341,7 @@ class _API:
         params = self._params(lambda: body.completion_params(defaults), names)
         request_id = random_id("cmpl")
         streams = await self._start(prompts, params, request_id, names, arrival)
-        shape = _Completions(self, request_id, body)
+        shape = _Completions(self, _answer_id("cmpl", body, request_id), body)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return await shape.answer(streams)
@@ -362,7 +362,15 @@ class _API:
         inputs = self.engine.input_processor
         try:  # in the input thread: long conversations take seconds to render and tokenize
             prompt = await self.engine.off_loop(
-                _render_chat, tokenizer, body.conversation(), inputs.check_text_length, body.chat_template_kwargs or {}
+                functools.partial(
+                    _render_chat,
+                    tokenizer,
+                    body.conversation(),
+                    inputs.check_text_length,
+                    body.chat_template_kwargs or {},
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                )
             )
         except PromptTooLongError as exc:
             raise names.bad_request(exc) from None
@@ -372,7 +380,7 @@ class _API:
         )
         request_id = random_id("chatcmpl")
         streams = await self._start([prompt], params, request_id, names, arrival)
-        shape = _Chat(self, request_id, body, top)
+        shape = _Chat(self, _answer_id("chatcmpl", body, request_id), body, top)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return await shape.answer(streams)
@@ -383,10 +391,20 @@ def _render_chat(
     conversation: list[dict[str, Any]],
     check_length: Callable[[int, str], None],
     variables: dict[str, Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> dict[str, Any]:
     """The conversation through the chat template, as a prompt (``pluginhost.chat``); a 400 if it cannot be."""
     try:
-        return render_chat(tokenizer, conversation, variables=variables, check_length=check_length)
+        return render_chat(
+            tokenizer,
+            conversation,
+            variables=variables,
+            check_length=check_length,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except InvalidParameterError as exc:  # not a PromptTooLongError: that is the caller's to say in chat's words
         raise bad_request(str(exc), param=exc.param) from None
 
@@ -442,6 +460,12 @@ class _FieldNames:
         for engine_name, api_name in self.renamed.items():
             message = re.sub(rf"\b{engine_name}\b", api_name, message)
         return message
+
+
+def _answer_id(prefix: str, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> str:
+    """The answer's ``id``: the request's own (vLLM's ``request_id``) after the route's prefix, else the engine's id.
+    (The engine's requests keep ids of their own: two clients may send one ``request_id``.)"""
+    return f"{prefix}-{body.request_id}" if body.request_id is not None else request_id
 
 
 def _choice_offsets(streams: Sequence[RequestStream]) -> list[int]:

@@ -7,7 +7,9 @@ Requests follow OpenAI's fields and defaults, plus vLLM's sampling extras
 vLLM's ``vllm_xargs``), an object handed to plugins as
 ``SamplingParams.extra_args``. With the ``openai`` client, pass them through
 ``extra_body``. Chat also takes vLLM's ``chat_template_kwargs``, variables for
-the chat template (Qwen3's ``{"enable_thinking": false}``).
+the chat template (Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt`` and
+``continue_final_message``; both routes vLLM's ``request_id`` (the answer's id) and
+``cache_salt`` (without effect: no cache is shared between requests).
 
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
 said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
@@ -212,6 +214,10 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     #: vLLM's: logprobs name tokens ``token_id:N``, not by their text. Always, for a model without a tokenizer.
     return_tokens_as_token_ids: bool = False
+    #: vLLM's: the answer's ``id`` is this, after the route's prefix (``cmpl-``, ``chatcmpl-``), as in vLLM.
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    #: vLLM's salt for its prefix cache: taken, without effect (pluginhost shares no cache between requests).
+    cache_salt: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -491,8 +497,6 @@ class ChatCompletionRequest(_SamplingFields):
         "function_call": ("none", "auto"),
         # vLLM's
         "echo": (False,),
-        "add_generation_prompt": (True,),
-        "continue_final_message": (False,),
         "add_special_tokens": (False,),
         "chat_template": (),
         "documents": (),
@@ -523,8 +527,11 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
-    # vLLM's: variables for the chat template
+    # vLLM's: variables for the chat template, and how it ends the prompt (a new assistant message, or going on
+    # with the last one: an answer begun for the model)
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
