@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -15,11 +16,26 @@ __all__ = [
     "MAX_BAD_WORDS",
     "MAX_STOP_STRINGS",
     "VLLM_NEUTRAL",
+    "RequestOutputKind",
     "SamplingParams",
     "check_min_tokens_within_cap",
     "is_neutral",
     "kind_of",
 ]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output ``AsyncLLM.generate`` yields holds (vLLM's ``output_kind``); ``LLM.generate`` returns the final
+    outputs whatever it says."""
+
+    #: Everything so far: each output's text and tokens begin at the first token.
+    CUMULATIVE = 0
+    #: What is new since the output before: each sample's text, tokens and logprobs since then (empty when nothing
+    #: is); the prompt's logprobs in the first output only.
+    DELTA = 1
+    #: The finished output alone.
+    FINAL_ONLY = 2
+
 
 #: Temperatures below this decode greedily, as in vLLM (dividing by them overflows).
 GREEDY_TEMPERATURE = 1e-5
@@ -89,6 +105,8 @@ class SamplingParams:
       output is banned (as vLLM does; the prompt's tokens do not count). At most
       ``MAX_BAD_WORDS``.
     * ``extra_args``: per-request options for plugins (logits processors, request hooks).
+    * ``output_kind``: what each output ``AsyncLLM.generate`` yields holds (``RequestOutputKind``:
+      ``CUMULATIVE``, the default, ``DELTA`` or ``FINAL_ONLY``, as vLLM's).
 
     vLLM's fields for what pluginhost does not do (``best_of``,
     ``spaces_between_special_tokens``, ...; see ``VLLM_NEUTRAL``) are taken at
@@ -125,6 +143,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: Any = field(default=None, repr=False)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.validate()
@@ -198,6 +217,13 @@ class SamplingParams:
                 value is None or (_is_int(value) and value >= -1),
                 f"{name} must be None, an integer >= 0, or -1 for the whole vocabulary, got {value!r}",
             )
+        kinds = {kind.value: kind for kind in RequestOutputKind}
+        check(
+            "output_kind",
+            _is_int(self.output_kind) and self.output_kind in kinds,
+            f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}",
+        )
+        self.output_kind = kinds[self.output_kind]
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             check(name, isinstance(value, bool), f"{name} must be True or False, got {value!r}")

@@ -63,6 +63,28 @@ def test_streamed_outputs_are_cumulative_and_end_as_offline(engine, offline):
     assert outs[-1].outputs[0].token_ids == alone.token_ids and outs[-1].outputs[0].text == alone.text
 
 
+def test_vllms_output_kinds_delta_and_final_only(engine):
+    """vLLM's ``output_kind``: DELTA outputs add up to the cumulative ones (text, tokens, logprobs; the prompt's
+    logprobs once), FINAL_ONLY yields the finished output alone."""
+    from pluginhost.sampling import RequestOutputKind
+
+    params = SamplingParams(max_tokens=12, n=2, seed=4, temperature=1.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    whole = run(collect(engine, PROMPTS[0], params, "cumulative"))[-1]
+    deltas = run(collect(engine, PROMPTS[0], params.clone(output_kind=RequestOutputKind.DELTA), "delta"))
+    assert len(deltas) > 1 and deltas[-1].finished
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert deltas[0].prompt_logprobs == whole.prompt_logprobs
+    for sample in whole.outputs:
+        parts = [d.outputs[sample.index] for d in deltas]
+        assert "".join(p.text for p in parts) == sample.text
+        assert sum((p.token_ids for p in parts), []) == sample.token_ids
+        assert sum((p.logprobs for p in parts), []) == sample.logprobs and parts[-1].finish_reason == "length"
+    final = run(collect(engine, PROMPTS[0], params.clone(output_kind=RequestOutputKind.FINAL_ONLY), "final"))
+    assert len(final) == 1 and final[0].outputs == whole.outputs
+    with pytest.raises(ValueError, match=r"output_kind must be a RequestOutputKind .* got 3"):
+        params.clone(output_kind=3)
+
+
 def test_a_request_joining_mid_flight_gets_what_it_would_get_alone(engine, offline):
     """Greedy output does not depend on the batch: joining while others run changes nothing."""
 

@@ -26,6 +26,7 @@ import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pluginhost.distributed import torchrun_rank
@@ -35,7 +36,7 @@ from pluginhost.engine.inputs import Prompt
 from pluginhost.engine.request import EngineRequest
 from pluginhost.host import PluginHost
 from pluginhost.outputs import RequestOutput
-from pluginhost.sampling import SamplingParams
+from pluginhost.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pluginhost.engine.parallel import Ranks
@@ -146,12 +147,21 @@ class AsyncLLM(EngineFrontend):
         output has ``finish_reason`` ``"abort"``. Leaving the loop early
         aborts the request. vLLM's ``lora_request`` and ``priority`` are taken
         at their defaults (``None``, 0) and refused otherwise.
+
+        ``SamplingParams.output_kind`` (as the request runs, after ``on_request`` hooks): ``DELTA`` yields what is
+        new since the output before (every sample, each with its new text, tokens and logprobs; the prompt's
+        logprobs in the first), ``FINAL_ONLY`` the finished output alone.
         """
         no_lora_or_priority(lora_request, [priority])
         stream = await self.submit(prompt, sampling_params, request_id)
+        kind = stream.request.params.output_kind
+        sent: dict[int, tuple[int, int]] = {}  # DELTA: each sample's text length and tokens already yielded
         try:
             async for output in stream:
-                yield output
+                if kind == RequestOutputKind.DELTA:
+                    yield _delta(output, sent)
+                elif kind == RequestOutputKind.CUMULATIVE or output.finished:
+                    yield output
         finally:
             stream.abort()
 
@@ -469,3 +479,20 @@ def _inside_an_import() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _delta(output: RequestOutput, sent: dict[int, tuple[int, int]]) -> RequestOutput:
+    """``output`` as what is new since the outputs of ``sent`` (each sample's text length and tokens yielded so
+    far, updated): every sample, with its new text, tokens and logprobs; the prompt's logprobs only the first time.
+
+    A stream's text never shrinks (text that a stop string may still cut is held back), so what is new is its tail.
+    """
+    first = not sent
+    samples = []
+    for sample in output.outputs:
+        text_sent, tokens_sent = sent.get(sample.index, (0, 0))
+        sent[sample.index] = (len(sample.text or ""), len(sample.token_ids))
+        logprobs = sample.logprobs[tokens_sent:] if sample.logprobs is not None else None
+        text = sample.text[text_sent:] if sample.text is not None else None
+        samples.append(replace(sample, text=text, token_ids=sample.token_ids[tokens_sent:], logprobs=logprobs))
+    return replace(output, outputs=samples, prompt_logprobs=output.prompt_logprobs if first else None)
