@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs", "text_after"]
 
 #: "length" (max_tokens or max_model_len reached), "stop" (end-of-sequence, a stop token or a stop
 #: string), or "abort" (``AsyncLLM.abort``, a client that went away, a shutdown).
 FinishReason = Literal["length", "stop", "abort"]
+
+logger = logging.getLogger("pluginhost")
 
 
 class TokenLogprobs(dict[int, float]):
@@ -103,3 +106,40 @@ class RequestOutput:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.outputs[0].finish_reason
+
+
+def text_after(sent: str, text: str, request_id: str) -> str:
+    """What of ``text`` (a choice's text so far) a stream has not sent yet, given it sent ``sent``.
+
+    The text only grows, unless an ``on_output`` hook changed the final output's text (it runs once
+    the request has finished): what was sent cannot be taken back, so the rest follows the end of
+    the sent text where the changed text still has it, and nothing more where it does not.
+    """
+    if text.startswith(sent):
+        return text[len(sent) :]
+    # Where an end of the sent text (8 to 32 characters; shorter only if none is found) is in the changed
+    # text, ending nearest to where the sent text ended: repeated text has it more than once.
+    cut = None
+    longest = min(len(sent), 32)
+    for sizes in (range(longest, min(longest, 8) - 1, -1), range(min(longest, 8) - 1, 0, -1)):
+        found = [
+            (abs(at + size - len(sent)), -size, at + size) for size in sizes for at in _occurrences(text, sent[-size:])
+        ]
+        if found:
+            cut = min(found)[2]
+            break
+    logger.warning(
+        "%s: an on_output hook changed text the stream had already sent; the client keeps what it got%s",
+        request_id,
+        "" if cut is not None else ", and no more of this choice's text",
+    )
+    return text[cut:] if cut is not None else ""
+
+
+def _occurrences(text: str, part: str) -> list[int]:
+    """Where ``part`` starts in ``text``, every time."""
+    found, at = [], text.find(part)
+    while at >= 0:
+        found.append(at)
+        at = text.find(part, at + 1)
+    return found

@@ -218,10 +218,14 @@ class SamplingParams:
                 f"{name} must be None, an integer >= 0, or -1 for the whole vocabulary, got {value!r}",
             )
         kinds = {kind.value: kind for kind in RequestOutputKind}
+        given = self.output_kind
+        shown = repr(given)
+        if type(given).__name__ == RequestOutputKind.__name__ and type(given) is not RequestOutputKind:  # vLLM's
+            shown = f"{type(given).__module__}'s {given} (import RequestOutputKind from pluginhost.sampling)"
         check(
             "output_kind",
-            _is_int(self.output_kind) and self.output_kind in kinds,
-            f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}",
+            _is_int(given) and given in kinds,
+            f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {shown}",
         )
         self.output_kind = kinds[self.output_kind]
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
@@ -318,8 +322,8 @@ class SamplingParams:
 #: (``server.protocol``, which adds the fields only a route has).
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None,),
-    # Either: pluginhost's detokenizer, as vLLM's for fast tokenizers (which ignores the field), puts no space
-    # between special tokens (lm-eval passes False with every request).
+    # Either: pluginhost's detokenizer never puts a space between special tokens, what vLLM's does with False
+    # (lm-eval passes False with every request).
     "spaces_between_special_tokens": (True, False),
     "truncate_prompt_tokens": (None,),
     "structured_outputs": (None,),
@@ -385,6 +389,7 @@ _NUMERIC_FIELDS = (
     "best_of",
     "prompt_logprobs",
     "truncate_prompt_tokens",
+    "output_kind",
 )
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,6 +84,33 @@ def test_vllms_output_kinds_delta_and_final_only(engine):
     assert len(final) == 1 and final[0].outputs == whole.outputs
     with pytest.raises(ValueError, match=r"output_kind must be a RequestOutputKind .* got 3"):
         params.clone(output_kind=3)
+    assert params.clone(output_kind=np.int64(1)).output_kind is RequestOutputKind.DELTA  # NumPy's, as Python's
+
+
+class Retitles:
+    """Changes a finished request's text where the stream had already sent it."""
+
+    @hookimpl
+    def on_output(self, request, output):
+        for sample in output.outputs:
+            sample.text = "<" + sample.text[3:]
+
+
+def test_delta_outputs_go_on_after_text_an_on_output_hook_changed_as_the_servers_streams(tiny_opt):
+    """What was yielded cannot be taken back: the last delta is what follows it in the changed text (the tail of
+    the old length cut from the new text came out garbled)."""
+    from pluginhost.outputs import text_after
+    from pluginhost.sampling import RequestOutputKind
+
+    engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Retitles()])
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        final = run(collect(engine, PROMPTS[0], params, "cumulative"))[-1].outputs[0].text
+        deltas = run(collect(engine, PROMPTS[0], params.clone(output_kind=RequestOutputKind.DELTA), "delta"))
+    finally:
+        engine.shutdown()
+    sent = "".join(d.outputs[0].text for d in deltas[:-1])
+    assert not final.startswith(sent) and deltas[-1].outputs[0].text == text_after(sent, final, "delta")
 
 
 def test_a_request_joining_mid_flight_gets_what_it_would_get_alone(engine, offline):

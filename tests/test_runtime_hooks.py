@@ -764,10 +764,10 @@ def test_a_sample_finishing_before_the_others_streams_what_the_hooks_made_of_it(
     ],
 )
 def test_a_stream_goes_on_after_the_text_it_sent(sent, changed, rest):
-    from pluginhost.server.app import _text_after
+    from pluginhost.outputs import text_after
 
-    assert _text_after(sent, changed, "cmpl-1") == rest
-    assert _text_after(sent, sent + "more", "cmpl-1") == "more"  # the usual case: the text grew
+    assert text_after(sent, changed, "cmpl-1") == rest
+    assert text_after(sent, sent + "more", "cmpl-1") == "more"  # the usual case: the text grew
 
 
 class TrimsTokens:

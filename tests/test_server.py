@@ -184,6 +184,15 @@ def test_llm_chat_answers_each_conversation_as_the_chat_route(client, offline):
         extra_body={"add_generation_prompt": False, "continue_final_message": True},
     )
     assert going_on_served.choices[0].message.content == going_on.outputs[0].text
+    overriding = {"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}}
+    overridden_served = client.chat.completions.create(
+        model="demo", messages=begun, max_tokens=6, temperature=0, extra_body=overriding
+    )  # as vLLM's server and LLM.chat: the kwargs override the fields
+    assert overridden_served.choices[0].message.content == going_on.outputs[0].text
+    user_goes_on = client.chat.completions.create(  # as vLLM: going on with a message, in its role
+        model="demo", messages=USER, max_tokens=3, extra_body={"add_generation_prompt": False}
+    )
+    assert user_goes_on.choices[0].message.role == "user"
     with pytest.raises(openai.BadRequestError, match="set add_generation_prompt=False to continue") as both:
         client.chat.completions.create(
             model="demo", messages=begun, max_tokens=6, extra_body={"continue_final_message": True}
@@ -804,8 +813,7 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
             "/v1/chat/completions",
             {"messages": USER, "chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
             "chat_template_kwargs",
-            "chat_template_kwargs: add_generation_prompt, messages cannot be set here: the request's own fields "
-            "decide it",
+            "chat_template_kwargs: messages cannot be set here: the request's own fields decide it",
         ),
         ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature", "temprature: unknown field"),
     ],
@@ -863,6 +871,20 @@ def test_a_request_id_names_the_answer_as_in_vllm(client):
             model="demo", messages=USER, max_tokens=2, stream=stream, extra_body={"request_id": "job-7"}
         )
         assert {chunk.id for chunk in chat} == {"chatcmpl-job-7"} if stream else chat.id == "chatcmpl-job-7"
+    # A gateway's X-Request-Id header wins, as in vLLM; an empty request_id is the server's own
+    headed = client.completions.create(
+        model="demo",
+        prompt=PROMPTS[0],
+        max_tokens=1,
+        extra_body={"request_id": "job-7"},
+        extra_headers={"X-Request-Id": "gw-1"},
+    )
+    assert headed.id == "cmpl-gw-1"
+    unnamed = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=1, extra_body={"request_id": ""})
+    assert unnamed.id.startswith("cmpl-") and len(unnamed.id) > len("cmpl-")
+    with pytest.raises(openai.BadRequestError, match="cache_salt") as empty_salt:  # vLLM refuses it too
+        client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=1, extra_body={"cache_salt": ""})
+    assert empty_salt.value.body["param"] == "cache_salt"
 
 
 def test_openai_and_vllm_fields_at_their_neutral_values_are_accepted(url, client, offline):

@@ -524,6 +524,10 @@ def test_lm_evals_loglikelihood_requests_port_by_changing_the_import(tiny_opt):
     assert llm.generate([[2, 5]], params, priority=[0])[0].outputs[0].token_ids  # vLLM's default priority
     with pytest.raises(ValueError, match="priority is not supported by pluginhost"):
         llm.generate([[2, 5]], params, priority=[1])
+    with pytest.raises(ValueError, match=r"priority lists 1 priorities for 2 prompt\(s\): give one per prompt"):
+        llm.generate([[2, 5], [2, 6]], params, priority=[0])  # vLLM refuses it too
+    with pytest.raises(ValueError, match="priority must be a list of ints, one per prompt, got int"):
+        llm.generate([[2, 5]], params, priority=0)
 
 
 def test_vllms_async_generate_arguments_at_their_defaults_are_taken(tiny_opt):
@@ -541,7 +545,7 @@ def test_vllms_async_generate_arguments_at_their_defaults_are_taken(tiny_opt):
     try:
         taken = asyncio.run(last(TextPrompt(prompt="Hello"), lora_request=None, priority=0))
         assert taken.outputs[0].token_ids == asyncio.run(last("Hello")).outputs[0].token_ids
-        with pytest.raises(ValueError, match="priority is not supported by pluginhost") as refused:
+        with pytest.raises(ValueError, match=r"priority=2 is not supported by pluginhost .*: leave it 0") as refused:
             asyncio.run(last("Hello", priority=2))
         assert refused.value.param == "priority"
     finally:

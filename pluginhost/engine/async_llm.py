@@ -34,8 +34,9 @@ from pluginhost.engine.core import EngineCore
 from pluginhost.engine.frontend import EngineFrontend, no_lora_or_priority
 from pluginhost.engine.inputs import Prompt
 from pluginhost.engine.request import EngineRequest
+from pluginhost.errors import InvalidParameterError
 from pluginhost.host import PluginHost
-from pluginhost.outputs import RequestOutput
+from pluginhost.outputs import RequestOutput, text_after
 from pluginhost.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -152,14 +153,20 @@ class AsyncLLM(EngineFrontend):
         new since the output before (every sample, each with its new text, tokens and logprobs; the prompt's
         logprobs in the first), ``FINAL_ONLY`` the finished output alone.
         """
-        no_lora_or_priority(lora_request, [priority])
+        no_lora_or_priority(lora_request)
+        if priority != 0:
+            raise InvalidParameterError(
+                f"priority={priority!r} is not supported by pluginhost (requests run first come, first served, as "
+                "vLLM's default scheduling): leave it 0",
+                param="priority",
+            )
         stream = await self.submit(prompt, sampling_params, request_id)
         kind = stream.request.params.output_kind
-        sent: dict[int, tuple[int, int]] = {}  # DELTA: each sample's text length and tokens already yielded
+        sent: dict[int, tuple[str, int]] = {}  # DELTA: each sample's text and tokens already yielded
         try:
             async for output in stream:
                 if kind == RequestOutputKind.DELTA:
-                    yield _delta(output, sent)
+                    yield _delta(output, sent, stream.request_id)
                 elif kind == RequestOutputKind.CUMULATIVE or output.finished:
                     yield output
         finally:
@@ -481,18 +488,19 @@ def _inside_an_import() -> bool:
     return False
 
 
-def _delta(output: RequestOutput, sent: dict[int, tuple[int, int]]) -> RequestOutput:
-    """``output`` as what is new since the outputs of ``sent`` (each sample's text length and tokens yielded so
-    far, updated): every sample, with its new text, tokens and logprobs; the prompt's logprobs only the first time.
+def _delta(output: RequestOutput, sent: dict[int, tuple[str, int]], request_id: str) -> RequestOutput:
+    """``output`` as what is new since the outputs of ``sent`` (each sample's text and tokens yielded so far,
+    updated): every sample, with its new text, tokens and logprobs; the prompt's logprobs only the first time.
 
-    A stream's text never shrinks (text that a stop string may still cut is held back), so what is new is its tail.
+    A stream's text only grows (text that a stop string may still cut is held back), unless an ``on_output`` hook
+    changed the finished output: what was yielded cannot be taken back (``text_after``, as the server's streams).
     """
     first = not sent
     samples = []
     for sample in output.outputs:
-        text_sent, tokens_sent = sent.get(sample.index, (0, 0))
-        sent[sample.index] = (len(sample.text or ""), len(sample.token_ids))
+        text_sent, tokens_sent = sent.get(sample.index, ("", 0))
+        text = text_after(text_sent, sample.text, request_id) if sample.text is not None else None
+        sent[sample.index] = (text_sent + (text or ""), max(tokens_sent, len(sample.token_ids)))
         logprobs = sample.logprobs[tokens_sent:] if sample.logprobs is not None else None
-        text = sample.text[text_sent:] if sample.text is not None else None
         samples.append(replace(sample, text=text, token_ids=sample.token_ids[tokens_sent:], logprobs=logprobs))
     return replace(output, outputs=samples, prompt_logprobs=output.prompt_logprobs if first else None)

@@ -227,15 +227,26 @@ class EngineFrontend:
         )
 
 
-def no_lora_or_priority(lora_request: object, priority: Sequence[int] | None) -> None:
-    """Refuse vLLM's ``lora_request`` and ``priority`` when they ask for something (a port passes ``None``)."""
+def no_lora_or_priority(lora_request: object, priority: object = None, prompts: int | None = None) -> None:
+    """Refuse vLLM's ``lora_request`` and ``priority`` (a list, one per of ``prompts``) when they ask for something:
+    a port passes ``None`` (and every priority 0)."""
     if lora_request is not None:
         raise InvalidParameterError(
             f"lora_request={lora_request!r} is not supported by pluginhost (it serves no LoRA adapters; only None): "
             "see docs/porting-from-vllm.md",
             param="lora_request",
         )
-    if priority is not None and any(p != 0 for p in priority):
+    if priority is None:
+        return
+    if isinstance(priority, str | bytes) or not isinstance(priority, Sequence):
+        raise InvalidParameterError(
+            f"priority must be a list of ints, one per prompt, got {type(priority).__name__}", param="priority"
+        )
+    if prompts is not None and len(priority) != prompts:
+        raise InvalidParameterError(
+            f"priority lists {len(priority)} priorities for {prompts} prompt(s): give one per prompt", param="priority"
+        )
+    if any(p != 0 for p in priority):
         raise InvalidParameterError(
             "priority is not supported by pluginhost (requests run first come, first served, as vLLM's default "
             "scheduling; only None or every priority 0)",

@@ -93,9 +93,9 @@ class LLM(EngineFrontend):
         taken as a port passes them when it asks for neither (``None``; every
         priority 0), and refused otherwise.
         """
-        no_lora_or_priority(lora_request, priority)
         self._check_generates()
         prompt_list = as_prompt_list(prompts)
+        no_lora_or_priority(lora_request, priority, len(prompt_list))
         params_list = _params_for(prompt_list, sampling_params, self.get_default_sampling_params)
         if not prompt_list:
             return []

@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,7 +55,7 @@ from pluginhost.errors import (
     RequestRefusedError,
     TensorParallelError,
 )
-from pluginhost.outputs import CompletionOutput, RequestOutput
+from pluginhost.outputs import CompletionOutput, RequestOutput, text_after
 from pluginhost.sampling import SamplingParams
 from pluginhost.server.errors import APIError, bad_request, closing, describe_validation, first_param, not_utf8
 from pluginhost.server.guards import (
@@ -154,11 +154,11 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, api.completions(body, _arrival(request)))
+        return await _until_disconnect(request, api.completions(_named(body, request), _arrival(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, api.chat(body, _arrival(request)))
+        return await _until_disconnect(request, api.chat(_named(body, request), _arrival(request)))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -239,6 +239,15 @@ def _install_auth_and_counting(app: FastAPI, api_key: str | None, metrics: Serve
         route = request.scope.get("route")
         metrics.record_http(getattr(route, "path", "unmatched"), response.status_code)
         return response
+
+
+_Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
+
+
+def _named(body: _Body, request: Request) -> _Body:
+    """The body, its ``request_id`` the ``X-Request-Id`` header's when there is one (a gateway's), as vLLM's."""
+    header = request.headers.get("x-request-id")
+    return body.model_copy(update={"request_id": header[:256]}) if header else body
 
 
 def _arrival(request: Request) -> float:
@@ -361,15 +370,16 @@ class _API:
         names = _FieldNames("messages", {"max_tokens": budget, "logprobs": "top_logprobs"}, prompt_is_messages=True)
         inputs = self.engine.input_processor
         try:  # in the input thread: long conversations take seconds to render and tokenize
+            variables, add_generation_prompt, continue_final_message = body.template_arguments()
             prompt = await self.engine.off_loop(
                 functools.partial(
                     _render_chat,
                     tokenizer,
                     body.conversation(),
                     inputs.check_text_length,
-                    body.chat_template_kwargs or {},
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
+                    variables,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                 )
             )
         except PromptTooLongError as exc:
@@ -380,7 +390,9 @@ class _API:
         )
         request_id = random_id("chatcmpl")
         streams = await self._start([prompt], params, request_id, names, arrival)
-        shape = _Chat(self, _answer_id("chatcmpl", body, request_id), body, top)
+        # As vLLM: the answer is the assistant's, or, going on with the last message, that message's role's.
+        role = "assistant" if add_generation_prompt else body.messages[-1].role
+        shape = _Chat(self, _answer_id("chatcmpl", body, request_id), body, top, role)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))
         return await shape.answer(streams)
@@ -465,7 +477,7 @@ class _FieldNames:
 def _answer_id(prefix: str, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> str:
     """The answer's ``id``: the request's own (vLLM's ``request_id``) after the route's prefix, else the engine's id.
     (The engine's requests keep ids of their own: two clients may send one ``request_id``.)"""
-    return f"{prefix}-{body.request_id}" if body.request_id is not None else request_id
+    return f"{prefix}-{body.request_id}" if body.request_id else request_id
 
 
 def _choice_offsets(streams: Sequence[RequestStream]) -> list[int]:
@@ -475,43 +487,6 @@ def _choice_offsets(streams: Sequence[RequestStream]) -> list[int]:
         offsets.append(total)
         total += stream.request.params.n
     return offsets
-
-
-def _text_after(sent: str, text: str, request_id: str) -> str:
-    """What of ``text`` (a choice's text so far) a stream has not sent yet, given it sent ``sent``.
-
-    The text only grows, unless an ``on_output`` hook changed the final output's text (it runs once
-    the request has finished): what was sent cannot be taken back, so the rest follows the end of
-    the sent text where the changed text still has it, and nothing more where it does not.
-    """
-    if text.startswith(sent):
-        return text[len(sent) :]
-    # Where an end of the sent text (8 to 32 characters; shorter only if none is found) is in the changed
-    # text, ending nearest to where the sent text ended: repeated text has it more than once.
-    cut = None
-    longest = min(len(sent), 32)
-    for sizes in (range(longest, min(longest, 8) - 1, -1), range(min(longest, 8) - 1, 0, -1)):
-        found = [
-            (abs(at + size - len(sent)), -size, at + size) for size in sizes for at in _occurrences(text, sent[-size:])
-        ]
-        if found:
-            cut = min(found)[2]
-            break
-    logger.warning(
-        "%s: an on_output hook changed text the stream had already sent; the client keeps what it got%s",
-        request_id,
-        "" if cut is not None else ", and no more of this choice's text",
-    )
-    return text[cut:] if cut is not None else ""
-
-
-def _occurrences(text: str, part: str) -> list[int]:
-    """Where ``part`` starts in ``text``, every time."""
-    found, at = [], text.find(part)
-    while at >= 0:
-        found.append(at)
-        at = text.find(part, at + 1)
-    return found
 
 
 def _error_code(error: Exception) -> str:
@@ -772,7 +747,7 @@ class _Shape:
                     text = completion.text or ""
                     sent, start_tokens = sent_text.get(number, ""), sent_tokens.get(number, 0)
                     first = number not in sent_text
-                    delta, new_tokens = _text_after(sent, text, self.request_id), completion.token_ids[start_tokens:]
+                    delta, new_tokens = text_after(sent, text, self.request_id), completion.token_ids[start_tokens:]
                     if not (delta or new_tokens or completion.finished() or first):
                         continue
                     sent_text[number], sent_tokens[number] = sent + delta, len(completion.token_ids)
@@ -917,16 +892,18 @@ class _Chat(_Shape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, api: _API, request_id: str, body: ChatCompletionRequest, top_logprobs: int | None) -> None:
+    def __init__(
+        self, api: _API, request_id: str, body: ChatCompletionRequest, top_logprobs: int | None, role: str
+    ) -> None:
         super().__init__(api, request_id, body)
-        self.top_logprobs = top_logprobs or 0
+        self.top_logprobs, self.role = top_logprobs or 0, role
 
     def whole(self, streams: Sequence[RequestStream], finals: dict[int, RequestOutput]) -> dict[str, Any]:
         output = finals[0]
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text or ""},
+                "message": {"role": self.role, "content": c.text or ""},
                 "logprobs": self.logprobs(c, 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -942,7 +919,7 @@ class _Chat(_Shape):
         def choice(
             number: int, output: RequestOutput, c: CompletionOutput, delta: str, start: int, first: bool
         ) -> dict[str, Any]:
-            message = {"role": "assistant", "content": delta} if first else {"content": delta}
+            message = {"role": self.role, "content": delta} if first else {"content": delta}
             entry = {
                 "index": number,
                 "delta": message if (delta or first) else {},

@@ -214,10 +214,11 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     #: vLLM's: logprobs name tokens ``token_id:N``, not by their text. Always, for a model without a tokenizer.
     return_tokens_as_token_ids: bool = False
-    #: vLLM's: the answer's ``id`` is this, after the route's prefix (``cmpl-``, ``chatcmpl-``), as in vLLM.
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    #: vLLM's: the answer's ``id`` is this, after the route's prefix (``cmpl-``, ``chatcmpl-``), as in vLLM (the
+    #: ``X-Request-Id`` header's first); empty: the server's own. At most 256 characters (vLLM takes any).
+    request_id: str | None = Field(default=None, max_length=256)
     #: vLLM's salt for its prefix cache: taken, without effect (pluginhost shares no cache between requests).
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod
@@ -462,6 +463,9 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)  # as vLLM joins a message's text parts
 
 
+#: apply_chat_template's parameters chat_template_kwargs may set, overriding the request's fields, as in vLLM.
+_OVERRIDING = frozenset({"add_generation_prompt", "continue_final_message"})
+
 #: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them
 #: (with the installed transformers' others: ``template_parameters``).
 _TEMPLATE_PARAMETERS = frozenset(
@@ -536,10 +540,21 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(template_parameters() & (value or {}).keys())
+        taken = sorted((template_parameters() - _OVERRIDING) & (value or {}).keys())
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields decide it")
+        for name in _OVERRIDING & (value or {}).keys():
+            if not isinstance(value[name], bool):  # type: ignore[index]
+                raise ValueError(f"{name} must be true or false, got {value[name]!r}")  # type: ignore[index]
         return value
+
+    def template_arguments(self) -> tuple[dict[str, Any], bool, bool]:
+        """The chat template's variables, ``add_generation_prompt`` and ``continue_final_message``: the request's,
+        overridden by its ``chat_template_kwargs`` (as vLLM's server and ``LLM.chat`` take them)."""
+        variables = dict(self.chat_template_kwargs or {})
+        add = variables.pop("add_generation_prompt", self.add_generation_prompt)
+        going_on = variables.pop("continue_final_message", self.continue_final_message)
+        return variables, add, going_on
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
