@@ -176,6 +176,9 @@ def test_a_prompt_an_on_request_hook_rewrites_is_the_prompt_that_runs(tiny_opt):
         "</s> is  ",
         [*plain.generate(" is", params)[0].prompt_token_ids, 224, 224],
     )
+    # A prompt tokenized without special tokens (the server's add_special_tokens: false) is tokenized again so.
+    made = llm._inputs.make_request("bare", " is", params, add_special_tokens=False)
+    assert made.prompt_token_ids == llm.get_tokenizer()("The engine is", add_special_tokens=False)["input_ids"]
 
 
 class BuggyValidation(ForceTag):

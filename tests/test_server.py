@@ -856,6 +856,24 @@ def test_null_means_the_default_as_the_openai_client_sends_it(url, client, offli
     assert unbounded["usage"]["completion_tokens"] > 6
 
 
+def test_completions_add_special_tokens_false_tokenizes_the_prompt_without_them(client, offline):
+    """vLLM's field, for a client that rendered a chat template itself: the template wrote the BOS (it was refused)."""
+    bare = offline.get_tokenizer()(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    assert offline.get_tokenizer()(PROMPTS[0])["input_ids"] != bare  # the demo tokenizer adds a BOS
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="demo",
+            prompt=PROMPTS[0],
+            max_tokens=6,
+            temperature=0,
+            stream=stream,
+            extra_body={"add_special_tokens": False, "return_token_ids": True},
+        )
+        chunks = list(answer) if stream else [answer]
+        assert chunks[0].choices[0].model_extra["prompt_token_ids"] == bare
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.generate([bare], greedy(6))[0].text
+
+
 def test_a_request_id_names_the_answer_as_in_vllm(client):
     """vLLM's ``request_id``: the answer's id is the route's prefix and it (and its cache_salt is taken)."""
     for stream in (False, True):

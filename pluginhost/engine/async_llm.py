@@ -201,18 +201,20 @@ class AsyncLLM(EngineFrontend):
         *,
         exact_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> list[RequestStream]:
         """``submit`` for several ``(prompt, params, request_id)``: all prepared first, then queued together.
 
         All or none: an error in any of them (``prompt 2 has ...``) queues none, and a caller
-        cancelled while they are prepared leaves nothing behind. ``arrival_time`` is theirs, as in ``submit``.
+        cancelled while they are prepared leaves nothing behind. ``arrival_time`` is theirs, as in ``submit``;
+        ``add_special_tokens=False`` tokenizes text prompts without the tokenizer's special tokens.
         """
         self._check_open()
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self.engine, loop) for _ in requests]
         picked = [request_id is None for _, _, request_id in requests]
         make = [
-            self._maker(stream, prompt, params, request_id, index, exact_max_tokens, arrival_time)
+            self._maker(stream, prompt, params, request_id, index, exact_max_tokens, arrival_time, add_special_tokens)
             for index, ((prompt, params, request_id), stream) in enumerate(zip(requests, streams, strict=True))
         ]
         given = [request_id for _, _, request_id in requests if request_id is not None]
@@ -271,6 +273,7 @@ class AsyncLLM(EngineFrontend):
         index: int,
         exact_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> Callable[[], EngineRequest]:
         """What makes the request ``stream`` delivers, once called (in the input thread, or at once)."""
         _checked_request_id(request_id)
@@ -284,6 +287,7 @@ class AsyncLLM(EngineFrontend):
             streaming=True,
             exact_max_tokens=exact_max_tokens,
             arrival_time=arrival_time,
+            add_special_tokens=add_special_tokens,
         )
 
     async def off_loop(self, fn: Callable[..., T], /, *args: Any) -> T:

@@ -45,8 +45,12 @@ class InputProcessor:
         streaming: bool = False,
         exact_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> EngineRequest:
         """The request for ``prompt``; ``index`` names the prompt in error messages.
+
+        A text prompt is tokenized with the tokenizer's special tokens (a BOS), unless ``add_special_tokens`` is
+        false (a server's client that rendered a chat template itself, vLLM's completions field).
 
         A ``max_tokens`` beyond what ``max_model_len`` leaves after the prompt ends generation
         there, with ``finish_reason`` "length", as in vLLM's engine; with ``exact_max_tokens`` it
@@ -58,7 +62,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params for prompt {index} must be a SamplingParams, got {kind_of(params)}")
         loaded = self._loaded
-        text, token_ids = self._encode(index, prompt)
+        text, token_ids = self._encode(index, prompt, add_special_tokens)
         # The request's own parameters: plugins may change them, and one SamplingParams may serve many prompts.
         request = EngineRequest(request_id, text, token_ids, params.clone(), on_output=on_output, streaming=streaming)
         if arrival_time is not None:
@@ -71,7 +75,7 @@ class InputProcessor:
             exact = exact_max_tokens and asked is not None and len(token_ids) + asked > loaded.max_model_len
             loaded.host.call("on_request", request=request, consequence="The request was not run.")
             try:
-                self._follow_prompt(index, request, text, given[1])
+                self._follow_prompt(index, request, text, given[1], add_special_tokens)
                 max_tokens, choices = self._checked(index, request.prompt_token_ids, request.params, exact, cap)
             except ValueError as exc:
                 now = (request.prompt, request.prompt_token_ids, request.params)
@@ -315,7 +319,7 @@ class InputProcessor:
             )
         return [w for w in found if w]
 
-    def _encode(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _encode(self, index: int, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
             text = prompt.get("prompt")
             prompt = _unwrap_prompt_dict(index, prompt)
@@ -325,15 +329,15 @@ class InputProcessor:
                 token_ids = self._check_ids(index, prompt)
                 return self._text_of(token_ids, text), token_ids
         if isinstance(prompt, str):
-            return prompt, self._tokenize(index, prompt)
+            return prompt, self._tokenize(index, prompt, add_special_tokens)
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise ValueError(
                 f"prompt {index} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}"
             )
         return None, self._check_ids(index, prompt)
 
-    def _tokenize(self, index: int, prompt: str) -> list[int]:
-        """The token ids of a text prompt, checked."""
+    def _tokenize(self, index: int, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a text prompt (with the tokenizer's special tokens, unless told), checked."""
         loaded = self._loaded
         if not prompt:
             raise ValueError(f"prompt {index} is an empty string; give some text or token ids")
@@ -350,7 +354,10 @@ class InputProcessor:
                 f"{exc.reason} (text decoded with errors='surrogateescape'?)"
             ) from None
         self.check_text_length(index, prompt)
-        token_ids = list(loaded.tokenizer(prompt)["input_ids"])
+        token_ids = list(loaded.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        if not token_ids:  # special tokens alone would have made it one token at least
+            without = "" if add_special_tokens else " without the tokenizer's special tokens"
+            raise ValueError(f"prompt {index} tokenizes to no token{without}; give some text")
         outside = [t for t in token_ids if not 0 <= t < loaded.vocab_size]
         if outside:
             raise ValueError(
@@ -378,11 +385,14 @@ class InputProcessor:
             return None
         return given if bare == given else text
 
-    def _follow_prompt(self, index: int, request: EngineRequest, text: str | None, token_ids: list[int]) -> None:
+    def _follow_prompt(
+        self, index: int, request: EngineRequest, text: str | None, token_ids: list[int], add_special_tokens: bool
+    ) -> None:
         """Make the request's text and ids agree again after the on_request hooks (``text``, ``token_ids``: before).
 
-        A changed text is tokenized (ids a hook changed too must be that text's); changed ids take the text
-        they decode to; a text set to ``None`` leaves the ids as they are. A ``ValueError`` if that cannot be.
+        A changed text is tokenized as the prompt was (ids a hook changed too must be that text's); changed ids
+        take the text they decode to; a text set to ``None`` leaves the ids as they are. A ``ValueError`` if that
+        cannot be.
         """
         prompt = request.prompt
         if prompt is not text and prompt != text:
@@ -391,7 +401,7 @@ class InputProcessor:
                 return
             if not isinstance(prompt, str):
                 raise ValueError(f"request.prompt must be text or None, got {type(prompt).__name__}")
-            tokenized, ids = self._tokenize(index, prompt), request.prompt_token_ids
+            tokenized, ids = self._tokenize(index, prompt, add_special_tokens), request.prompt_token_ids
             if not _same_ids(ids, token_ids) and not _same_ids(ids, tokenized):  # changed too, to other ids
                 raise ValueError(
                     "request.prompt and request.prompt_token_ids were both changed, and the text does not tokenize "

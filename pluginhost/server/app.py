@@ -302,7 +302,13 @@ class _API:
             )
 
     async def _start(
-        self, prompts: Sequence[Any], params: SamplingParams, request_id: str, names: _FieldNames, arrival: float
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams,
+        request_id: str,
+        names: _FieldNames,
+        arrival: float,
+        add_special_tokens: bool = True,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none (400 for bad input, 503 for a full queue).
 
@@ -322,7 +328,9 @@ class _API:
         # One params for every prompt: the engine copies them for each, off the event loop.
         requests = [(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
         try:  # OpenAI's rule: a max_tokens the context cannot hold is a 400, not cut short
-            return await self.engine.submit_all(requests, exact_max_tokens=True, arrival_time=arrival)
+            return await self.engine.submit_all(
+                requests, exact_max_tokens=True, arrival_time=arrival, add_special_tokens=add_special_tokens
+            )
         except (ValueError, PluginhostError) as exc:
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(503, f"The server is busy: {exc}", type="server_error", code="overloaded") from None
@@ -349,7 +357,7 @@ class _API:
         defaults = self.engine.sampling_defaults
         params = self._params(lambda: body.completion_params(defaults), names)
         request_id = random_id("cmpl")
-        streams = await self._start(prompts, params, request_id, names, arrival)
+        streams = await self._start(prompts, params, request_id, names, arrival, body.add_special_tokens)
         shape = _Completions(self, _answer_id("cmpl", body, request_id), body)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))

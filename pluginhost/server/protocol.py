@@ -314,7 +314,7 @@ def _refuse_long_list(value: Any, field: str, most: int, what: str, name: str | 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    _neutral = _VLLM_NEUTRAL | {"add_special_tokens": (True,)}
+    _neutral = _VLLM_NEUTRAL
 
     @model_validator(mode="before")
     @classmethod
@@ -332,6 +332,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    #: vLLM's: false tokenizes a text prompt without the tokenizer's special tokens (a client that rendered a chat
+    #: template itself, which wrote them).
+    add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = None
 
