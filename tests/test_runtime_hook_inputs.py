@@ -116,6 +116,24 @@ def test_on_request_sees_the_text_of_a_chat_prompt():
     assert seen == [text] and "Hello there" in text
 
 
+class AddsAnInstruction:
+    @hookimpl
+    def on_request(self, request):
+        request.prompt = request.prompt + " Be brief."
+
+
+def test_a_chat_prompt_a_hook_rewrites_is_tokenized_as_the_template_wrote_it():
+    """A chat's text carries the template's BOS: tokenized again with the tokenizer's own, it had two."""
+    llm = LLM(str(ensure_demo_model()), plugins=[AddsAnInstruction()], load_installed_plugins=False)
+    out = llm.chat([{"role": "user", "content": "Hello there"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt.endswith(" Be brief.")
+    assert out.prompt_token_ids == llm.get_tokenizer()(out.prompt, add_special_tokens=False)["input_ids"]
+    assert out.prompt_token_ids[:2] != [2, 2]
+    # a text prompt keeps the tokenizer's BOS: its ids had it
+    plain = llm.generate("Hello there", SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_token_ids == llm.get_tokenizer()("Hello there Be brief.")["input_ids"]
+
+
 class SeesPrompts:
     def __init__(self):
         self.seen: list[str | None] = []

@@ -193,6 +193,10 @@ def test_llm_chat_answers_each_conversation_as_the_chat_route(client, offline):
         model="demo", messages=USER, max_tokens=3, extra_body={"add_generation_prompt": False}
     )
     assert user_goes_on.choices[0].message.role == "user"
+    through_kwargs = client.chat.completions.create(  # vLLM reads the role from the field, not the kwargs
+        model="demo", messages=USER, max_tokens=3, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+    )
+    assert through_kwargs.choices[0].message.role == "assistant"
     with pytest.raises(openai.BadRequestError, match="set add_generation_prompt=False to continue") as both:
         client.chat.completions.create(
             model="demo", messages=begun, max_tokens=6, extra_body={"continue_final_message": True}
@@ -890,6 +894,11 @@ def test_a_request_id_names_the_answer_as_in_vllm(client):
         )
         assert {chunk.id for chunk in chat} == {"chatcmpl-job-7"} if stream else chat.id == "chatcmpl-job-7"
     # A gateway's X-Request-Id header wins, as in vLLM; an empty request_id is the server's own
+    long_id = "x" * 300  # a gateway's id, however long, as vLLM takes it
+    named = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=1, extra_headers={"X-Request-Id": long_id}
+    )
+    assert named.id == f"cmpl-{long_id}"
     headed = client.completions.create(
         model="demo",
         prompt=PROMPTS[0],

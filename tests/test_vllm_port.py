@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -548,6 +549,8 @@ def test_vllms_async_generate_arguments_at_their_defaults_are_taken(tiny_opt):
         with pytest.raises(ValueError, match=r"priority=2 is not supported by pluginhost .*: leave it 0") as refused:
             asyncio.run(last("Hello", priority=2))
         assert refused.value.param == "priority"
+        with pytest.raises(ValueError, match=r"priority=array\(\[0, 0\]\) is not supported by pluginhost"):
+            asyncio.run(last("Hello", priority=np.zeros(2, dtype=int)))  # was NumPy's "truth value ... ambiguous"
     finally:
         engine.shutdown()
 

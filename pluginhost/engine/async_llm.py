@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -154,7 +155,7 @@ class AsyncLLM(EngineFrontend):
         logprobs in the first), ``FINAL_ONLY`` the finished output alone.
         """
         no_lora_or_priority(lora_request)
-        if priority != 0:
+        if not _is_zero(priority):
             raise InvalidParameterError(
                 f"priority={priority!r} is not supported by pluginhost (requests run first come, first served, as "
                 "vLLM's default scheduling): leave it 0",
@@ -508,3 +509,11 @@ def _delta(output: RequestOutput, sent: dict[int, tuple[str, int]], request_id: 
         logprobs = sample.logprobs[tokens_sent:] if sample.logprobs is not None else None
         samples.append(replace(sample, text=text, token_ids=sample.token_ids[tokens_sent:], logprobs=logprobs))
     return replace(output, outputs=samples, prompt_logprobs=output.prompt_logprobs if first else None)
+
+
+def _is_zero(priority: object) -> bool:
+    """Whether ``priority`` is vLLM's default, 0 (an int; NumPy's too)."""
+    try:
+        return operator.index(priority) == 0  # type: ignore[arg-type]
+    except TypeError:
+        return False

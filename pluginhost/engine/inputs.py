@@ -390,9 +390,10 @@ class InputProcessor:
     ) -> None:
         """Make the request's text and ids agree again after the on_request hooks (``text``, ``token_ids``: before).
 
-        A changed text is tokenized as the prompt was (ids a hook changed too must be that text's); changed ids
-        take the text they decode to; a text set to ``None`` leaves the ids as they are. A ``ValueError`` if that
-        cannot be.
+        A changed text is tokenized as the prompt was (ids a hook changed too must be that text's): without the
+        tokenizer's special tokens when the ids were the text's own tokens without them (a chat template wrote
+        its BOS; ``add_special_tokens`` false), else as ``add_special_tokens`` says. Changed ids take the text
+        they decode to; a text set to ``None`` leaves the ids as they are. A ``ValueError`` if that cannot be.
         """
         prompt = request.prompt
         if prompt is not text and prompt != text:
@@ -401,6 +402,8 @@ class InputProcessor:
                 return
             if not isinstance(prompt, str):
                 raise ValueError(f"request.prompt must be text or None, got {type(prompt).__name__}")
+            if text is not None and add_special_tokens:  # a chat's text: its template wrote the special tokens
+                add_special_tokens = not _same_ids(token_ids, self._tokenize(index, text, add_special_tokens=False))
             tokenized, ids = self._tokenize(index, prompt, add_special_tokens), request.prompt_token_ids
             if not _same_ids(ids, token_ids) and not _same_ids(ids, tokenized):  # changed too, to other ids
                 raise ValueError(

@@ -247,7 +247,7 @@ _Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
 def _named(body: _Body, request: Request) -> _Body:
     """The body, its ``request_id`` the ``X-Request-Id`` header's when there is one (a gateway's), as vLLM's."""
     header = request.headers.get("x-request-id")
-    return body.model_copy(update={"request_id": header[:256]}) if header else body
+    return body.model_copy(update={"request_id": header}) if header else body
 
 
 def _arrival(request: Request) -> float:
@@ -398,8 +398,9 @@ class _API:
         )
         request_id = random_id("chatcmpl")
         streams = await self._start([prompt], params, request_id, names, arrival)
-        # As vLLM: the answer is the assistant's, or, going on with the last message, that message's role's.
-        role = "assistant" if add_generation_prompt else body.messages[-1].role
+        # As vLLM: the answer is the assistant's, or, the request going on with the last message, in its role (the
+        # request's own field decides, not chat_template_kwargs, as vLLM's get_chat_request_role reads it).
+        role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         shape = _Chat(self, _answer_id("chatcmpl", body, request_id), body, top, role)
         if body.stream:
             return _sse(shape.stream(streams, _Usage.asked(body)))

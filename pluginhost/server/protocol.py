@@ -215,8 +215,8 @@ class _SamplingFields(_Strict):
     #: vLLM's: logprobs name tokens ``token_id:N``, not by their text. Always, for a model without a tokenizer.
     return_tokens_as_token_ids: bool = False
     #: vLLM's: the answer's ``id`` is this, after the route's prefix (``cmpl-``, ``chatcmpl-``), as in vLLM (the
-    #: ``X-Request-Id`` header's first); empty: the server's own. At most 256 characters (vLLM takes any).
-    request_id: str | None = Field(default=None, max_length=256)
+    #: ``X-Request-Id`` header's first); empty: the server's own.
+    request_id: str | None = None
     #: vLLM's salt for its prefix cache: taken, without effect (pluginhost shares no cache between requests).
     cache_salt: str | None = Field(default=None, min_length=1)
 
