@@ -356,7 +356,7 @@ def test_served_name_and_api_key(tiny_opt):
         assert process.wait(TIMEOUT) == 0
     # A proxy on this machine passing its own name (--allowed-host): served, and still behind the key.
     named = ("--served-model-name", "tiny", "--api-key", "k2", "--allowed-host", "llm.internal")
-    with serving("--model", str(tiny_opt), *named) as (process, url):
+    with serving(str(tiny_opt), *named) as (process, url):  # the model as vLLM's `vllm serve MODEL` takes it
         answer = httpx.post(
             f"{url}/v1/completions",
             json={"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3},
@@ -379,6 +379,7 @@ def test_served_name_and_api_key(tiny_opt):
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a number of seconds >= 0, got nan"),
         (["--shutdown-timeout", "-5"], "--shutdown-timeout must be a number of seconds >= 0, got -5"),
         (["--max-model-len", "100000000"], "error: --max-model-len 100000000 is more than the model's 256 positions"),
+        (["/models/a", "--model", "/models/b"], "serve got two models, '/models/a' and --model '/models/b': give one"),
     ],
 )
 def test_bad_settings_exit_2_before_serving(args, message):

@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
         "Stops cleanly on Ctrl-C or SIGTERM.",
     )
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL",
+        help="the model directory, as `vllm serve MODEL` takes it (the same as --model DIR)",
+    )
     _add_selection_options(serve)
     net = serve.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -357,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USER
+    if getattr(args, "model_dir", None) is not None:  # serve MODEL, as vLLM's
+        if args.model is not None and args.model != args.model_dir:
+            parser.error(f"serve got two models, {args.model_dir!r} and --model {args.model!r}: give one")
+        args.model = args.model_dir
     _configure_logging(args)
     from pluginhost.cli import commands
 
