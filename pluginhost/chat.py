@@ -12,10 +12,10 @@ from typing import Any
 
 from pluginhost.errors import InvalidParameterError
 
-__all__ = ["chat_prompts", "conversation_of", "render_chat"]
+__all__ = ["OVERRIDABLE", "chat_prompts", "conversation_of", "render_chat"]
 
 #: What ``LLM.chat``'s own arguments decide, which ``chat_template_kwargs`` may override (as in vLLM).
-_OVERRIDABLE = frozenset({"chat_template", "add_generation_prompt", "continue_final_message"})
+OVERRIDABLE = frozenset({"chat_template", "add_generation_prompt", "continue_final_message"})
 
 
 def chat_prompts(
@@ -54,7 +54,7 @@ def chat_prompts(
     settings.pop("tokenize", None)
     from pluginhost.server.protocol import template_parameters
 
-    taken = sorted((template_parameters() - _OVERRIDABLE) & settings.keys())
+    taken = sorted((template_parameters() - OVERRIDABLE) & settings.keys())
     if taken:
         raise InvalidParameterError(
             f"chat_template_kwargs cannot set {', '.join(taken)}: apply_chat_template's own parameters, which "
@@ -73,7 +73,7 @@ def chat_prompts(
                     chat_template=settings["chat_template"],
                     add_generation_prompt=settings["add_generation_prompt"],
                     continue_final_message=settings["continue_final_message"],
-                    variables={k: v for k, v in settings.items() if k not in _OVERRIDABLE},
+                    variables={k: v for k, v in settings.items() if k not in OVERRIDABLE},
                 )
             )
         except InvalidParameterError as exc:

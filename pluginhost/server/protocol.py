@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pluginhost.chat import OVERRIDABLE
 from pluginhost.sampling import VLLM_NEUTRAL, SamplingParams, check_min_tokens_within_cap, is_neutral
 
 __all__ = [
@@ -466,8 +467,9 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)  # as vLLM joins a message's text parts
 
 
-#: apply_chat_template's parameters chat_template_kwargs may set, overriding the request's fields, as in vLLM.
-_OVERRIDING = frozenset({"add_generation_prompt", "continue_final_message"})
+#: apply_chat_template's parameters chat_template_kwargs may set, overriding the request's fields, as in vLLM and
+#: ``LLM.chat``: what ``LLM.chat`` lets them override, but the template itself (a request's own is refused).
+_OVERRIDING = OVERRIDABLE - {"chat_template"}
 
 #: apply_chat_template's own parameters, which chat_template_kwargs may not set: the request's fields decide them
 #: (with the installed transformers' others: ``template_parameters``).
