@@ -3,7 +3,9 @@
 PyTorch ships two fp32 matrix-product libraries on CPU, MKL (behind
 ``F.linear``) and oneDNN, and oneDNN can be asked for ``weight @ x.T`` instead
 of ``x @ weight.T`` (the weight then streams as the large operand, which
-suits decoding's few rows). Which is fastest depends on the CPU (AVX2 or
+suits decoding's few rows), or be given the weight packed ahead in its own
+layout (``builtin_models.packed_weights``: faster at a few rows, at the cost of
+a second copy of the weight). Which is fastest depends on the CPU (AVX2 or
 AVX-512, cores, caches), the weight's shape and the number of rows: on one
 AMD EPYC with AVX2, oneDNN's swapped product won decoding and MKL prefill; on
 an AVX-512 EPYC, oneDNN is twice as fast as MKL at every row count. So the
@@ -38,13 +40,16 @@ atomically so concurrent processes never leave a broken file; a file that
 cannot be read is ignored and replaced. Switches:
 
 * ``PLUGINHOST_PLAIN_LINEAR=1``: ``F.linear`` for every product;
-* ``PLUGINHOST_LINEAR_KERNEL=f_linear|onednn|onednn_swapped``: that kernel for every product it can do;
+* ``PLUGINHOST_LINEAR_KERNEL=f_linear|onednn|onednn_swapped|onednn_packed``: that kernel for every product it can do;
+* ``PLUGINHOST_PACKED_WEIGHTS=0``: no packed copies of the weights (``builtin_models.packed_weights``), so
+  the packed kernel is not a candidate;
 * ``PLUGINHOST_KERNEL_CALIBRATION=0``: no measuring; fixed row-count thresholds (the fallback).
 
 The first that applies wins, in that order: ``PLUGINHOST_PLAIN_LINEAR=1`` overrides
 ``PLUGINHOST_LINEAR_KERNEL`` (with a warning if that names another kernel), and a forced kernel makes
-``PLUGINHOST_KERNEL_CALIBRATION`` moot. The two on/off switches take 1, true, yes, on or 0, false, no,
-off (any case; unset or empty is the default: plain linear off, calibration on). A value that is none of
+``PLUGINHOST_KERNEL_CALIBRATION`` moot; a forced packed kernel with ``PLUGINHOST_PACKED_WEIGHTS=0`` is oneDNN
+on the plain weight (with a warning). The three on/off switches take 1, true, yes, on or 0, false, no, off
+(any case; unset or empty is the default: plain linear off, packed weights on, calibration on). A value that is none of
 these, or an unknown kernel name, is ignored with a warning naming the variable and the accepted values
 (they are read at the first product, which a typo must not fail).
 """
@@ -78,19 +83,23 @@ __all__ = [
     "KERNELS",
     "KERNEL_ENV",
     "ONEDNN",
+    "ONEDNN_PACKED",
     "ONEDNN_SWAPPED",
+    "PACKED_WEIGHTS_ENV",
     "PLAIN_LINEAR_ENV",
     "KernelTable",
     "machine_key",
     "onednn_op",
+    "packing_allowed",
 ]
 
 logger = logging.getLogger(__name__)
 
-F_LINEAR, ONEDNN, ONEDNN_SWAPPED = "f_linear", "onednn", "onednn_swapped"
-KERNELS = (F_LINEAR, ONEDNN, ONEDNN_SWAPPED)
+F_LINEAR, ONEDNN, ONEDNN_SWAPPED, ONEDNN_PACKED = "f_linear", "onednn", "onednn_swapped", "onednn_packed"
+KERNELS = (F_LINEAR, ONEDNN, ONEDNN_SWAPPED, ONEDNN_PACKED)
 
 PLAIN_LINEAR_ENV = "PLUGINHOST_PLAIN_LINEAR"
+PACKED_WEIGHTS_ENV = "PLUGINHOST_PACKED_WEIGHTS"
 KERNEL_ENV = "PLUGINHOST_LINEAR_KERNEL"
 CALIBRATION_ENV = "PLUGINHOST_KERNEL_CALIBRATION"
 
@@ -123,8 +132,9 @@ _ROUNDS = 2
 _MAX_SPREAD = 1.25
 #: What ``choices()`` says where the fixed thresholds decide (calibration off, or past its time).
 FIXED_THRESHOLDS = "fixed thresholds"
-#: 2: few rows timed with cold weights (version 1 timed them hot, and chose badly for decoding).
-_CACHE_VERSION = 2
+#: 2: few rows timed with cold weights (version 1 timed them hot, and chose badly for decoding); 3: the packed
+#: kernel is a candidate (a version 2 file never measured it).
+_CACHE_VERSION = 3
 #: A larger file is not a kernel cache (each choice takes about 30 bytes).
 _MAX_CACHE_BYTES = 1 << 20
 #: A choice as the cache names it: ``<out>x<in>[+bias]/<row bucket>``.
@@ -191,6 +201,8 @@ assert all(_bucket(n) < _bucket(n + 1) for n in (_SWAPPED_MAX_ROWS, _COLD_MAX_RO
 
 
 Runner = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+"""``(x2d, weight, bias) -> y2d``. A runner may also have ``prepare(weight)`` and ``run_prepared(x2d, prepared,
+bias)``: calibration then times it on weights prepared ahead (the packed kernel's copies), as the engine meets them."""
 
 
 class KernelTable:
@@ -248,13 +260,22 @@ class KernelTable:
         if forced:
             if forced not in KERNELS:
                 logger.warning("%s=%r is not one of %s; measuring instead", KERNEL_ENV, forced, ", ".join(KERNELS))
+            elif forced == ONEDNN_PACKED and forced not in runners and ONEDNN in runners:
+                logger.warning(
+                    "%s=%s, but weights are not packed here (%s, or this PyTorch cannot): oneDNN on the plain weights",
+                    KERNEL_ENV,
+                    forced,
+                    f"{PACKED_WEIGHTS_ENV}=0" if not packing_allowed() else "its self-check failed",
+                )
+                return cls(runners, mode=ONEDNN)
             else:
                 return cls(runners, mode=forced)
         if not _switch(CALIBRATION_ENV, default=True, otherwise="measuring"):
             return cls(runners, mode="fallback")
         from pluginhost.paths import user_cache_dir
 
-        machine = machine_key()
+        # The candidates too: choices made without one (PLUGINHOST_PACKED_WEIGHTS=0) must not stand in for it later.
+        machine = f"{machine_key()} | kernels {' '.join(runners)}"
         digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
         return cls(runners, cache_file=user_cache_dir() / f"linear-kernels-{digest}.json", machine=machine)
 
@@ -354,31 +375,35 @@ class KernelTable:
             if self._clock() > deadline:  # one product took all the time there was: no use timing several
                 return None
             tolerance = 1e-5 * (F.linear(x.abs(), weight.abs()).max().item() + 1)
-            candidates: dict[str, Runner] = {}
+            candidates: dict[str, tuple[Runner, list]] = {}  # each kernel, with the weights it is timed on
             for name, run in self.runners.items():
                 if name == ONEDNN_SWAPPED and most_rows > _SWAPPED_MAX_ROWS:
                     continue
                 if self._clock() > deadline:
                     return None
                 try:
-                    y = run(x, weight, bias)  # also the warm-up: oneDNN builds its primitive for this shape
+                    operands = weights
+                    if hasattr(run, "prepare"):  # prepared ahead, as the engine keeps them; dropped after timing
+                        operands = [run.prepare(w) for w in weights]
+                        run = run.run_prepared
+                    y = run(x, operands[0], bias)  # also the warm-up: oneDNN builds its primitive for this shape
                     if y.shape != expected.shape or (y - expected).abs().max().item() > tolerance:
                         logger.warning("kernel %s gave a wrong result for a %s weight; not used", name, _shape(weight))
                         continue
                 except RuntimeError as exc:
                     logger.debug("kernel %s cannot run a %s weight: %s", name, _shape(weight), exc)
                     continue
-                candidates[name] = run
+                candidates[name] = run, operands
             timer = self._timer
             if timer is _time and self._clock is time.perf_counter:  # the default: it stops at the deadline too
                 timer = functools.partial(_time, deadline=deadline)
             rounds: list[dict[str, float]] = []
             for _ in range(_ROUNDS):  # interleaved: a burst of load hits one kernel's round, not all of its time
                 rounds.append({})
-                for name, run in candidates.items():
+                for name, (run, operands) in candidates.items():
                     if self._clock() > deadline:
                         return None
-                    rounds[-1][name] = timer(lambda run=run: [run(x, w, bias) for w in weights]) / len(weights)
+                    rounds[-1][name] = timer(lambda run=run, ws=operands: [run(x, w, bias) for w in ws]) / len(weights)
         if self._clock() > deadline:  # the last timing was cut short
             return None
         if not candidates:
@@ -456,6 +481,11 @@ class KernelTable:
                     os.unlink(temporary)
                 except OSError:
                     pass
+
+
+def packing_allowed() -> bool:
+    """Whether ``PLUGINHOST_PACKED_WEIGHTS`` lets products keep packed copies of the weights (the default)."""
+    return _switch(PACKED_WEIGHTS_ENV, default=True, otherwise="weights are packed where that is faster")
 
 
 def _switch(name: str, *, default: bool, otherwise: str) -> bool:

@@ -2,13 +2,15 @@
 
 Decoding multiplies a few rows of activations (one per sequence) by every
 weight matrix; prefilling multiplies many. Which of PyTorch's fp32 CPU kernels
-does each best (MKL behind ``F.linear``, oneDNN's ``x @ weight.T``, or oneDNN's
-``weight @ x.T``, which streams the weight as the large operand) depends on
+does each best (MKL behind ``F.linear``, oneDNN's ``x @ weight.T``, oneDNN's
+``weight @ x.T``, which streams the weight as the large operand, or oneDNN over
+a copy of the weight packed ahead in its own layout) depends on
 the CPU, so ``builtin_models.kernel_choice`` measures it on first use and
 remembers it (its docstring has the switches).
 
 Weights stay ordinary row-major ``(out, in)`` parameters, exactly as in the
-checkpoint: plugins can inspect, replace or patch them, and any device or
+checkpoint: plugins can inspect, replace or patch them (a packed copy follows
+the weight: ``builtin_models.packed_weights``), and any device or
 dtype other than fp32 on CPU, autograd, or a weight that is not contiguous
 goes to ``F.linear``. Only the rounding of the sums differs between kernels,
 as it does between any two BLAS libraries (parity with transformers is tested
@@ -25,11 +27,14 @@ from builtin_models.kernel_choice import (
     F_LINEAR,
     KERNELS,
     ONEDNN,
+    ONEDNN_PACKED,
     ONEDNN_SWAPPED,
     PLAIN_LINEAR_ENV,
     KernelTable,
     onednn_op,
+    packing_allowed,
 )
+from builtin_models.packed_weights import PackedWeights, pack_op
 
 __all__ = [
     "KERNELS",
@@ -40,6 +45,7 @@ __all__ = [
     "linear",
     "make_kernel_table",
     "onednn_in_use",
+    "packed_weights",
     "use_kernel_table",
 ]
 
@@ -64,11 +70,47 @@ def _run_swapped(x2d: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.add(y_t.t(), _ZERO if bias is None else bias, out=y)
 
 
+class _PackedKernel:
+    """oneDNN over the weight's packed copy (:func:`packed_weights`); on the plain weight where it has none."""
+
+    def __call__(self, x2d: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        packed = packed_weights().get(weight)  # type: ignore[union-attr]
+        if packed is None:  # past the packing budget
+            return _run_onednn(x2d, weight, bias)
+        return _onednn(x2d, packed, bias, "none", [], "")  # (rows, out)
+
+    def prepare(self, weight: Tensor) -> Tensor:
+        """A packed copy of ``weight``, kept nowhere: calibration times the kernel on such copies."""
+        return packed_weights().pack(weight)  # type: ignore[union-attr]
+
+    def run_prepared(self, x2d: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        return _onednn(x2d, packed, bias, "none", [], "")
+
+
+_run_packed = _PackedKernel()
+_RUNNERS = {F_LINEAR: F.linear, ONEDNN: _run_onednn, ONEDNN_SWAPPED: _run_swapped, ONEDNN_PACKED: _run_packed}
+_packed_weights: PackedWeights | None = None
+_pack = pack_op() if _onednn is not None else None
+
+
+def packed_weights() -> PackedWeights | None:
+    """The process's packed copies of weights (``None`` where oneDNN cannot pack them)."""
+    global _packed_weights
+    if _packed_weights is None and _pack is not None:
+        from pluginhost.engine.memory import available_bytes
+
+        _packed_weights = PackedWeights(_pack, available=lambda: available_bytes(torch.device("cpu")))
+    return _packed_weights
+
+
 def _runners() -> dict:
-    runners = {F_LINEAR: F.linear}
+    """The kernels this PyTorch has, as the environment allows them."""
+    names = [F_LINEAR]
     if _onednn is not None:
-        runners |= {ONEDNN: _run_onednn, ONEDNN_SWAPPED: _run_swapped}
-    return runners
+        names += [ONEDNN, ONEDNN_SWAPPED]
+        if _pack is not None and packing_allowed():
+            names.append(ONEDNN_PACKED)
+    return {name: _RUNNERS[name] for name in names}
 
 
 _table: KernelTable | None = None
@@ -155,7 +197,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     # oneDNN takes a strided operand (say, the last position of a batch) at a crawl: copy it.
     x2d = x.reshape(rows, in_features).contiguous()  # (rows, in)
-    y = (_run_swapped if kernel == ONEDNN_SWAPPED else _run_onednn)(x2d, weight, bias)  # (rows, out)
+    y = _RUNNERS[kernel](x2d, weight, bias)  # (rows, out)
     return y.view(x.shape[:-1] + (out_features,))  # (..., out)
 
 

@@ -186,7 +186,7 @@ run()
 """
 
 
-@pytest.fixture(params=["f_linear", "onednn", "onednn_swapped"])
+@pytest.fixture(params=["f_linear", "onednn", "onednn_swapped", "onednn_packed"])
 def forced_kernel(request):
     """Every product through one kernel, each of ``builtin_models.kernel_choice.KERNELS`` in turn.
 

@@ -20,7 +20,9 @@ from builtin_models.kernel_choice import (
     KERNEL_ENV,
     KERNELS,
     ONEDNN,
+    ONEDNN_PACKED,
     ONEDNN_SWAPPED,
+    PACKED_WEIGHTS_ENV,
     PLAIN_LINEAR_ENV,
     KernelTable,
     machine_key,
@@ -36,6 +38,15 @@ def restore_table():
     use_kernel_table(None)
 
 
+#: The kernels the table's logic is tested over (with the timings below); the packed kernel has its own tests.
+THREE_KERNELS = (F_LINEAR, ONEDNN, ONEDNN_SWAPPED)
+
+
+@pytest.fixture(autouse=True)
+def three_kernels(monkeypatch):
+    monkeypatch.setenv(PACKED_WEIGHTS_ENV, "0")
+
+
 @pytest.fixture(autouse=True)
 def no_time_budget(monkeypatch):
     """A busy machine must not turn a test's measurement into fixed thresholds (budget tests pass their own)."""
@@ -44,15 +55,16 @@ def no_time_budget(monkeypatch):
 
 
 class FakeTimer:
-    """Times a kernel by its name, from a table, and counts the calls."""
+    """Times a kernel by its name, from a table (a kernel it leaves out: the slowest), and counts the calls."""
 
     def __init__(self, seconds: dict[str, float]) -> None:
         self.seconds, self.calls = seconds, []
 
     def __call__(self, fn) -> float:
-        name = next(n for n, run in TABLE_RUNNERS.items() if fn.__defaults__[0] is run)
+        timed = fn.__defaults__[0]  # the kernel, or its run_prepared
+        name = next(n for n, run in TABLE_RUNNERS.items() if timed is run or timed == getattr(run, "run_prepared", 0))
         self.calls.append(name)
-        return self.seconds[name]
+        return self.seconds.get(name, 99.0)
 
 
 TABLE_RUNNERS = make_kernel_table().runners
@@ -77,9 +89,20 @@ def test_the_measured_fastest_kernel_is_chosen_once(tmp_path, seconds, expected)
     timer = FakeTimer(seconds)
     table = make_kernel_table(cache_file=tmp_path / "k.json", timer=timer)
     assert choose(table, 4) == expected
-    assert timer.calls == 2 * list(KERNELS)  # two interleaved rounds
-    assert choose(table, 5) == expected and len(timer.calls) == 6  # same rows bucket (4-7): not timed again
-    assert choose(table, 8) == expected and len(timer.calls) == 12  # the next bucket is measured on its own
+    assert timer.calls == 2 * list(THREE_KERNELS)  # two interleaved rounds
+    timed = len(timer.calls)
+    assert choose(table, 5) == expected and len(timer.calls) == timed  # same rows bucket (4-7): not timed again
+    assert choose(table, 8) == expected and len(timer.calls) == 2 * timed  # the next bucket is measured on its own
+
+
+@needs_onednn
+@pytest.mark.skipif(linear_module._pack is None, reason="this PyTorch's oneDNN cannot pack weights")
+def test_the_packed_kernel_is_measured_beside_the_others(tmp_path, monkeypatch):
+    monkeypatch.delenv(PACKED_WEIGHTS_ENV)
+    timer = FakeTimer({F_LINEAR: 3.0, ONEDNN: 2.0, ONEDNN_SWAPPED: 2.0, ONEDNN_PACKED: 1.0})
+    table = make_kernel_table(cache_file=tmp_path / "k.json", timer=timer)
+    assert choose(table, 8) == ONEDNN_PACKED
+    assert timer.calls == 2 * list(KERNELS)
 
 
 @needs_onednn
@@ -265,12 +288,12 @@ def test_a_failed_save_leaves_no_temporary_behind(tmp_path, monkeypatch, failure
     "content",
     [
         "[" * 100_000 + "]" * 100_000,  # json's parser runs out of stack (RecursionError)
-        '{"version": 2, "choices": {"64x32/0": "onednn"}}',  # row bucket 0: kernel_choices() raised
-        '{"version": 2, "choices": {"64x32/-3": "onednn"}}',
-        '{"version": 2, "choices": {"64x32/99": "onednn"}}',  # no row count falls in bucket 99
-        '{"version": 2, "choices": {"0x32/2": "onednn"}}',
-        '{"version": 2, "choices": {"64x32/2": "mkl"}}',  # not a kernel
-        '{"version": 2, "choices": {" 64x32/2": "onednn"}}',
+        '{"version": 3, "choices": {"64x32/0": "onednn"}}',  # row bucket 0: kernel_choices() raised
+        '{"version": 3, "choices": {"64x32/-3": "onednn"}}',
+        '{"version": 3, "choices": {"64x32/99": "onednn"}}',  # no row count falls in bucket 99
+        '{"version": 3, "choices": {"0x32/2": "onednn"}}',
+        '{"version": 3, "choices": {"64x32/2": "mkl"}}',  # not a kernel
+        '{"version": 3, "choices": {" 64x32/2": "onednn"}}',
         '{"version": "2", "choices": {}}',
         " " * (2 << 20),
     ],
@@ -357,7 +380,8 @@ class RoundsTimer(FakeTimer):
         self.rounds, self.clock = rounds, clock
 
     def __call__(self, fn) -> float:
-        name = next(n for n, run in TABLE_RUNNERS.items() if fn.__defaults__[0] is run)
+        timed = fn.__defaults__[0]  # the kernel, or its run_prepared
+        name = next(n for n, run in TABLE_RUNNERS.items() if timed is run or timed == getattr(run, "run_prepared", 0))
         seconds = self.rounds[min(self.calls.count(name), len(self.rounds) - 1)][name]
         self.calls.append(name)
         if self.clock is not None:
@@ -375,7 +399,7 @@ def test_calibration_stops_at_its_time_budget_and_the_fixed_thresholds_take_over
     assert table.kernel(weight, None, 1) == ONEDNN  # measured: 0.7 s spent
     # 0.3 s left: cut short after one round, the fixed thresholds decide; 1.05 s spent, over the budget.
     assert table.kernel(weight, None, 2) == ONEDNN_SWAPPED
-    assert timer.calls == 3 * list(KERNELS)
+    assert timer.calls == 3 * list(THREE_KERNELS)
     calls = len(timer.calls)
     with caplog.at_level("INFO", logger="builtin_models.kernel_choice"):
         # Every later shape: the fixed thresholds, per row count (20 and 30 rows share a bucket, not a kernel).
@@ -394,7 +418,7 @@ def test_a_measurement_past_its_cap_is_abandoned_for_the_fixed_thresholds(tmp_pa
     table = make_kernel_table(cache_file=cache, timer=timer, clock=clock, budget_s=100.0, measurement_cap_s=0.3)
     weight = torch.randn(512, 512)
     assert table.kernel(weight, None, 1) == ONEDNN_SWAPPED  # the fixed thresholds' choice, not the measured one
-    assert timer.calls == list(KERNELS)  # 0.35 s after one round: the second one is not started
+    assert timer.calls == list(THREE_KERNELS)  # 0.35 s after one round: the second one is not started
     # Saved as such: a later process does not spend its budget on it again (every process did, measuring nothing).
     assert json.loads(cache.read_text())["choices"] == {"512x512/1": "fixed thresholds"}
     timer = RoundsTimer({F_LINEAR: 0.1, ONEDNN: 0.05, ONEDNN_SWAPPED: 0.2}, clock=clock)
@@ -481,7 +505,7 @@ def test_a_cache_measured_on_another_machine_is_ignored(tmp_path, caplog):
     """A shared (NFS) home or a copied cache: choices measured on another CPU are not taken."""
     cache = tmp_path / "kernels.json"
     other = machine_key().replace("threads", "threads (another machine)")
-    cache.write_text(json.dumps({"version": 2, "machine": other, "choices": {"64x32+bias/2": F_LINEAR}}))
+    cache.write_text(json.dumps({"version": 3, "machine": other, "choices": {"64x32+bias/2": F_LINEAR}}))
     table = make_kernel_table(cache_file=cache, timer=FakeTimer({F_LINEAR: 3.0, ONEDNN: 1.0, ONEDNN_SWAPPED: 2.0}))
     with caplog.at_level("WARNING", logger="builtin_models.kernel_choice"):
         assert choose(table, 2) == ONEDNN  # measured here, not read

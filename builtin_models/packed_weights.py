@@ -1,0 +1,146 @@
+"""Copies of fp32 weights in oneDNN's blocked layout, made once a weight's products want one, within a memory budget.
+
+oneDNN multiplies a row-major ``(out, in)`` weight by first reordering it into
+its blocked layout, every call; a weight reordered once ahead ("packed", as
+vLLM's CPU backend and IPEX do) skips that. With a few rows (a decoding batch
+of 4-31 sequences) that is 15-25% of every product on an AVX-512 Xeon, where a
+step streams the weights anyway; with one row it does not pay (there the plain
+weight through ``F.linear`` is fastest). ``builtin_models.kernel_choice``
+measures the packed kernel beside the others and chooses it only where it wins.
+
+Weights stay ordinary parameters, as the checkpoint has them (plugins read,
+replace and patch them): a packed copy sits beside its weight, keyed by the
+tensor, and is made again when the weight is written in place (its version
+counter moves) or given new data (``weight.data = ...``); it is freed with the
+weight. The cost is memory: a packed weight is held twice. So copies are made
+only up to a budget, a quarter of the memory available when the first one is
+made (``PACKED_SHARE``); beyond it the products of the weights left unpacked
+go through oneDNN on the plain weight (the next-best kernel at those row
+counts), said once in the log. ``PLUGINHOST_PACKED_WEIGHTS=0`` never packs:
+the packed kernel is then not a candidate at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PACKED_SHARE", "PackedWeights", "pack_op"]
+
+logger = logging.getLogger(__name__)
+
+#: The share of the memory available at the first packing that packed copies may take in all.
+PACKED_SHARE = 0.25
+#: The row count oneDNN is told to expect when it chooses the blocked layout: measured on an AVX-512 Xeon,
+#: packed for 2, 16, 32 or 128 rows, 1-32 rows ran within 5% of each other; the layout serves any row count.
+_PACK_FOR_ROWS = 32
+
+Packer = Callable[[Tensor, int], Tensor]
+
+
+def pack_op() -> Packer | None:
+    """oneDNN's weight reorder, if this PyTorch has it and its packed weights multiply correctly here."""
+    try:
+        reorder = torch.ops.mkldnn._reorder_linear_weight.default
+        multiply = torch.ops.mkldnn._linear_pointwise.default
+        # Explicit device and dtype: the first import may run under a meta device or a half default dtype.
+        x, w, b = (torch.arange(n, dtype=torch.float32, device="cpu").reshape(shape) for n, shape in _PROBE)
+        with torch.inference_mode():
+            if torch.equal(
+                multiply(x, reorder(w, _PACK_FOR_ROWS), b, "none", [], ""), torch.nn.functional.linear(x, w, b)
+            ):
+                return reorder
+        logger.warning("oneDNN's packed weights gave a wrong result on a self-check; weights are not packed")
+    except (AttributeError, RuntimeError) as exc:
+        logger.debug("oneDNN cannot pack weights here (%s)", exc)
+    return None
+
+
+_PROBE = ((6, (2, 3)), (12, (4, 3)), (4, (4,)))
+
+
+@dataclass(eq=False)
+class _Entry:
+    weight: weakref.ref
+    version: int
+    data_ptr: int
+    packed: Tensor
+    nbytes: int
+    finalizer: weakref.finalize | None = None
+
+
+class PackedWeights:
+    """The packed copies of one process's weights: made on demand, checked against the weight, within a budget.
+
+    ``available`` tells the memory a new allocation can take now (``None``: unknown, no budget), ``packer``
+    reorders a weight (default: :func:`pack_op`'s).
+    """
+
+    def __init__(self, packer: Packer, *, available: Callable[[], int | None], share: float = PACKED_SHARE) -> None:
+        self._packer = packer
+        self._available = available
+        self._share = share
+        self._budget: float | None = None  # bytes, fixed at the first packing
+        self._entries: dict[int, _Entry] = {}  # by id() of the weight: a tensor's == compares its elements
+        self._lock = threading.Lock()
+        self._full_logged = False
+        #: Bytes the packed copies take now.
+        self.nbytes = 0
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """A packed copy of ``weight``, kept nowhere (calibration times its kernel on such copies)."""
+        return self._packer(weight, _PACK_FOR_ROWS)
+
+    def get(self, weight: Tensor) -> Tensor | None:
+        """``weight``'s packed copy, made now if it has none or the weight changed since; ``None`` past the budget."""
+        entry = self._entries.get(id(weight))
+        if (
+            entry is not None
+            and entry.weight() is weight
+            and entry.version == weight._version
+            and entry.data_ptr == weight.data_ptr()
+        ):
+            return entry.packed
+        with self._lock:
+            return self._make(weight)
+
+    def _make(self, weight: Tensor) -> Tensor | None:
+        old = self._entries.pop(id(weight), None)
+        if old is not None:  # a stale copy (the weight changed, or its id was reused): its memory comes back first
+            self.nbytes -= old.nbytes
+            if old.finalizer is not None:
+                old.finalizer.detach()  # else it would hold the old copy until the weight goes
+        if weight.is_inference():  # no version counter: a change in place could not be seen
+            return None
+        nbytes = weight.numel() * weight.element_size()
+        if self._budget is None:
+            available = self._available()
+            self._budget = float("inf") if available is None else self._share * (available + self.nbytes)
+        if self.nbytes + nbytes > self._budget:
+            if not self._full_logged:
+                self._full_logged = True
+                logger.info(
+                    "packed copies of the weights have reached their budget (%d MiB, a quarter of the memory available "
+                    "at the first): the products of weights left unpacked use oneDNN on the plain weight",
+                    self._budget / 2**20,
+                )
+            return None
+        packed = self.pack(weight)
+        entry = _Entry(weakref.ref(weight), weight._version, weight.data_ptr(), packed, nbytes)
+        entry.finalizer = weakref.finalize(weight, self._drop, id(weight), entry)
+        self._entries[id(weight)] = entry
+        self.nbytes += nbytes
+        return packed
+
+    def _drop(self, key: int, entry: _Entry) -> None:
+        """The weight is gone: its copy goes too (unless a newer copy already replaced it)."""
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+                self.nbytes -= entry.nbytes
