@@ -70,12 +70,14 @@ def cached_attention(
     """
     gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
     dtype = compute_dtype or q.dtype
-    if mask.dtype != torch.bool:  # additive: in the dtype attended in (a boolean mask stays boolean)
+    if mask.dtype != torch.bool and mask.dtype != dtype:  # additive: in the dtype attended in (boolean stays)
         mask = mask.to(dtype)
     ends = row_ends(q, k, positions)
     if ends is None:
-        y = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, scale=scale, **gqa)
-        return y.to(v.dtype)
+        if not q.dtype == k.dtype == v.dtype == dtype:  # else no casts: a no-op .to() is a dispatch all the same
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+        return y if y.dtype == v.dtype else y.to(v.dtype)
     rows = []
     for b, end in enumerate(ends):
         row_mask = mask[b : b + 1] if mask.shape[0] > 1 else mask

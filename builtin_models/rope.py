@@ -132,7 +132,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate every head of x (B, H, T, D) by :class:`RotaryEmbedding`'s cos and signed sin (B, T, D).
 
-    Queries and keys alike, in one pass.
+    Queries and keys alike, in one pass. cos and sin may come as (B, 1, T, D) already (a model unsqueezing
+    them once for all its layers saves two operations a layer).
     """
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin  # roll: the halves swapped, (x2, x1)

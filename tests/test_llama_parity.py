@@ -198,6 +198,26 @@ def test_rotary_embedding_is_transformers_bit_for_bit(name, dtype):
     assert torch.equal(ours, torch.cat(theirs, dim=1))
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@torch.no_grad()
+def test_rms_norm_is_transformers_up_to_the_rounding_of_its_sums(scale):
+    """Computed as one layer norm over [x, -x]: within a few ulps of transformers' own, and following its weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from builtin_models.llama import RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 96, generator=generator) * scale
+    ours, theirs = RMSNorm(96, 1e-6), LlamaRMSNorm(96, eps=1e-6)
+    for change in ("as built", "in place", "replaced"):
+        if change == "in place":
+            ours.weight.mul_(3.0).add_(0.5)
+        elif change == "replaced":
+            ours.weight = torch.nn.Parameter(torch.randn(96, generator=generator))
+        theirs.weight.copy_(ours.weight)
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6 * float(theirs(x).abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @torch.no_grad()
 def test_half_precision_stays_close_to_transformers(tmp_path, dtype):
