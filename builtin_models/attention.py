@@ -74,10 +74,11 @@ def cached_attention(
         mask = mask.to(dtype)
     ends = row_ends(q, k, positions)
     if ends is None:
+        out_dtype = v.dtype
         if not q.dtype == k.dtype == v.dtype == dtype:  # else no casts: a no-op .to() is a dispatch all the same
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
-        return y if y.dtype == v.dtype else y.to(v.dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
     rows = []
     for b, end in enumerate(ends):
         row_mask = mask[b : b + 1] if mask.shape[0] > 1 else mask

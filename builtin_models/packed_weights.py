@@ -11,13 +11,23 @@ measures the packed kernel beside the others and chooses it only where it wins.
 Weights stay ordinary parameters, as the checkpoint has them (plugins read,
 replace and patch them): a packed copy sits beside its weight, keyed by the
 tensor, and is made again when the weight is written in place (its version
-counter moves) or given new data (``weight.data = ...``); it is freed with the
-weight. The cost is memory: a packed weight is held twice. So copies are made
-only up to a budget, a quarter of the memory available when the first one is
-made (``PACKED_SHARE``); beyond it the products of the weights left unpacked
-go through oneDNN on the plain weight (the next-best kernel at those row
-counts), said once in the log. ``PLUGINHOST_PACKED_WEIGHTS=0`` never packs:
-the packed kernel is then not a candidate at all.
+counter moves: ``mul_``, ``copy_``, ``load_state_dict``, under ``no_grad`` or
+``inference_mode``) or given new data (``weight.data = ...``); it is freed with
+the weight. Two kinds of writes bypass the version counter and are not seen:
+through ``weight.data`` (``weight.data.mul_(2)``) and through a NumPy view;
+after such a write, call :meth:`PackedWeights.clear` (``builtin_models.linear.
+packed_weights().clear()``). And torch refuses to swap a tensor that has weak
+references, so with ``torch.__future__.set_swap_module_params_on_conversion(True)``
+a packed weight's ``load_state_dict`` or ``module.to()`` fails: set
+``PLUGINHOST_PACKED_WEIGHTS=0`` there.
+
+The cost is memory: a packed weight is held twice. So copies are made only up
+to a budget, a quarter of the memory available when the first one is made
+(``PACKED_SHARE``), shared among the processes on the machine that pack their
+own (tensor-parallel ranks, ``sharers``); beyond it the products of the weights
+left unpacked go through oneDNN on the plain weight (the next-best kernel at
+those row counts), said once in the log. ``PLUGINHOST_PACKED_WEIGHTS=0`` never
+packs: the packed kernel is then not a candidate at all.
 """
 
 from __future__ import annotations
@@ -88,14 +98,21 @@ class PackedWeights:
         self._share = share
         self._budget: float | None = None  # bytes, fixed at the first packing
         self._entries: dict[int, _Entry] = {}  # by id() of the weight: a tensor's == compares its elements
-        self._lock = threading.Lock()
+        # Reentrant: packing allocates, an allocation may run the cyclic garbage collector, and a weight it frees
+        # has its copy dropped (``_drop``) in this very thread, under the lock ``_make`` holds. ``_drop`` only
+        # touches a dead weight's entry, never the live one ``_make`` is making, between whole statements.
+        self._lock = threading.RLock()
         self._full_logged = False
         #: Bytes the packed copies take now.
         self.nbytes = 0
+        #: Processes on this machine that keep packed copies of their own (tensor-parallel ranks): the budget is
+        #: divided among them. Set before the first packing (the engine's loader does).
+        self.sharers = 1
 
     def pack(self, weight: Tensor) -> Tensor:
         """A packed copy of ``weight``, kept nowhere (calibration times its kernel on such copies)."""
-        return self._packer(weight, _PACK_FOR_ROWS)
+        with torch.no_grad():  # a copy with a grad_fn would keep its weight alive, and so itself
+            return self._packer(weight, _PACK_FOR_ROWS)
 
     def get(self, weight: Tensor) -> Tensor | None:
         """``weight``'s packed copy, made now if it has none or the weight changed since; ``None`` past the budget."""
@@ -121,13 +138,15 @@ class PackedWeights:
         nbytes = weight.numel() * weight.element_size()
         if self._budget is None:
             available = self._available()
-            self._budget = float("inf") if available is None else self._share * (available + self.nbytes)
+            share = self._share / max(1, self.sharers)
+            self._budget = float("inf") if available is None else share * (available + self.nbytes)
         if self.nbytes + nbytes > self._budget:
             if not self._full_logged:
                 self._full_logged = True
                 logger.info(
-                    "packed copies of the weights have reached their budget (%d MiB, a quarter of the memory available "
-                    "at the first): the products of weights left unpacked use oneDNN on the plain weight",
+                    "packed copies of the weights have reached their budget (%d MiB, this process's share of a quarter "
+                    "of the memory available at the first): the products of weights left unpacked use oneDNN on the "
+                    "plain weight",
                     self._budget / 2**20,
                 )
             return None
@@ -137,6 +156,15 @@ class PackedWeights:
         self._entries[id(weight)] = entry
         self.nbytes += nbytes
         return packed
+
+    def clear(self) -> None:
+        """Drop every copy: each weight is packed again at its next product (after writes the copies cannot see)."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.finalizer is not None:
+                    entry.finalizer.detach()
+            self._entries.clear()
+            self.nbytes = 0
 
     def _drop(self, key: int, entry: _Entry) -> None:
         """The weight is gone: its copy goes too (unless a newer copy already replaced it)."""

@@ -78,3 +78,7 @@ def test_attention_in_float32_over_a_half_precision_cache(boolean_mask):
     padded = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=fp32_mask, scale=D**-0.5)
     assert rows.dtype == torch.bfloat16
     torch.testing.assert_close(rows.float(), padded, rtol=4e-3, atol=1e-5)  # float32's, rounded once to bfloat16
+    # Padded too (rows of one length: one call), as a prefill or equal rows meet it: bfloat16 out (it came out in
+    # float32 for a while, and GPT-2's next product failed on the mixed dtypes).
+    equal = cached_attention(q, k, v, mask, torch.full_like(positions, 499), scale=D**-0.5, compute_dtype=torch.float32)
+    assert equal.dtype == torch.bfloat16

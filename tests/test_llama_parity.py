@@ -209,13 +209,18 @@ def test_rms_norm_is_transformers_up_to_the_rounding_of_its_sums(scale):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 96, generator=generator) * scale
     ours, theirs = RMSNorm(96, 1e-6), LlamaRMSNorm(96, eps=1e-6)
-    for change in ("as built", "in place", "replaced"):
+    for change in ("as built", "in place", "through .data", "replaced"):
         if change == "in place":
             ours.weight.mul_(3.0).add_(0.5)
+        elif change == "through .data":  # no version counter sees it: nothing may be cached from the weight
+            ours.weight.data.mul_(-2.0)
         elif change == "replaced":
             ours.weight = torch.nn.Parameter(torch.randn(96, generator=generator))
         theirs.weight.copy_(ours.weight)
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6 * float(theirs(x).abs().max()))
+    with torch.enable_grad():  # and the weight still learns
+        ours(x).sum().backward()
+    assert ours.weight.grad is not None and ours.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import pytest
@@ -140,3 +141,45 @@ def test_choices_made_without_the_packed_kernel_are_kept_apart(monkeypatch, tmp_
     monkeypatch.setenv(PACKED_WEIGHTS_ENV, "0")
     with_packing_off = KernelTable.from_environment(linear_module._runners())
     assert without.cache_file != with_packing_off.cache_file
+
+
+def test_clear_makes_writes_through_data_seen(packed):
+    """``weight.data`` and NumPy writes bypass the version counter (documented): clear() packs afresh."""
+    weight = torch.randn(300, 96)
+    product(weight)
+    weight.data.mul_(-2.0)
+    packed.clear()
+    got, expected = product(weight)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert packed.nbytes == WEIGHT_BYTES
+
+
+def test_tensor_parallel_ranks_on_one_machine_share_the_budget():
+    registry = PackedWeights(pack_op(), available=lambda: 8 * WEIGHT_BYTES + 100)
+    registry.sharers = 2  # a quarter of the memory, halved: room for one weight
+    weights = [torch.randn(300, 96) for _ in range(3)]
+    assert [registry.get(w) is not None for w in weights] == [True, False, False]
+
+
+def test_a_weight_collected_while_another_is_packed_does_not_deadlock():
+    """Packing allocates; an allocation may run the garbage collector, which may free a weight that has a copy:
+    its finalizer then drops the copy under the lock the packing holds, in the same thread (it hung for ever)."""
+
+    def packer_that_collects(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        gc.collect()  # what an automatic collection does at an unlucky allocation
+        return pack_op()(weight, rows)
+
+    registry = PackedWeights(packer_that_collects, available=lambda: None)
+    holder = torch.nn.Linear(96, 300)
+    holder.__dict__["cycle"] = holder  # only the cyclic collector frees it
+    assert registry.get(holder.weight) is not None
+    del holder
+    done = threading.Event()
+
+    def pack_another() -> None:
+        registry.get(torch.randn(300, 96))
+        done.set()
+
+    threading.Thread(target=pack_another, daemon=True).start()
+    assert done.wait(timeout=30), "packing hung: the collected weight's finalizer waited for the packing's lock"
+    assert registry.nbytes == 0 and not registry._entries  # both weights gone, and their copies with them

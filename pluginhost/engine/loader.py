@@ -118,9 +118,13 @@ def load_model(host: PluginHost, settings: dict[str, Any], *, agreement: Agreeme
     whole = _numel(model)
     collectives = None
     if ranks is not None:
+        from builtin_models.linear import packed_weights
         from builtin_models.tp import shard_model
 
         collectives = shard_model(model, ranks.rank, ranks.world_size)
+        packed = packed_weights()
+        if packed is not None:  # every rank here keeps its own packed copies: they share the budget
+            packed.sharers = max(packed.sharers, ranks.on_this_machine)
     nonfinite: list[str] = []  # the checkpoint's tensors that are not finite, judged once the model has loaded
     weights = checkpoint.tensors(
         dtype=dtype,
