@@ -291,6 +291,11 @@ class KernelTable:
             return _fallback(weight, bias, rows) if ONEDNN in self.runners else F_LINEAR
         return choice
 
+    def known(self, out_features: int, in_features: int, has_bias: bool, rows: int) -> str | None:
+        """The kernel already chosen for this shape and ``rows`` (``None``: not decided yet, or by thresholds)."""
+        choice = self._choices.get((out_features, in_features, has_bias, _bucket(rows)))
+        return None if choice == FIXED_THRESHOLDS else choice
+
     def choices(self) -> dict[str, str]:
         """Every choice made so far, as ``"2304x768+bias rows 8-15": "onednn"`` (or ``"fixed thresholds"``)."""
         return {_describe(key): kernel for key, kernel in sorted(self._choices.items())}

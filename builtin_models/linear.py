@@ -170,7 +170,19 @@ def _plain_bias(bias: Tensor, out_features: int) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by the fastest kernel for fp32 on CPU."""
-    # Checked cheapest first: this runs for every product of every step.
+    # First the choice already made, if it is F.linear (every product of batch-1 decoding on some CPUs): F.linear is
+    # right for any input, so none of the checks below, which guard the other kernels, is needed. A decode step
+    # runs this ~50 times with the weights streaming past; each check skipped is a little of the step.
+    table = _table if _table is not None else kernel_table()
+    shape = weight.shape
+    if (
+        len(shape) == 2
+        and shape[1]
+        and not torch.compiler.is_compiling()
+        and table.known(shape[0], shape[1], bias is not None, x.numel() // shape[1]) == F_LINEAR
+    ):
+        return F.linear(x, weight, bias)
+    # Checked cheapest first.
     if not (
         _onednn is not None
         and x.dtype is torch.float32
@@ -191,7 +203,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // in_features
     if rows == 0:
         return F.linear(x, weight, bias)
-    table = _table if _table is not None else kernel_table()
     kernel = table.kernel(weight, bias, rows)
     if kernel == F_LINEAR:
         return F.linear(x, weight, bias)

@@ -511,3 +511,16 @@ def test_a_cache_measured_on_another_machine_is_ignored(tmp_path, caplog):
         assert choose(table, 2) == ONEDNN  # measured here, not read
     assert "measured on another machine" in caplog.text
     assert json.loads(cache.read_text())["machine"] == machine_key()
+
+
+@needs_onednn
+def test_known_says_only_what_was_decided(tmp_path):
+    """linear()'s shortcut to F.linear asks known(): a choice made, never one it would have to make."""
+    table = make_kernel_table(cache_file=tmp_path / "k.json", timer=FakeTimer({F_LINEAR: 1.0, ONEDNN: 2.0}))
+    weight = torch.randn(64, 32)
+    assert table.known(64, 32, False, 3) is None
+    assert table.kernel(weight, None, 3) == F_LINEAR
+    assert table.known(64, 32, False, 2) == F_LINEAR and table.known(64, 32, False, 4) is None  # its bucket only
+    fallback = make_kernel_table(mode="fallback")
+    fallback.kernel(weight, None, 3)
+    assert fallback.known(64, 32, False, 3) is None  # the thresholds decide per row count, not per bucket
