@@ -102,7 +102,7 @@ class PackedWeights:
         # has its copy dropped (``_drop``) in this very thread, under the lock ``_make`` holds. ``_drop`` only
         # touches a dead weight's entry, never the live one ``_make`` is making, between whole statements.
         self._lock = threading.RLock()
-        self._full_logged = False
+        self._full_logged = self._first_logged = False
         #: Bytes the packed copies take now.
         self.nbytes = 0
         #: Processes on this machine that keep packed copies of their own (tensor-parallel ranks): the budget is
@@ -144,12 +144,20 @@ class PackedWeights:
             if not self._full_logged:
                 self._full_logged = True
                 logger.info(
-                    "packed copies of the weights have reached their budget (%d MiB, this process's share of a quarter "
+                    "packed copies of the weights have reached their budget (%s, this process's share of a quarter "
                     "of the memory available at the first): the products of weights left unpacked use oneDNN on the "
                     "plain weight",
-                    self._budget / 2**20,
+                    _mib(self._budget),
                 )
             return None
+        if not self._entries and not self._first_logged:
+            self._first_logged = True  # RSS grows by each weight packed: say why, and how to keep it from growing
+            logger.info(
+                "packing weights for oneDNN, the fastest kernel measured here for some products: each weight packed "
+                "is held twice, up to %s (%s=0 never packs)",
+                "no limit" if self._budget == float("inf") else _mib(self._budget),
+                "PLUGINHOST_PACKED_WEIGHTS",
+            )
         packed = self.pack(weight)
         entry = _Entry(weakref.ref(weight), weight._version, weight.data_ptr(), packed, nbytes)
         entry.finalizer = weakref.finalize(weight, self._drop, id(weight), entry)
@@ -172,3 +180,8 @@ class PackedWeights:
             if self._entries.get(key) is entry:
                 del self._entries[key]
                 self.nbytes -= entry.nbytes
+
+
+def _mib(nbytes: float) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"

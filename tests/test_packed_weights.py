@@ -111,6 +111,7 @@ def test_copies_stop_at_their_budget_and_the_rest_use_the_plain_weight(monkeypat
         use_kernel_table(None)
     assert registry.nbytes == WEIGHT_BYTES and len(registry._entries) == 1
     assert caplog.text.count("reached their budget") == 1
+    assert caplog.text.count("packing weights for oneDNN") == 1 and "held twice, up to 0.11 MiB" in caplog.text
 
 
 def test_calibration_keeps_no_copy_of_a_weight_it_measured(monkeypatch, tmp_path):
