@@ -277,7 +277,12 @@ class KernelTable:
         # The candidates too: choices made without one (PLUGINHOST_PACKED_WEIGHTS=0) must not stand in for it later.
         machine = f"{machine_key()} | kernels {' '.join(runners)}"
         digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
-        return cls(runners, cache_file=user_cache_dir() / f"linear-kernels-{digest}.json", machine=machine)
+        try:
+            cache_dir = user_cache_dir()
+        except (RuntimeError, KeyError, OSError) as exc:  # no home directory (a container's arbitrary user, env -i)
+            logger.info("kernel choices are not remembered: no cache directory (%s); set PLUGINHOST_CACHE_DIR", exc)
+            return cls(runners, machine=machine)
+        return cls(runners, cache_file=cache_dir / f"linear-kernels-{digest}.json", machine=machine)
 
     def kernel(self, weight: Tensor, bias: Tensor | None, rows: int) -> str:
         """The kernel for ``rows`` rows through ``weight``: looked up, or decided now (once)."""

@@ -168,18 +168,26 @@ def _plain_bias(bias: Tensor, out_features: int) -> bool:
     )
 
 
+_PLAIN_WEIGHT_TYPES = (Tensor, nn.Parameter)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by the fastest kernel for fp32 on CPU."""
-    # First the choice already made, if it is F.linear (every product of batch-1 decoding on some CPUs): F.linear is
+    # First a choice already made, if it is F.linear (every product of batch-1 decoding on some CPUs): F.linear is
     # right for any input, so none of the checks below, which guard the other kernels, is needed. A decode step
-    # runs this ~50 times with the weights streaming past; each check skipped is a little of the step.
-    table = _table if _table is not None else kernel_table()
-    shape = weight.shape
+    # runs this ~50 times with the weights streaming past; each check skipped is a little of the step. Only with
+    # a table already built (it is built for fp32 CPU products only), and not under a tracer (fx's proxies, jit's
+    # tensor-valued numel) or a compiler, which take the path below.
+    table = _table
     if (
-        len(shape) == 2
-        and shape[1]
+        table is not None
+        and type(x) is Tensor
+        and type(weight) in _PLAIN_WEIGHT_TYPES
+        and weight.dim() == 2
+        and weight.shape[1]
         and not torch.compiler.is_compiling()
-        and table.known(shape[0], shape[1], bias is not None, x.numel() // shape[1]) == F_LINEAR
+        and not torch.jit.is_tracing()
+        and table.known(weight.shape[0], weight.shape[1], bias is not None, x.numel() // weight.shape[1]) == F_LINEAR
     ):
         return F.linear(x, weight, bias)
     # Checked cheapest first.
@@ -203,6 +211,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // in_features
     if rows == 0:
         return F.linear(x, weight, bias)
+    table = _table if _table is not None else kernel_table()
     kernel = table.kernel(weight, bias, rows)
     if kernel == F_LINEAR:
         return F.linear(x, weight, bias)

@@ -524,3 +524,20 @@ def test_known_says_only_what_was_decided(tmp_path):
     fallback = make_kernel_table(mode="fallback")
     fallback.kernel(weight, None, 3)
     assert fallback.known(64, 32, False, 3) is None  # the thresholds decide per row count, not per bucket
+
+
+def test_no_home_directory_only_costs_the_remembering(monkeypatch, tmp_path):
+    """A container's arbitrary user (or env -i) has no home: generation failed with "Could not determine home"."""
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("PLUGINHOST_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("pathlib.Path.home", no_home)
+    table = KernelTable.from_environment(linear_module._runners())
+    assert table.cache_file is None
+    weight, x = torch.randn(64, 32), torch.randn(3, 32)
+    use_kernel_table(table)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -172,3 +172,24 @@ def test_first_import_under_a_meta_device_and_half_default_dtype_still_finds_one
     env = {k: v for k, v in os.environ.items() if k != linear_module.PLAIN_LINEAR_ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.split() == [str(torch.backends.mkldnn.is_available()), "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tracers_follow_linear_as_they_follow_nn_linear(dtype):
+    """fx's proxies and jit's traced sizes never reach the shortcut to a known kernel (they failed in it)."""
+    layer = Linear(4, 8).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    with torch.inference_mode():
+        linear(torch.randn(3, 4), torch.randn(8, 4))  # a table with choices, as in a running engine
+    expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(torch.fx.symbolic_trace(layer)(x), expected)
+    if dtype is torch.bfloat16:  # jit.trace of the fp32 path fails on oneDNN's operator, as it always has
+        torch.testing.assert_close(torch.jit.trace(layer, x)(x), expected)
+
+
+def test_products_that_only_f_linear_takes_build_no_kernel_table(monkeypatch):
+    """Half precision (or a GPU) never builds the table, whose cache directory may not exist (no home)."""
+    linear_module.use_kernel_table(None)
+    with torch.inference_mode():
+        linear(torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16))
+    assert linear_module._table is None
