@@ -75,16 +75,14 @@ class _PackedKernel:
 
     def __call__(self, x2d: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         packed = packed_weights().get(weight)  # type: ignore[union-attr]
-        if packed is None:  # past the packing budget
-            return _run_onednn(x2d, weight, bias)
-        return _onednn(x2d, packed, bias, "none", [], "")  # (rows, out)
+        return _run_onednn(x2d, weight if packed is None else packed, bias)  # the plain weight past the budget
 
     def prepare(self, weight: Tensor) -> Tensor:
         """A packed copy of ``weight``, kept nowhere: calibration times the kernel on such copies."""
         return packed_weights().pack(weight)  # type: ignore[union-attr]
 
     def run_prepared(self, x2d: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        return _onednn(x2d, packed, bias, "none", [], "")
+        return _run_onednn(x2d, packed, bias)
 
 
 _run_packed = _PackedKernel()

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from builtin_models.kernel_choice import PACKED_WEIGHTS_ENV
+
 __all__ = ["PACKED_SHARE", "PackedWeights", "pack_op"]
 
 logger = logging.getLogger(__name__)
@@ -151,13 +153,13 @@ class PackedWeights:
                     _mib(self._budget),
                 )
             return None
-        if not self._entries and not self._first_logged:
+        if not self._first_logged:
             self._first_logged = True  # RSS grows by each weight packed: say why, and how to keep it from growing
             logger.info(
                 "packing weights for oneDNN, the fastest kernel measured here for some products: each weight packed "
                 "is held twice, up to %s (%s=0 never packs)",
                 "no limit" if self._budget == float("inf") else _mib(self._budget),
-                "PLUGINHOST_PACKED_WEIGHTS",
+                PACKED_WEIGHTS_ENV,
             )
         packed = self.pack(weight)
         entry = _Entry(weakref.ref(weight), weight._version, weight.data_ptr(), packed, nbytes)

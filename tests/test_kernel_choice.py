@@ -60,9 +60,14 @@ class FakeTimer:
     def __init__(self, seconds: dict[str, float]) -> None:
         self.seconds, self.calls = seconds, []
 
+    @staticmethod
+    def kernel_name(fn) -> str:
+        """The kernel a timed function runs (the kernel itself, or its ``run_prepared``)."""
+        timed = fn.__defaults__[0]
+        return next(n for n, run in TABLE_RUNNERS.items() if timed is run or timed == getattr(run, "run_prepared", 0))
+
     def __call__(self, fn) -> float:
-        timed = fn.__defaults__[0]  # the kernel, or its run_prepared
-        name = next(n for n, run in TABLE_RUNNERS.items() if timed is run or timed == getattr(run, "run_prepared", 0))
+        name = self.kernel_name(fn)
         self.calls.append(name)
         return self.seconds.get(name, 99.0)
 
@@ -380,8 +385,7 @@ class RoundsTimer(FakeTimer):
         self.rounds, self.clock = rounds, clock
 
     def __call__(self, fn) -> float:
-        timed = fn.__defaults__[0]  # the kernel, or its run_prepared
-        name = next(n for n, run in TABLE_RUNNERS.items() if timed is run or timed == getattr(run, "run_prepared", 0))
+        name = self.kernel_name(fn)
         seconds = self.rounds[min(self.calls.count(name), len(self.rounds) - 1)][name]
         self.calls.append(name)
         if self.clock is not None:
