@@ -79,17 +79,13 @@ def cached_attention(
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
         return y if y.dtype == out_dtype else y.to(out_dtype)
+    cast = not q.dtype == k.dtype == v.dtype == dtype  # else no casts: 3 dispatches a row and layer saved
     rows = []
     for b, end in enumerate(ends):
-        row_mask = mask[b : b + 1] if mask.shape[0] > 1 else mask
-        rows.append(
-            F.scaled_dot_product_attention(
-                q[b : b + 1].to(dtype),  # (1, Hq, 1, D)
-                k[b : b + 1, :, :end].to(dtype),  # (1, Hkv, end, D)
-                v[b : b + 1, :, :end].to(dtype),
-                attn_mask=row_mask[..., :end],  # (1, 1, 1, end)
-                scale=scale,
-                **gqa,
-            )
-        )
-    return torch.cat(rows).to(v.dtype)  # (B, Hq, 1, D)
+        q_row, k_row, v_row = q[b : b + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end]  # (1, H, 1 or end, D)
+        if cast:
+            q_row, k_row, v_row = q_row.to(dtype), k_row.to(dtype), v_row.to(dtype)
+        row_mask = mask[b : b + 1, ..., :end] if mask.shape[0] > 1 else mask[..., :end]  # (1, 1, 1, end)
+        rows.append(F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row_mask, scale=scale, **gqa))
+    y = torch.cat(rows)  # (B, Hq, 1, D)
+    return y if y.dtype == v.dtype else y.to(v.dtype)
