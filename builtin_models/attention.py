@@ -39,7 +39,7 @@ def row_ends(q: Tensor, k: Tensor, positions: Tensor) -> list[int] | None:
     Only on a CPU (on a GPU the loop would cost a host synchronisation and a launch per row and layer;
     not measured there), never while compiling, and only for one new token a row.
     """
-    B, _, T, _ = q.shape
+    B, T = positions.shape  # not q's: grouped queries attend as several tokens of one head (``cached_attention``)
     if T != 1 or B == 1 or q.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     S = k.shape[2]
@@ -67,7 +67,17 @@ def cached_attention(
     same as ``F.scaled_dot_product_attention`` over the padded slots gives, row by row where that is
     cheaper. ``compute_dtype``: attend in that dtype (GPT-2's upcast attention), each row cast after
     its slots are cut, so the padding is never converted.
+
+    Grouped-query attention of one new token a row, on a CPU, attends the G = Hq / Hkv query heads that
+    share a key/value head as G tokens of that head (they have the same mask row): each key and value is
+    read once, where sdpa's ``enable_gqa`` costs a quarter more (2-core Xeon, 12/4 heads, 8 rows of 300
+    slots: 197 against 146 us a layer).
     """
+    if enable_gqa and q.shape[2] == 1 and q.is_cpu:
+        B, Hq, _, D = q.shape
+        grouped = q.reshape(B, k.shape[1], Hq // k.shape[1], D)  # (B, Hkv, G, D)
+        y = cached_attention(grouped, k, v, mask, positions, scale=scale, compute_dtype=compute_dtype)
+        return y.reshape(B, Hq, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
     gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
     dtype = compute_dtype or q.dtype
     if mask.dtype != torch.bool and mask.dtype != dtype:  # additive: in the dtype attended in (boolean stays)

@@ -65,6 +65,20 @@ def test_row_by_row_gives_what_padded_attention_gives(kv_heads, window, boolean_
     torch.testing.assert_close(rows, padded, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [None, 30], ids=["causal", "sliding window"])
+@pytest.mark.parametrize("ends", [[300] * 8, [300], [500, 12, 150, 499]], ids=["padded", "one row", "row by row"])
+def test_grouped_queries_of_one_token_attend_as_sdpa_repeating_the_heads(ends, window):
+    # One new token a row: the query heads sharing a key/value head attend as tokens of that head. Queries as Llama
+    # makes them, a view into the stacked product (not contiguous), and one mask for every row as well as one each.
+    q, k, v, mask, positions = decoding_step(ends, kv_heads=4, window=window)
+    stacked = torch.cat([q, torch.randn(len(ends), 8, 1, D)], dim=1)  # (B, H + 2 Hkv, 1, D)
+    q = stacked[:, :H]
+    for m in (mask, mask[:1]) if len(set(ends)) == 1 else (mask,):
+        got = cached_attention(q, k, v, m, positions, scale=D**-0.5, enable_gqa=True)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=D**-0.5, enable_gqa=True)
+        assert got.shape == (len(ends), H, 1, D)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
 @pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive mask", "boolean mask"])
 def test_attention_in_float32_over_a_half_precision_cache(boolean_mask):
     """GPT-2's upcast attention: a bfloat16 cache attended in float32, row by row as padded; bfloat16 out."""
