@@ -65,6 +65,25 @@ def test_row_by_row_gives_what_padded_attention_gives(kv_heads, window, boolean_
     torch.testing.assert_close(rows, padded, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["holes", "bias"])
+def test_row_by_row_keeps_a_mask_that_is_more_than_causal(kind):
+    # Rows whose mask allows every slot up to their end attend without it; a slot masked in the middle (a padded
+    # prompt) or an additive bias that is not 0 must still apply.
+    ends = [500, 12, 150, 499, 1, 64]
+    q, k, v, mask, positions = decoding_step(ends)
+    if kind == "holes":
+        mask[0, ..., 100:120] = float("-inf")
+        mask[3, ..., 0] = float("-inf")
+    else:
+        mask[2] += torch.linspace(-3.0, 0.0, mask.shape[-1])  # ALiBi-like: a penalty growing with distance
+    rows = cached_attention(q, k, v, mask, positions, scale=D**-0.5)
+    padded = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)
+    torch.testing.assert_close(rows, padded, rtol=1e-5, atol=1e-6)
+    if kind == "holes":  # as a boolean mask too
+        boolean = cached_attention(q, k, v, mask == 0, positions, scale=D**-0.5)
+        torch.testing.assert_close(boolean, padded, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("window", [None, 30], ids=["causal", "sliding window"])
 @pytest.mark.parametrize("ends", [[300] * 8, [300], [500, 12, 150, 499]], ids=["padded", "one row", "row by row"])
 def test_grouped_queries_of_one_token_attend_as_sdpa_repeating_the_heads(ends, window):
@@ -78,6 +97,7 @@ def test_grouped_queries_of_one_token_attend_as_sdpa_repeating_the_heads(ends, w
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=D**-0.5, enable_gqa=True)
         assert got.shape == (len(ends), H, 1, D)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
 
 @pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive mask", "boolean mask"])
 def test_attention_in_float32_over_a_half_precision_cache(boolean_mask):

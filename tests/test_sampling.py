@@ -350,7 +350,6 @@ def test_rows_the_processors_leave_no_token_are_named_with_the_processor_that_em
     assert sampler.sample(torch.randn(2, 8), [None, state_of(greedy())], [Sets([0], float("nan"))])[0] is None
 
 
-
 @pytest.mark.parametrize("vocab", [8, 50272])
 def test_greedy_takes_the_first_of_tied_most_likely_tokens_as_argmax_does(vocab):
     # The greedy path takes max(dim=-1).indices (faster than argmax on a CPU): ties must still go to the first index,
@@ -364,6 +363,7 @@ def test_greedy_takes_the_first_of_tied_most_likely_tokens_as_argmax_does(vocab)
     assert sampler.sample(logits, [state_of(greedy()) for _ in range(3)]) == expected
     drawn = state_of(SamplingParams(temperature=1.0, top_k=1))
     assert sampler.sample(logits, [state_of(greedy()), drawn, state_of(greedy())]) == expected
+
 
 # -- logit_bias, allowed_token_ids, bad_words ---------------------------------------------
 
