@@ -96,15 +96,12 @@ def cached_attention(
     leading = allowed.int().cumprod(dim=-1).sum(dim=-1).tolist()  # slots allowed before the first one masked
     rows = []
     for b, end in enumerate(ends):
-        q_row, k_row, v_row = (
-            q[b : b + 1],
-            k[b : b + 1, :, :end],
-            v[b : b + 1, :, :end],
-        )  # (1, H, G, D), (1, Hkv, end, D)
+        # (1, H, T, D), then (1, Hkv, end, D) twice
+        q_row, k_row, v_row = q[b : b + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end]
         if cast:
             q_row, k_row, v_row = q_row.to(dtype), k_row.to(dtype), v_row.to(dtype)
         m = b if len(leading) > 1 else 0
         row_mask = None if leading[m] >= end else mask[m : m + 1, ..., :end]  # (1, 1, 1, end)
         rows.append(F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=row_mask, scale=scale, **gqa))
-    y = torch.cat(rows)  # (B, Hq, G, D)
+    y = torch.cat(rows)  # (B, H, T, D): for grouped queries, Hkv heads of G tokens
     return y if y.dtype == v.dtype else y.to(v.dtype)
