@@ -11,6 +11,7 @@ and so is a change to the contents of ``hf_overrides``.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from typing import Any, Literal, get_args
@@ -20,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pluginhost.attribution import current_plugin
 from pluginhost.errors import ConfigError
 
-__all__ = ["EngineConfig", "describe_validation_error"]
+__all__ = ["EngineConfig", "describe_validation_error", "take_vllm_settings"]
+
+logger = logging.getLogger(__name__)
 
 #: vLLM's names for the dtypes ("half" and "float" are also torch's).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -36,6 +39,89 @@ _TAKEN_ELSEWHERE = {
         "processor')"
     ),
 }
+
+#: vLLM's ``LLM()`` settings for what pluginhost does its own way: (the values that ask for nothing pluginhost does not
+#: do, or ``None`` where any value does, what pluginhost does instead). Taken at those values and dropped
+#: (``take_vllm_settings``), so a port's ``LLM(...)`` runs as it is; refused at any other, saying so.
+_VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
+    "trust_remote_code": ((False,), "pluginhost never runs code from a model directory; architectures come from "
+                          "installed plugins (docs/writing-plugins.md)"),
+    "tokenizer": ((None,), "the tokenizer is the model directory's own"),
+    "tokenizer_mode": (("auto",), "the tokenizer is the model directory's own, as transformers loads it"),
+    "skip_tokenizer_init": ((False,), "the model directory's tokenizer is loaded when it has one"),
+    "revision": ((None,), "the model is a local directory: nothing is downloaded"),
+    "tokenizer_revision": ((None,), "the model is a local directory: nothing is downloaded"),
+    "code_revision": ((None,), "the model is a local directory: nothing is downloaded"),
+    "download_dir": ((None,), "the model is a local directory: nothing is downloaded"),
+    "load_format": (("auto",), "the directory's weights are loaded (safetensors, else PyTorch .bin with "
+                    "weights_only=True); tests build a tiny checkpoint instead of 'dummy' weights"),
+    "quantization": ((None,), "weights are loaded unquantized (the int8_quant sample plugin quantizes as it loads)"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "gpu_memory_utilization": ((0.9,), "nothing is reserved ahead: the KV cache grows as sequences need it, checked "
+                               "against the memory left"),
+    "swap_space": ((4,), "a sequence preempted for memory is computed again, never swapped out"),
+    "cpu_offload_gb": ((0,), "the weights stay on the model's device"),
+    "enforce_eager": ((True, False), "decoding is eager unless compile_decode=True"),
+    "pipeline_parallel_size": ((1,), "only tensor parallelism (tensor_parallel_size) is run"),
+    "distributed_executor_backend": ((None, "mp"), "tensor-parallel ranks are processes on this machine (or "
+                                     "torchrun's)"),
+    "enable_lora": ((False,), "no LoRA adapters are run"),
+    "task": (("auto", "generate"), "pluginhost generates text"),
+    "runner": (("auto", "generate"), "pluginhost generates text"),
+    # Speed and logging only: the answers are the same at any value.
+    "enable_prefix_caching": (None, "no prefix is cached (every prompt is prefilled)"),
+    "enable_chunked_prefill": (None, "a prompt longer than max_num_batched_tokens is prefilled in pieces"),
+    "disable_log_stats": (None, "statistics go to record_stats hooks and the server's /metrics"),
+    "disable_custom_all_reduce": (None, "tensor parallelism reduces through torch.distributed"),
+}  # fmt: skip
+
+
+def take_vllm_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the vLLM ``LLM()`` settings given at values that ask for nothing pluginhost does not do.
+
+    A port passes vLLM's settings for vLLM's machinery (``gpu_memory_utilization=0.9``, ``enforce_eager=True``,
+    ``trust_remote_code=False``...): at those values they are dropped, logged at debug level; at any other value
+    (``kv_cache_dtype="fp8"``, ``trust_remote_code=True``) they are one ``ConfigError`` naming each, with what
+    pluginhost does instead. ``tokenizer`` is also taken as the model's own directory. A setting pluginhost has
+    itself (``dtype``, ``seed``, ``max_model_len``...) is never touched.
+    """
+    kept: dict[str, Any] = {}
+    refused: list[str] = []
+    for name, value in settings.items():
+        if name not in _VLLM_SETTINGS or name in EngineConfig.model_fields:
+            kept[name] = value
+            continue
+        neutral, instead = _VLLM_SETTINGS[name]
+        if neutral is None or any(_same_setting(value, n) for n in neutral) or _the_models_tokenizer(name, settings):
+            logger.debug("vLLM's setting %s=%r taken: it changes nothing here (%s)", name, value, instead)
+            continue
+        taken = " or ".join(repr(n) for n in neutral)
+        refused.append(f"{name}: {value!r} is not supported: {instead} (vLLM's setting is taken as {taken} only)")
+    if settings.get("enforce_eager") is True and settings.get("compile_decode") is True:
+        refused.append("enforce_eager: True asks for eager decoding, compile_decode=True for a compiled step: leave "
+                       "one of them out")  # fmt: skip
+    if refused:
+        raise ConfigError("Invalid engine settings: " + "; ".join(refused))
+    return kept
+
+
+def _same_setting(value: Any, neutral: Any) -> bool:
+    """``value`` is ``neutral``: ``True`` is not ``1``, but ``4.0`` GiB of swap space is ``4``."""
+    if isinstance(neutral, bool) or neutral is None or isinstance(value, bool):
+        return value is neutral
+    if isinstance(neutral, int | float):
+        return isinstance(value, int | float) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _the_models_tokenizer(name: str, settings: dict[str, Any]) -> bool:
+    """``tokenizer`` naming the model's own directory (ports often pass ``tokenizer=model``)."""
+    if name != "tokenizer" or not isinstance(settings.get("tokenizer"), str | os.PathLike):
+        return False
+    model = settings.get("model")
+    if not isinstance(model, str | os.PathLike):
+        return False
+    return os.path.realpath(os.fspath(settings["tokenizer"])) == os.path.realpath(os.fspath(model))
 
 
 class _BuiltOverrides(dict):

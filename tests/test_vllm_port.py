@@ -28,6 +28,7 @@ import torch
 
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, ModelRegistry, SamplingParams
+from pluginhost.errors import ConfigError
 from pluginhost.testing import RegistersModel, make_tiny_opt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -555,6 +556,73 @@ def test_vllms_async_generate_arguments_at_their_defaults_are_taken(tiny_opt):
         engine.shutdown()
 
 
+#: What ports pass to vLLM's ``LLM()`` for vLLM's own machinery, at values that ask for nothing else.
+VLLM_SETTINGS_AT_NEUTRAL = {
+    "trust_remote_code": False,
+    "tokenizer_mode": "auto",
+    "revision": None,
+    "download_dir": None,
+    "load_format": "auto",
+    "quantization": None,
+    "kv_cache_dtype": "auto",
+    "gpu_memory_utilization": 0.9,
+    "swap_space": 4,
+    "cpu_offload_gb": 0,
+    "enforce_eager": True,
+    "pipeline_parallel_size": 1,
+    "distributed_executor_backend": None,
+    "enable_lora": False,
+    "task": "generate",
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": False,
+    "disable_log_stats": True,
+}
+
+
+def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engine(tiny_opt, llm):
+    # They were each an "unknown setting": a port had to find and drop every one.
+    params = SamplingParams(max_tokens=8, temperature=0)
+    ported = LLM(str(tiny_opt), load_installed_plugins=False, tokenizer=str(tiny_opt), **VLLM_SETTINGS_AT_NEUTRAL)
+    assert ported.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids == (
+        llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    assert ported.engine.loaded.config.model_dump() == llm.engine.loaded.config.model_dump()  # nothing reached it
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"kv_cache_dtype": "fp8"},
+            r"kv_cache_dtype: 'fp8' is not supported: the KV cache is kept in the model's dtype",
+        ),
+        ({"trust_remote_code": True}, r"trust_remote_code: True .*never runs code from a model directory"),
+        ({"gpu_memory_utilization": 0.5}, r"gpu_memory_utilization: 0.5 .*the KV cache grows as sequences need it"),
+        ({"quantization": "awq"}, r"quantization: 'awq' .*taken as None only"),
+        ({"load_format": "dummy"}, r"load_format: 'dummy' .*build a tiny checkpoint"),
+        ({"tokenizer": "/some/other/tokenizer"}, r"tokenizer: '/some/other/tokenizer' .*the model directory's own"),
+        ({"enforce_eager": 1}, r"enforce_eager: 1 .*taken as True or False only"),
+        ({"enforce_eager": True, "compile_decode": True}, r"enforce_eager: True asks for eager decoding"),
+    ],
+)
+def test_a_vllm_setting_asking_for_what_pluginhost_does_not_do_is_refused_by_name(
+    tiny_opt, given, message, install_plugin, tmp_path
+):
+    marker = tmp_path / "plugin-loaded"
+    install_plugin("watching", f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(ConfigError, match=r"^Invalid engine settings: " + message):
+        LLM(str(tiny_opt), **given)
+    assert not marker.exists()  # refused before any plugin loaded
+
+
+def test_both_refusals_of_a_port_are_said_at_once_and_unknown_settings_stay_unknown(tiny_opt):
+    with pytest.raises(ConfigError) as info:
+        LLM(str(tiny_opt), load_installed_plugins=False, kv_cache_dtype="fp8", swap_space=16)
+    assert "kv_cache_dtype: 'fp8'" in str(info.value) and "swap_space: 16" in str(info.value)
+    with pytest.raises(ConfigError, match="max_len: unknown setting"):
+        LLM(str(tiny_opt), load_installed_plugins=False, max_len=3, gpu_memory_utilization=0.9)
+
+
 def test_generate_takes_vllms_use_tqdm(tiny_opt):
     """``use_tqdm=False`` is in most vLLM scripts; a callable makes the bar, which counts every prompt done."""
     from tqdm import tqdm
@@ -584,6 +652,7 @@ TP_PROGRAM = """
 import sys
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, ModelRegistry, SamplingParams
+from pluginhost.errors import ConfigError
 
 class DirectOPT(OPTForCausalLM):
     pass

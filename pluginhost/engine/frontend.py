@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 from torch import nn
 
-from pluginhost.config import EngineConfig
+from pluginhost.config import EngineConfig, take_vllm_settings
 from pluginhost.device import resolve_device
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.inputs import InputProcessor
@@ -44,8 +44,9 @@ class EngineFrontend:
         load_installed_plugins: bool = True,
         **settings: Any,
     ) -> None:
+        settings = take_vllm_settings({"model": model, **settings})  # before any plugin loads: a port's settings
         host = PluginHost(plugins=plugins, load_installed=load_installed_plugins)
-        self._build(host, {"model": model, **settings})
+        self._build(host, settings)
 
     @classmethod
     def _from_host(cls, host: PluginHost, **settings: Any) -> Self:

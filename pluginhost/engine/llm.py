@@ -33,6 +33,9 @@ class LLM(EngineFrontend):
     Takes every ``EngineConfig`` field as a keyword argument, plus ``plugins``
     (in-process plugin objects or ``register()`` functions, no packaging
     needed) and ``load_installed_plugins`` (``False`` skips entry points).
+    vLLM's settings for its own machinery are taken at the values that ask for
+    nothing else (``gpu_memory_utilization=0.9``, ``enforce_eager=True``...) and
+    refused at others (``pluginhost.config.take_vllm_settings``).
     """
 
     # -- generating ----------------------------------------------------------------
