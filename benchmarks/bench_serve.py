@@ -29,6 +29,7 @@ Systems:
 
     python benchmarks/bench_serve.py [--clients 1 8 32] [--duration 60] [--systems pluginhost,static,transformers]
                                      [--temperature 0.8 --top-p 0.95]   # a sampled load instead of greedy
+                                     [--kv-cache-dtype bfloat16]        # pluginhost's engines only
 """
 
 from __future__ import annotations
@@ -122,13 +123,14 @@ class Server:
                 self.process.wait(30)
 
 
-def systems(path: Path, max_num_seqs: int) -> dict[str, Server]:
+def systems(path: Path, max_num_seqs: int, kv_cache_dtype: str = "auto") -> dict[str, Server]:
     ours = [
         sys.executable, "-m", "pluginhost", "serve", "--model", str(path), "--port", "{port}", "--no-plugins",
         "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "bench",
+        "--kv-cache-dtype", kv_cache_dtype,
     ]  # fmt: skip
     static = [sys.executable, str(Path(__file__).resolve()), "--serve-static", str(path), "--port", "{port}"]
-    static += ["--max-num-seqs", str(max_num_seqs)]
+    static += ["--max-num-seqs", str(max_num_seqs), "--kv-cache-dtype", kv_cache_dtype]
     theirs = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(path), "--port", "{port}"]
     theirs += ["--device", "cpu", "--dtype", "float32"]
     return {
@@ -140,7 +142,7 @@ def systems(path: Path, max_num_seqs: int) -> dict[str, Server]:
     }
 
 
-def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool) -> None:
+def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool, kv_cache_dtype: str) -> None:
     """The ``static`` systems: pluginhost's engine and server, admitting whole batches only.
 
     Unless ``free_finished``, a decoding step also computes a row for every request of the batch
@@ -172,7 +174,13 @@ def serve_static(path: str, port: int, max_num_seqs: int, *, free_finished: bool
     # The old loop left-padded a batch's prompts to the longest: one prefill pass.
     pluginhost.engine.runner._similar_lengths = lambda rows, lengths, **_: [sorted(rows)]
 
-    engine = AsyncLLM(path, load_installed_plugins=False, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
+    engine = AsyncLLM(
+        path,
+        load_installed_plugins=False,
+        max_num_seqs=max_num_seqs,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     core = engine.engine
     scheduler = core.scheduler = StaticScheduler(
         max_num_seqs=core.scheduler.max_num_seqs, max_num_batched_tokens=10**9, max_waiting=core.scheduler.max_waiting
@@ -291,12 +299,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default load)")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="the KV cache's dtype for pluginhost and the static baselines alike"
+    )
     parser.add_argument("--serve-static", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--free-finished", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_static:
-        serve_static(args.serve_static, args.port, args.max_num_seqs, free_finished=args.free_finished)
+        serve_static(
+            args.serve_static,
+            args.port,
+            args.max_num_seqs,
+            free_finished=args.free_finished,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         return
 
     path = bench_model()
@@ -305,10 +322,13 @@ def main() -> None:
         sampling |= {"top_p": args.top_p, "ignore_eos": True}
     print(f"machine: {machine()}")
     print(f"sampling: {sampling}")
-    print(f"model: OPT-125m shape, random weights, fp32, max_model_len {MAX_MODEL_LEN}; {args.duration:.0f} s per run")
+    print(
+        f"model: OPT-125m shape, random weights, fp32, KV cache {args.kv_cache_dtype}, max_model_len {MAX_MODEL_LEN}; "
+        f"{args.duration:.0f} s per run"
+    )
     table: dict[tuple[str, int], dict[str, float]] = {}
     for name in args.systems.split(","):
-        server = systems(path, args.max_num_seqs)[name]
+        server = systems(path, args.max_num_seqs, args.kv_cache_dtype)[name]
         problem = server.start()
         try:
             if problem is None:

@@ -50,6 +50,8 @@ class KVCache(nn.Module):
         The result is (B, H, S, D): a view for a slice of rows, a gathered copy for a tensor of rows.
         """
         B, _, T, _ = k.shape
+        if k.dtype != self.k.dtype:  # a cache in another dtype than the model's (kv_cache_dtype)
+            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if isinstance(rows, slice):
             k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
             # Decoding one sequence: a slice copy costs a third of indexing. Not on a GPU (int() would
@@ -81,6 +83,10 @@ class KVCache(nn.Module):
             new[:keep_rows, :, :keep_slots] = old[:keep_rows, :, :keep_slots]
             setattr(self, name, new)
         self.row_index = torch.arange(rows, device=self.k.device)[:, None]
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold keys and values in ``dtype`` from now on (what they held is converted); ``update`` converts new ones."""
+        self.k, self.v = self.k.to(dtype), self.v.to(dtype)
 
     def move(self, src: int, dst: int, n_slots: int) -> None:
         """Copy the first ``n_slots`` slots of row ``src`` into row ``dst``."""

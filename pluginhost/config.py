@@ -56,7 +56,6 @@ _VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
     "load_format": (("auto",), "the directory's weights are loaded (safetensors, else PyTorch .bin with "
                     "weights_only=True); tests build a tiny checkpoint instead of 'dummy' weights"),
     "quantization": ((None,), "weights are loaded unquantized (the int8_quant sample plugin quantizes as it loads)"),
-    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "gpu_memory_utilization": ((0.9,), "nothing is reserved ahead: the KV cache grows as sequences need it, checked "
                                "against the memory left"),
     "swap_space": ((4,), "a sequence preempted for memory is computed again, never swapped out"),
@@ -187,6 +186,12 @@ class EngineConfig(BaseModel):
         default="auto",
         description="Parameter dtype; 'auto' takes the checkpoint's where the device runs it well, else float32.",
     )
+    kv_cache_dtype: Literal["auto", "bfloat16"] = Field(
+        default="auto",
+        description="The KV cache's dtype: 'auto', the model's; 'bfloat16' holds a float32 model's keys and values "
+        "rounded to bfloat16 and attends in bfloat16: half the cache's memory, half what decoding reads of it "
+        "(vLLM's setting; its fp8 values are not taken).",
+    )
     device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     max_model_len: int | None = Field(
         default=None,
@@ -285,6 +290,20 @@ class EngineConfig(BaseModel):
                 raise ValueError(
                     f"{value!r} is not a dtype pluginhost runs: use 'auto', 'float32' (or 'float'), 'float16' (or "
                     "'half') or 'bfloat16', as a string or a torch dtype"
+                )
+        return value
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_cache_dtype_spellings(cls, value: Any) -> Any:
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            value = str(value).removeprefix("torch.")
+        if isinstance(value, str):
+            value = value.strip().lower()
+            if value not in get_args(cls.model_fields["kv_cache_dtype"].annotation):
+                raise ValueError(
+                    f"{value!r} is not a KV cache dtype pluginhost runs: use 'auto' (the model's dtype) or 'bfloat16'"
+                    + (" (fp8 caches are not run)" if value.startswith("fp8") else "")
                 )
         return value
 

@@ -74,6 +74,7 @@ def test_row_by_row_keeps_a_mask_that_is_more_than_causal(kind):
     if kind == "holes":
         mask[0, ..., 100:120] = float("-inf")
         mask[3, ..., 0] = float("-inf")
+        mask[1, ..., ends[1] - 1] = float("-inf")  # the row's own slot, its last
     else:
         mask[2] += torch.linspace(-3.0, 0.0, mask.shape[-1])  # ALiBi-like: a penalty growing with distance
     rows = cached_attention(q, k, v, mask, positions, scale=D**-0.5)

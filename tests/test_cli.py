@@ -168,11 +168,23 @@ def test_config_shows_the_settings_the_engine_runs_with_and_who_set_each(install
 def test_every_engine_setting_an_operator_needs_has_its_flag(capsys, tiny_opt):
     # The weights error advised --allow-external-weights, which the CLI did not take; nor could a server's operator
     # raise max_logprobs or the prefill budget.
-    flags = ["--allow-external-weights", "--refuse-nonfinite-weights", "--max-logprobs", "5"]
+    flags = [
+        "--allow-external-weights",
+        "--refuse-nonfinite-weights",
+        "--max-logprobs",
+        "5",
+        "--kv-cache-dtype",
+        "bfloat16",
+    ]
     code, out, err = run(capsys, "config", "--model", str(tiny_opt), *flags, "--max-num-batched-tokens", "64", "--json")
     assert code == 0, err
     data = json.loads(out)
-    given = {"allow_external_weights": True, "refuse_nonfinite_weights": True, "max_logprobs": 5}
+    given = {
+        "allow_external_weights": True,
+        "refuse_nonfinite_weights": True,
+        "max_logprobs": 5,
+        "kv_cache_dtype": "bfloat16",
+    }
     assert {k: data["config"][k] for k in [*given, "max_num_batched_tokens"]} == {**given, "max_num_batched_tokens": 64}
     assert all(data["provenance"][k] == "user" for k in [*given, "max_num_batched_tokens"])
     code, _, err = run(capsys, "config", "--model", str(tiny_opt), "--max-logprobs", "-2")

@@ -90,6 +90,20 @@ def test_vllms_dtype_spellings_and_torch_dtypes_are_accepted(given, dtype):
     assert EngineConfig(model="m", dtype="BFloat16").dtype == "bfloat16"
 
 
+def test_kv_cache_dtype_takes_vllms_bfloat16_and_refuses_fp8_saying_what_it_runs():
+    import torch
+
+    assert EngineConfig(model="m").kv_cache_dtype == "auto"
+    assert EngineConfig(model="m", kv_cache_dtype="BFloat16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(model="m", kv_cache_dtype=torch.bfloat16).kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model="m", kv_cache_dtype="fp8_e4m3")
+    assert (
+        "kv_cache_dtype: 'fp8_e4m3' is not a KV cache dtype pluginhost runs: use 'auto' (the model's dtype) or "
+        "'bfloat16' (fp8 caches are not run)" in describe_validation_error(info.value)
+    )
+
+
 def test_cuda_devices_are_accepted_by_name():
     assert EngineConfig(model="d", device="cuda:1").device == "cuda:1"
 

@@ -1974,3 +1974,51 @@ def test_generate_counts_its_requests_as_they_end_instead_of_looking_at_each_aft
     assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 400
     # The engine looks at the requests a step changes; the call at each of its own once, at the end.
     assert looked["n"] < 10 * len(prompts), looked["n"]
+
+
+# -- a bfloat16 KV cache (kv_cache_dtype) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config"),
+    [
+        ("opt", {}),
+        ("llama", {}),  # grouped-query: 4 query heads on 2 key/value heads
+        ("gpt2", {"reorder_and_upcast_attn": True}),  # attends in float32 over the bfloat16 cache
+    ],
+    ids=["opt", "llama", "gpt2 upcast"],
+)
+def test_a_bfloat16_kv_cache_halves_the_cache_and_scores_as_float32_does(
+    tmp_path, model_type, config, decoding_attention
+):
+    from pluginhost.testing import make_tiny_model
+
+    _check_bfloat16_cache(make_tiny_model(tmp_path / model_type, model_type, **config))
+
+
+def test_a_bfloat16_kv_cache_under_transformers_own_attention(tmp_path):
+    from pluginhost.testing import make_tiny_model
+
+    _check_bfloat16_cache(make_tiny_model(tmp_path / "llama", "llama"), model_impl="transformers")
+
+
+def _check_bfloat16_cache(path, **settings) -> None:
+    """Generate with a bfloat16 cache; check it is one, half the bytes, and scores as the float32 engine does."""
+    plain = LLM(str(path), load_installed_plugins=False, **settings)
+    halved = LLM(str(path), load_installed_plugins=False, kv_cache_dtype="bfloat16", **settings)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]  # decoding rows of different lengths
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    answers = halved.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert {c.k.dtype for c in halved.engine.runner._caches} == {torch.bfloat16}
+    # Each token the bfloat16 engine chose, scored by the float32 engine over the same text: keys and values
+    # rounded to 8 bits of mantissa move a log-probability by hundredths, in prefill and decoding alike.
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens = answer.outputs[0].token_ids
+        assert len(tokens) == 8
+        text = {"prompt_token_ids": prompt + list(tokens)}
+        scored = plain.generate([text], scoring, use_tqdm=False)[0].prompt_logprobs[len(prompt) :]
+        ours = [step[token] for step, token in zip(answer.outputs[0].logprobs, tokens, strict=True)]
+        theirs = [step[token] for step, token in zip(scored, tokens, strict=True)]
+        assert ours == pytest.approx(theirs, abs=0.08)  # 0.026 at most here
+    assert 2 * halved.engine.runner.slot_bytes() == plain.engine.runner.slot_bytes() > 0

@@ -119,6 +119,18 @@ def test_two_ranks_generate_what_one_process_does(tiny_models, model):
         two.generate(PROMPTS, GREEDY)
 
 
+def test_every_rank_keeps_its_heads_in_the_bfloat16_cache_asked_for(tiny_models):
+    # kv_cache_dtype reaches each rank's runner: a rank left in float32 would score otherwise than one process.
+    path = str(tiny_models["llama (grouped-query)"])
+    one = LLM(path, load_installed_plugins=False, dtype="float32", kv_cache_dtype="bfloat16")
+    expected = one.generate(PROMPTS, GREEDY)
+    two = LLM(path, load_installed_plugins=False, dtype="float32", kv_cache_dtype="bfloat16", tensor_parallel_size=2)
+    try:
+        assert_same(expected, two.generate(PROMPTS, GREEDY))
+    finally:
+        two.close()
+
+
 def listening() -> set[str]:
     """The TCP addresses this process listens on ("127.0.0.1:41234", "::0:80"), from /proc: loopback-only hosts too."""
     mine = set()

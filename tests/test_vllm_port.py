@@ -594,8 +594,9 @@ def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engi
     [
         (
             {"kv_cache_dtype": "fp8"},
-            r"kv_cache_dtype: 'fp8' is not supported: the KV cache is kept in the model's dtype",
+            r"kv_cache_dtype: 'fp8' is not a KV cache dtype pluginhost runs: use 'auto'",
         ),
+        ({"cpu_offload_gb": 4}, r"cpu_offload_gb: 4 is not supported: the weights stay on the model's device"),
         ({"trust_remote_code": True}, r"trust_remote_code: True .*never runs code from a model directory"),
         ({"gpu_memory_utilization": 0.5}, r"gpu_memory_utilization: 0.5 .*the KV cache grows as sequences need it"),
         ({"quantization": "awq"}, r"quantization: 'awq' .*taken as None only"),
@@ -617,8 +618,8 @@ def test_a_vllm_setting_asking_for_what_pluginhost_does_not_do_is_refused_by_nam
 
 def test_both_refusals_of_a_port_are_said_at_once_and_unknown_settings_stay_unknown(tiny_opt):
     with pytest.raises(ConfigError) as info:
-        LLM(str(tiny_opt), load_installed_plugins=False, kv_cache_dtype="fp8", swap_space=16)
-    assert "kv_cache_dtype: 'fp8'" in str(info.value) and "swap_space: 16" in str(info.value)
+        LLM(str(tiny_opt), load_installed_plugins=False, cpu_offload_gb=4, swap_space=16)
+    assert "cpu_offload_gb: 4" in str(info.value) and "swap_space: 16" in str(info.value)
     with pytest.raises(ConfigError, match="max_len: unknown setting"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_len=3, gpu_memory_utilization=0.9)
 
@@ -652,7 +653,6 @@ TP_PROGRAM = """
 import sys
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, ModelRegistry, SamplingParams
-from pluginhost.errors import ConfigError
 
 class DirectOPT(OPTForCausalLM):
     pass

@@ -106,6 +106,12 @@ def _engine_options(*, model_required: bool) -> argparse.ArgumentParser:
         help="parameter dtype (default auto: config.json's, but float32 on a CPU for a float16 checkpoint, and for a "
         "bfloat16 one where the CPU has no bfloat16 arithmetic: AMX or AVX512-BF16)",
     )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16"],
+        help="the KV cache's dtype (default auto: the model's); bfloat16 halves a float32 model's cache and what "
+        "decoding reads of it, keys and values rounded to bfloat16",
+    )
     group.add_argument("--device", metavar="D", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, metavar="N")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences running together (default 32)")
@@ -278,6 +284,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
 _ENGINE_FIELDS = (
     "model",
     "dtype",
+    "kv_cache_dtype",
     "device",
     "max_model_len",
     "max_num_seqs",

@@ -99,6 +99,7 @@ class EngineCore:
             "max_model_len": loaded.max_model_len,
             "compile_decode": config.compile_decode,
             "pass_tokens": config.max_num_batched_tokens,  # a long prompt's prefill, in pieces
+            "kv_cache_dtype": loaded.kv_cache_dtype,
         }
         if ranks is None:
             self.runner = ModelRunner(loaded.model, loaded.device, **limits)

@@ -73,7 +73,11 @@ class EngineFrontend:
             return
         self._loaded, self._ranks = loaded, ranks
         runner = ModelRunner(
-            loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
+            loaded.model,
+            loaded.device,
+            max_num_seqs=loaded.config.max_num_seqs,
+            max_model_len=loaded.max_model_len,
+            kv_cache_dtype=loaded.kv_cache_dtype,  # as rank 0's
         )
         try:
             serve_steps(runner, ranks)

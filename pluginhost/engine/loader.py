@@ -65,6 +65,12 @@ class LoadedModel:
         return self.registration.architecture
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype | None:
+        """The KV cache's dtype when it is not the one the model's ``setup_caches`` gives it (``kv_cache_dtype``)."""
+        wanted = self.config.kv_cache_dtype
+        return None if wanted == "auto" else getattr(torch, wanted)
+
+    @property
     def plugins(self) -> list[PluginRecord]:
         return self.host.records
 

@@ -916,7 +916,11 @@ def _rank_main(spec: RankSpec) -> None:
         agreement.abandon(exc)
         _leave(1)
     runner = ModelRunner(
-        loaded.model, loaded.device, max_num_seqs=loaded.config.max_num_seqs, max_model_len=loaded.max_model_len
+        loaded.model,
+        loaded.device,
+        max_num_seqs=loaded.config.max_num_seqs,
+        max_model_len=loaded.max_model_len,
+        kv_cache_dtype=loaded.kv_cache_dtype,  # as rank 0's
     )
     try:
         serve_steps(runner, ranks)

@@ -159,9 +159,12 @@ class ModelRunner:
         max_model_len: int,
         compile_decode: bool = False,
         pass_tokens: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        #: The KV caches' dtype, when not the one the model's ``setup_caches`` makes them in (``kv_cache_dtype``).
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cached = callable(getattr(model, "setup_caches", None))
@@ -611,6 +614,9 @@ class ModelRunner:
                 "engine grows and reorders the cache through KVCache, so a model's caches must be KVCache "
                 "modules (or the model must not define setup_caches)."
             )
+        if self.kv_cache_dtype is not None:
+            for cache in self._caches:
+                cache.cast(self.kv_cache_dtype)
         self._rows = self._slots = 0
 
 
