@@ -62,7 +62,9 @@ class GPT2Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
-            k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
+            k, v = self.kv_cache.update(
+                cache_rows, positions, k, v, n_slots=mask.shape[-1], as_stored=True
+            )  # (B, H, S, D)
         # reorder_and_upcast_attn: scores and softmax in float32, as transformers computes them.
         upcast = torch.float32 if self.upcast else None
         y = cached_attention(q, k, v, mask, positions, scale=self.scaling, compute_dtype=upcast)  # (B, H, T, D)

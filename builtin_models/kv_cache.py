@@ -11,10 +11,15 @@ Shapes: R rows, H heads, S slots, D head dim; B sequences, T new tokens.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import Tensor, nn
 
 __all__ = ["CacheRows", "KVCache"]
+
+logger = logging.getLogger("pluginhost")
 
 #: Which rows a forward pass uses: ``slice(start, start + B)`` (a view, as in decoding) or a
 #: (B,) tensor of row indices (gathered; fine for the few rows of a prefill).
@@ -44,14 +49,25 @@ class KVCache(nn.Module):
         """(rows, slots)."""
         return self.k.shape[0], self.k.shape[2]
 
-    def update(self, rows: CacheRows, positions: Tensor, k: Tensor, v: Tensor, n_slots: int) -> tuple[Tensor, Tensor]:
+    def update(
+        self, rows: CacheRows, positions: Tensor, k: Tensor, v: Tensor, n_slots: int, *, as_stored: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """Write k, v (B, H, T, D) at ``positions`` (B, T) of ``rows``; return their first ``n_slots`` slots.
 
-        The result is (B, H, S, D): a view for a slice of rows, a gathered copy for a tensor of rows.
+        The result is (B, H, S, D): a view for a slice of rows, a gathered copy for a tensor of rows. A
+        cache held in another dtype than the model's (``kv_cache_dtype``) stores k and v converted, and
+        returns its slots converted back to k's dtype (a copy, each step), unless ``as_stored``: then as
+        they are stored, for attention that takes them so (``builtin_models.attention.cached_attention``,
+        which reads half the bytes of a bfloat16 cache).
         """
         B, _, T, _ = k.shape
-        if k.dtype != self.k.dtype:  # a cache in another dtype than the model's (kv_cache_dtype)
+        wanted = k.dtype
+        if wanted != self.k.dtype:  # a cache in another dtype than the model's (kv_cache_dtype)
             k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+            if not as_stored:
+                _converting_each_step()
+                k_slots, v_slots = self.update(rows, positions, k, v, n_slots, as_stored=True)
+                return k_slots.to(wanted), v_slots.to(wanted)
         if isinstance(rows, slice):
             k_rows, v_rows = self.k[rows], self.v[rows]  # (B, H, S_max, D) views
             # Decoding one sequence: a slice copy costs a third of indexing. Not on a GPU (int() would
@@ -92,3 +108,13 @@ class KVCache(nn.Module):
         """Copy the first ``n_slots`` slots of row ``src`` into row ``dst``."""
         self.k[dst, :, :n_slots] = self.k[src, :, :n_slots]
         self.v[dst, :, :n_slots] = self.v[src, :, :n_slots]
+
+
+@functools.cache
+def _converting_each_step() -> None:
+    """Say once that a model reads a cache held in another dtype through a conversion: memory saved, time not."""
+    logger.warning(
+        "the KV cache is held in another dtype than the model computes in (kv_cache_dtype), and the model's attention "
+        "reads it converted back, a copy each step: it takes less memory, but decoding is slower than with a cache "
+        "in the model's dtype (attention through builtin_models.attention.cached_attention reads it as it is held)"
+    )

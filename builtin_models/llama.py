@@ -94,7 +94,9 @@ class LlamaAttention(nn.Module):
         q, k, v = qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv :]  # (B, Hq, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
-            k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, Hkv, S, D)
+            k, v = self.kv_cache.update(
+                cache_rows, positions, k, v, n_slots=mask.shape[-1], as_stored=True
+            )  # (B, Hkv, S, D)
         y = cached_attention(
             q, k, v, mask, positions, scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads
         )  # (B, Hq, T, D)

@@ -64,7 +64,9 @@ class OPTAttention(nn.Module):
         if cache_rows is not None:
             assert self.kv_cache is not None, "call setup_caches() before passing cache_rows"
             assert mask is not None, "a cached forward needs the mask over cache slots"
-            k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
+            k, v = self.kv_cache.update(
+                cache_rows, positions, k, v, n_slots=mask.shape[-1], as_stored=True
+            )  # (B, H, S, D)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scaling)  # (B, H, T, D)
         else:

@@ -725,10 +725,8 @@ class _EngineLayer(CacheLayerMixin):
             rows, slots = cache.probe_shape
             self.kv = KVCache(rows, H, slots, D, dtype=key_states.dtype, device=key_states.device)
             cache.layouts[self.layer_idx] = (H, D, key_states.dtype)
-        k, v = self.kv.update(cache.rows, cache.positions, key_states, value_states, cache.n_slots)
-        if k.dtype != key_states.dtype:  # a cache in another dtype (kv_cache_dtype): the model attends in its own
-            k, v = k.to(key_states.dtype), v.to(value_states.dtype)
-        return k, v
+        # In the model's dtype: transformers' attention takes no other (a kv_cache_dtype cache is converted back).
+        return self.kv.update(cache.rows, cache.positions, key_states, value_states, cache.n_slots)
 
     def get_seq_length(self) -> int:
         return self.cache.past_length

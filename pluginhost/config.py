@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import numbers
 import os
 import re
 from typing import Any, Literal, get_args
@@ -58,13 +60,15 @@ _VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
     "quantization": ((None,), "weights are loaded unquantized (the int8_quant sample plugin quantizes as it loads)"),
     "gpu_memory_utilization": ((0.9,), "nothing is reserved ahead: the KV cache grows as sequences need it, checked "
                                "against the memory left"),
-    "swap_space": ((4,), "a sequence preempted for memory is computed again, never swapped out"),
+    "swap_space": (None, "a sequence preempted for memory is computed again, never swapped out"),
     "cpu_offload_gb": ((0,), "the weights stay on the model's device"),
-    "enforce_eager": ((True, False), "decoding is eager unless compile_decode=True"),
+    "enforce_eager": ((True, False, None), "decoding is eager unless compile_decode=True"),
     "pipeline_parallel_size": ((1,), "only tensor parallelism (tensor_parallel_size) is run"),
     "distributed_executor_backend": ((None, "mp"), "tensor-parallel ranks are processes on this machine (or "
                                      "torchrun's)"),
     "enable_lora": ((False,), "no LoRA adapters are run"),
+    "hf_token": ((None,), "the model is a local directory: nothing is downloaded"),
+    "allowed_local_media_path": (("",), "prompts are text or token ids: no media is read"),
     "task": (("auto", "generate"), "pluginhost generates text"),
     "runner": (("auto", "generate"), "pluginhost generates text"),
     # Speed and logging only: the answers are the same at any value.
@@ -72,6 +76,9 @@ _VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
     "enable_chunked_prefill": (None, "a prompt longer than max_num_batched_tokens is prefilled in pieces"),
     "disable_log_stats": (None, "statistics go to record_stats hooks and the server's /metrics"),
     "disable_custom_all_reduce": (None, "tensor parallelism reduces through torch.distributed"),
+    "disable_async_output_proc": (None, "outputs are handed out by the engine's own thread"),
+    "max_seq_len_to_capture": (None, "CUDA graphs, with compile_decode=True, are captured for every length"),
+    "block_size": (None, "the KV cache holds one row per sequence, not blocks"),
 }  # fmt: skip
 
 
@@ -105,11 +112,14 @@ def take_vllm_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _same_setting(value: Any, neutral: Any) -> bool:
-    """``value`` is ``neutral``: ``True`` is not ``1``, but ``4.0`` GiB of swap space is ``4``."""
-    if isinstance(neutral, bool) or neutral is None or isinstance(value, bool):
+    """``value`` is ``neutral``: ``True`` is not ``1``, but ``0.9`` read as a NumPy float32 is ``0.9``."""
+    value_is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"  # NumPy's too
+    if neutral is None or value is None:
         return value is neutral
+    if isinstance(neutral, bool) or value_is_bool:
+        return isinstance(neutral, bool) and value_is_bool and bool(value) == neutral
     if isinstance(neutral, int | float):
-        return isinstance(value, int | float) and value == neutral
+        return isinstance(value, numbers.Real) and math.isclose(float(value), neutral, rel_tol=1e-6)
     return type(value) is type(neutral) and value == neutral
 
 

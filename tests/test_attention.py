@@ -117,3 +117,26 @@ def test_attention_in_float32_over_a_half_precision_cache(boolean_mask):
     # float32 for a while, and GPT-2's next product failed on the mixed dtypes).
     equal = cached_attention(q, k, v, mask, torch.full_like(positions, 499), scale=D**-0.5, compute_dtype=torch.float32)
     assert equal.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("ends", [[300] * 4, [500, 12, 150, 499]], ids=["padded", "row by row"])
+def test_a_bfloat16_cache_is_attended_in_bfloat16_and_answers_in_the_queries_dtype(ends, monkeypatch):
+    # kv_cache_dtype="bfloat16" halves what decoding reads only if attention takes the cache as it is held:
+    # converting it back to float32 first read it, wrote a float32 copy and read that (slower than float32 alone).
+    q, k, v, mask, positions = decoding_step(ends, kv_heads=4)
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    attended = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        attended.append((query.dtype, key.dtype, value.dtype))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    got = cached_attention(q, k16, v16, mask, positions, scale=D**-0.5, enable_gqa=True)
+    assert set(attended) == {(torch.bfloat16,) * 3} and got.dtype == torch.float32
+    monkeypatch.undo()
+    rounded = F.scaled_dot_product_attention(
+        q, k16.float(), v16.float(), attn_mask=mask, scale=D**-0.5, enable_gqa=True
+    )
+    torch.testing.assert_close(got, rounded, rtol=0, atol=2e-2)  # the queries and the softmax rounded to bfloat16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from collections import Counter
@@ -12,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
+from builtin_models import opt
 from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
@@ -1991,14 +1994,10 @@ def test_generate_counts_its_requests_as_they_end_instead_of_looking_at_each_aft
 def test_a_bfloat16_kv_cache_halves_the_cache_and_scores_as_float32_does(
     tmp_path, model_type, config, decoding_attention
 ):
-    from pluginhost.testing import make_tiny_model
-
     _check_bfloat16_cache(make_tiny_model(tmp_path / model_type, model_type, **config))
 
 
 def test_a_bfloat16_kv_cache_under_transformers_own_attention(tmp_path):
-    from pluginhost.testing import make_tiny_model
-
     _check_bfloat16_cache(make_tiny_model(tmp_path / "llama", "llama"), model_impl="transformers")
 
 
@@ -2022,3 +2021,60 @@ def _check_bfloat16_cache(path, **settings) -> None:
         theirs = [step[token] for step, token in zip(scored, tokens, strict=True)]
         assert ours == pytest.approx(theirs, abs=0.08)  # 0.026 at most here
     assert 2 * halved.engine.runner.slot_bytes() == plain.engine.runner.slot_bytes() > 0
+
+
+class _OwnAttention(opt.OPTAttention):
+    """A plugin's attention, as the model contract allows: plain sdpa over what ``KVCache.update`` returns."""
+
+    def forward(self, x, positions, cache_rows, mask):
+        B, T, E = x.shape
+        qkv = self.qkv_proj(x).view(B, T, 3, self.n_heads, self.head_dim)  # (B, T, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
+        k, v = self.kv_cache.update(cache_rows, positions, k, v, n_slots=mask.shape[-1])  # (B, H, S, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, H, T, D)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, E))
+
+
+class _OwnAttentionOPT(opt.OPTForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.decoder.layers:
+            layer.self_attn.__class__ = _OwnAttention
+
+
+def test_a_plugins_own_attention_gets_the_bfloat16_cache_back_in_its_dtype_and_is_told_the_cost(tiny_opt, caplog):
+    # It got bfloat16 keys for float32 queries: sdpa refused them, and every request failed, blaming the plugin.
+    from builtin_models import kv_cache
+
+    kv_cache._converting_each_step.cache_clear()
+    plugin = RegistersModel("OPTForCausalLM", _OwnAttentionOPT)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17)]
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        halved = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin], kv_cache_dtype="bfloat16")
+        answers = halved.generate(prompts, params, use_tqdm=False)
+    plain = LLM(str(tiny_opt), load_installed_plugins=False, plugins=[plugin]).generate(prompts, params, use_tqdm=False)
+    assert caplog.text.count("the model's attention reads it converted back, a copy each step") == 1
+    assert {c.k.dtype for c in halved.engine.runner._caches} == {torch.bfloat16}
+    for a, b in zip(answers, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids  # a peaked tiny model: the rounding changes no token
+        ours, theirs = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert [next(iter(x.values())) for x in ours] == pytest.approx(
+            [next(iter(x.values())) for x in theirs], abs=0.08
+        )
+
+
+def test_kv_cache_dtype_says_when_it_changes_nothing_or_saves_no_memory(tmp_path, tiny_opt, caplog):
+    class NoCache(opt.OPTForCausalLM):
+        setup_caches = None
+
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        LLM(str(tiny_opt), load_installed_plugins=False, plugins=[RegistersModel("OPTForCausalLM", NoCache)],
+            kv_cache_dtype="bfloat16")  # fmt: skip
+    assert "kv_cache_dtype has no effect on NoCache: it has no KV cache" in caplog.text
+    caplog.clear()
+    half = LLM(str(make_tiny_model(tmp_path / "llama", "llama")), load_installed_plugins=False, dtype="float16",
+               kv_cache_dtype="bfloat16")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="pluginhost"):
+        half.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert "kv_cache_dtype bfloat16 over a float16 cache saves no memory" in caplog.text

@@ -565,10 +565,15 @@ VLLM_SETTINGS_AT_NEUTRAL = {
     "load_format": "auto",
     "quantization": None,
     "kv_cache_dtype": "auto",
-    "gpu_memory_utilization": 0.9,
-    "swap_space": 4,
-    "cpu_offload_gb": 0,
-    "enforce_eager": True,
+    "gpu_memory_utilization": np.float32(0.9),  # read from a NumPy-typed config: 0.8999999761581421
+    "swap_space": 0,  # any: nothing is swapped
+    "cpu_offload_gb": np.int64(0),
+    "enforce_eager": None,  # vLLM 0.6-0.7's "unset"
+    "max_seq_len_to_capture": 8192,
+    "block_size": 16,
+    "hf_token": None,
+    "allowed_local_media_path": "",
+    "disable_async_output_proc": False,
     "pipeline_parallel_size": 1,
     "distributed_executor_backend": None,
     "enable_lora": False,
@@ -579,7 +584,7 @@ VLLM_SETTINGS_AT_NEUTRAL = {
 }
 
 
-def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engine(tiny_opt, llm):
+def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engine(tiny_opt, llm, make_engine):
     # They were each an "unknown setting": a port had to find and drop every one.
     params = SamplingParams(max_tokens=8, temperature=0)
     ported = LLM(str(tiny_opt), load_installed_plugins=False, tokenizer=str(tiny_opt), **VLLM_SETTINGS_AT_NEUTRAL)
@@ -587,6 +592,7 @@ def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engi
         llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
     )
     assert ported.engine.loaded.config.model_dump() == llm.engine.loaded.config.model_dump()  # nothing reached it
+    make_engine(model=str(tiny_opt), enforce_eager=True, gpu_memory_utilization=0.9)  # the test kit's engines too
 
 
 @pytest.mark.parametrize(
@@ -602,7 +608,7 @@ def test_a_ports_vllm_settings_at_values_asking_nothing_else_build_the_same_engi
         ({"quantization": "awq"}, r"quantization: 'awq' .*taken as None only"),
         ({"load_format": "dummy"}, r"load_format: 'dummy' .*build a tiny checkpoint"),
         ({"tokenizer": "/some/other/tokenizer"}, r"tokenizer: '/some/other/tokenizer' .*the model directory's own"),
-        ({"enforce_eager": 1}, r"enforce_eager: 1 .*taken as True or False only"),
+        ({"enforce_eager": 1}, r"enforce_eager: 1 .*taken as True or False or None only"),
         ({"enforce_eager": True, "compile_decode": True}, r"enforce_eager: True asks for eager decoding"),
     ],
 )
@@ -618,8 +624,8 @@ def test_a_vllm_setting_asking_for_what_pluginhost_does_not_do_is_refused_by_nam
 
 def test_both_refusals_of_a_port_are_said_at_once_and_unknown_settings_stay_unknown(tiny_opt):
     with pytest.raises(ConfigError) as info:
-        LLM(str(tiny_opt), load_installed_plugins=False, cpu_offload_gb=4, swap_space=16)
-    assert "cpu_offload_gb: 4" in str(info.value) and "swap_space: 16" in str(info.value)
+        LLM(str(tiny_opt), load_installed_plugins=False, cpu_offload_gb=4, pipeline_parallel_size=2)
+    assert "cpu_offload_gb: 4" in str(info.value) and "pipeline_parallel_size: 2" in str(info.value)
     with pytest.raises(ConfigError, match="max_len: unknown setting"):
         LLM(str(tiny_opt), load_installed_plugins=False, max_len=3, gpu_memory_utilization=0.9)
 

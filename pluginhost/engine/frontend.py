@@ -52,7 +52,7 @@ class EngineFrontend:
     def _from_host(cls, host: PluginHost, **settings: Any) -> Self:
         """An engine on a host the caller configured (the CLI's plugin selection)."""
         frontend = cls.__new__(cls)
-        frontend._build(host, settings)
+        frontend._build(host, take_vllm_settings(settings))  # the test kit's make_engine takes a port's too
         return frontend
 
     def _build(self, host: PluginHost, settings: dict[str, Any]) -> None:

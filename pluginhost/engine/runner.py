@@ -183,6 +183,10 @@ class ModelRunner:
                 "compile_decode has no effect on %s: it has no KV cache (no setup_caches), so no decoding step",
                 type(model).__name__,
             )
+        if kv_cache_dtype is not None and not self.cached:
+            logger.warning(
+                "kv_cache_dtype has no effect on %s: it has no KV cache (no setup_caches)", type(model).__name__
+            )
         self._caches: list[KVCache] = []
         self._rows = self._slots = 0
         #: The most rows the memory allows (``cap_rows`` lowers it when it finds less): never grown past.
@@ -615,6 +619,14 @@ class ModelRunner:
                 "modules (or the model must not define setup_caches)."
             )
         if self.kv_cache_dtype is not None:
+            kept = {c.k.dtype for c in self._caches if c.k.dtype != self.kv_cache_dtype}
+            narrow = sorted(str(d).removeprefix("torch.") for d in kept if d.itemsize <= self.kv_cache_dtype.itemsize)
+            if narrow:
+                logger.warning(
+                    "kv_cache_dtype %s over a %s cache saves no memory, and rounds keys and values to its precision",
+                    str(self.kv_cache_dtype).removeprefix("torch."),
+                    " and ".join(narrow),
+                )
             for cache in self._caches:
                 cache.cast(self.kv_cache_dtype)
         self._rows = self._slots = 0
