@@ -87,7 +87,7 @@ def take_vllm_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
     A port passes vLLM's settings for vLLM's machinery (``gpu_memory_utilization=0.9``, ``enforce_eager=True``,
     ``trust_remote_code=False``...): at those values they are dropped, logged at debug level; at any other value
-    (``kv_cache_dtype="fp8"``, ``trust_remote_code=True``) they are one ``ConfigError`` naming each, with what
+    (``gpu_memory_utilization=0.5``, ``trust_remote_code=True``) they are one ``ConfigError`` naming each, with what
     pluginhost does instead. ``tokenizer`` is also taken as the model's own directory. A setting pluginhost has
     itself (``dtype``, ``seed``, ``max_model_len``...) is never touched.
     """
@@ -199,8 +199,8 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "bfloat16"] = Field(
         default="auto",
         description="The KV cache's dtype: 'auto', the model's; 'bfloat16' holds a float32 model's keys and values "
-        "rounded to bfloat16 and attends in bfloat16: half the cache's memory, half what decoding reads of it "
-        "(vLLM's setting; its fp8 values are not taken).",
+        "rounded to bfloat16: half the cache's memory, and the builtin models attend in bfloat16 over it, reading "
+        "half the bytes (vLLM's setting; its fp8 values are not taken).",
     )
     device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     max_model_len: int | None = Field(
