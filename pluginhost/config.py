@@ -133,6 +133,13 @@ def _the_models_tokenizer(name: str, settings: dict[str, Any]) -> bool:
     return os.path.realpath(os.fspath(settings["tokenizer"])) == os.path.realpath(os.fspath(model))
 
 
+def _dtype_name(value: Any) -> Any:
+    """A torch dtype's name, or a string as vLLM reads it ("BFloat16" is bfloat16); anything else as it is."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        value = str(value).removeprefix("torch.")
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 class _BuiltOverrides(dict):
     """``hf_overrides`` of a built engine: reads as the dict it was, refuses every change.
 
@@ -291,10 +298,8 @@ class EngineConfig(BaseModel):
     @classmethod
     def _dtype_aliases(cls, value: Any) -> Any:
         # vLLM's other spellings: "half", "float", and torch dtypes themselves (torch.bfloat16).
-        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-            value = str(value).removeprefix("torch.")
+        value = _dtype_name(value)
         if isinstance(value, str):
-            value = value.strip().lower()  # as vLLM reads it: "BFloat16" is bfloat16
             value = _DTYPE_ALIASES.get(value, value)
             if value not in get_args(cls.model_fields["dtype"].annotation):
                 raise ValueError(
@@ -306,10 +311,8 @@ class EngineConfig(BaseModel):
     @field_validator("kv_cache_dtype", mode="before")
     @classmethod
     def _kv_cache_dtype_spellings(cls, value: Any) -> Any:
-        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-            value = str(value).removeprefix("torch.")
+        value = _dtype_name(value)
         if isinstance(value, str):
-            value = value.strip().lower()
             if value not in get_args(cls.model_fields["kv_cache_dtype"].annotation):
                 raise ValueError(
                     f"{value!r} is not a KV cache dtype pluginhost runs: use 'auto' (the model's dtype) or 'bfloat16'"
