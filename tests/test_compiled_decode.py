@@ -76,6 +76,22 @@ def test_compiled_and_eager_decoding_give_the_same_tokens_as_requests_come_and_g
     assert llm.engine.runner.compiled.failure is None
 
 
+def test_a_bfloat16_kv_cache_compiles_and_decodes_as_eagerly(tmp_path, cpp_compiler):
+    # Grouped-query Llama: the compiled step folds the query heads and attends in bfloat16 over the cache.
+    path = make_tiny_model(tmp_path, "llama", seed=1)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    eager = engine(path, kv_cache_dtype="bfloat16").generate(PROMPTS, params)
+    llm = compiled_llm(path, kv_cache_dtype="bfloat16")
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    for ours, theirs in zip(outs, eager, strict=True):  # bfloat16 sums, fused or not, round apart
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert max(abs(a[t] - b[t]) for t in a) <= 2e-2
+    runner = llm.engine.runner
+    assert runner.compiled.failure is None and runner.compiled._shapes
+    assert {c.k.dtype for c in runner._caches} == {torch.bfloat16}
+
+
 def test_a_growing_cache_compiles_each_of_its_few_shapes(tmp_path, cpp_compiler):
     path = make_tiny_model(tmp_path, "mistral", seed=1, max_position_embeddings=1100)  # a sliding window, too
     prompts = [[2, 5, 6], [2, *range(10, 260)]]  # the second passes 256 and then 512 slots while decoding
