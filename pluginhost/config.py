@@ -42,6 +42,8 @@ _TAKEN_ELSEWHERE = {
     ),
 }
 
+_LOCAL = "the model is a local directory: nothing is downloaded"
+_GENERATES = "pluginhost generates text"
 #: vLLM's ``LLM()`` settings for what pluginhost does its own way: (the values that ask for nothing pluginhost does not
 #: do, or ``None`` where any value does, what pluginhost does instead). Taken at those values and dropped
 #: (``take_vllm_settings``), so a port's ``LLM(...)`` runs as it is; refused at any other, saying so.
@@ -51,10 +53,10 @@ _VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
     "tokenizer": ((None,), "the tokenizer is the model directory's own"),
     "tokenizer_mode": (("auto",), "the tokenizer is the model directory's own, as transformers loads it"),
     "skip_tokenizer_init": ((False,), "the model directory's tokenizer is loaded when it has one"),
-    "revision": ((None,), "the model is a local directory: nothing is downloaded"),
-    "tokenizer_revision": ((None,), "the model is a local directory: nothing is downloaded"),
-    "code_revision": ((None,), "the model is a local directory: nothing is downloaded"),
-    "download_dir": ((None,), "the model is a local directory: nothing is downloaded"),
+    "revision": ((None,), _LOCAL),
+    "tokenizer_revision": ((None,), _LOCAL),
+    "code_revision": ((None,), _LOCAL),
+    "download_dir": ((None,), _LOCAL),
     "load_format": (("auto",), "the directory's weights are loaded (safetensors, else PyTorch .bin with "
                     "weights_only=True); tests build a tiny checkpoint instead of 'dummy' weights"),
     "quantization": ((None,), "weights are loaded unquantized (the int8_quant sample plugin quantizes as it loads)"),
@@ -67,10 +69,10 @@ _VLLM_SETTINGS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
     "distributed_executor_backend": ((None, "mp"), "tensor-parallel ranks are processes on this machine (or "
                                      "torchrun's)"),
     "enable_lora": ((False,), "no LoRA adapters are run"),
-    "hf_token": ((None,), "the model is a local directory: nothing is downloaded"),
+    "hf_token": ((None,), _LOCAL),
     "allowed_local_media_path": (("",), "prompts are text or token ids: no media is read"),
-    "task": (("auto", "generate"), "pluginhost generates text"),
-    "runner": (("auto", "generate"), "pluginhost generates text"),
+    "task": (("auto", "generate"), _GENERATES),
+    "runner": (("auto", "generate"), _GENERATES),
     # Speed and logging only: the answers are the same at any value.
     "enable_prefix_caching": (None, "no prefix is cached (every prompt is prefilled)"),
     "enable_chunked_prefill": (None, "a prompt longer than max_num_batched_tokens is prefilled in pieces"),
@@ -94,7 +96,7 @@ def take_vllm_settings(settings: dict[str, Any]) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     refused: list[str] = []
     for name, value in settings.items():
-        if name not in _VLLM_SETTINGS or name in EngineConfig.model_fields:
+        if name not in _VLLM_SETTINGS:
             kept[name] = value
             continue
         neutral, instead = _VLLM_SETTINGS[name]

@@ -16,7 +16,6 @@ from pluginhost.device import resolve_device
 from pluginhost.engine.core import EngineCore
 from pluginhost.engine.inputs import InputProcessor
 from pluginhost.engine.loader import LoadedModel, load_model, validated_config
-from pluginhost.engine.runner import ModelRunner
 from pluginhost.errors import InvalidParameterError
 from pluginhost.host import PluginHost, PluginRecord
 from pluginhost.registry import Registration
@@ -72,15 +71,8 @@ class EngineFrontend:
             self._start(loaded, ranks)
             return
         self._loaded, self._ranks = loaded, ranks
-        runner = ModelRunner(
-            loaded.model,
-            loaded.device,
-            max_num_seqs=loaded.config.max_num_seqs,
-            max_model_len=loaded.max_model_len,
-            kv_cache_dtype=loaded.kv_cache_dtype,  # as rank 0's
-        )
         try:
-            serve_steps(runner, ranks)
+            serve_steps(loaded, ranks)
         except Exception as exc:  # the model's or a plugin's code on this rank: named, as rank 0 names its own
             from pluginhost.engine.core import blame
 

@@ -845,12 +845,19 @@ def build_parallel(host: Any, settings: dict[str, Any], world_size: int, device:
 # -- a rank other than 0 ------------------------------------------------------------------------
 
 
-def serve_steps(runner: ModelRunner, ranks: Ranks) -> None:
-    """Run the steps rank 0 sends until it says stop.
+def serve_steps(loaded: Any, ranks: Ranks) -> None:
+    """Run the steps rank 0 sends, on this rank's share of ``loaded`` (a ``LoadedModel``), until it says stop.
 
     A collective failing here is a ``TensorParallelError`` saying what this rank can know: rank 0 is gone
     (or another rank); the model's or a plugin's own error is raised as it is.
     """
+    runner = ModelRunner(  # as rank 0's: every rank's cache holds its heads alike
+        loaded.model,
+        loaded.device,
+        max_num_seqs=loaded.config.max_num_seqs,
+        max_model_len=loaded.max_model_len,
+        kv_cache_dtype=loaded.kv_cache_dtype,
+    )
     while True:
         try:
             inputs = ranks.receive_step()
@@ -915,15 +922,8 @@ def _rank_main(spec: RankSpec) -> None:
             _tell(spec, told)
         agreement.abandon(exc)
         _leave(1)
-    runner = ModelRunner(
-        loaded.model,
-        loaded.device,
-        max_num_seqs=loaded.config.max_num_seqs,
-        max_model_len=loaded.max_model_len,
-        kv_cache_dtype=loaded.kv_cache_dtype,  # as rank 0's
-    )
     try:
-        serve_steps(runner, ranks)
+        serve_steps(loaded, ranks)
     except BaseException as exc:  # noqa: BLE001 - rank 0 sees the collective fail and says which rank
         # Rank 0 gone took the collective with it: nothing to add. Its sockets close before this process is
         # handed to a new parent, so a collective failing may be seen first: give the parent a moment to go.
