@@ -219,6 +219,40 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
         assert torch.equal(batched, alone)
 
 
+def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_together_each_as_alone():
+    # Every row of a batch searched at once (a random model's flat logits, 32 rows of a server's step), each with its
+    # own top_p: one bin's tokens of every row sorted together must keep each row's own, as transformers does. Some
+    # rows have tokens without mass (-inf), one a band of tied tokens at its boundary, one a peaked head.
+    from pluginhost.engine.sampler import _filter
+
+    generator = torch.Generator().manual_seed(5)
+    V = 50_000
+    rows, settings = [], []
+    for i, top_p in enumerate([0.9, 0.5, 0.99, 0.3, 0.75, 0.95, 0.6, 0.9]):
+        logits = torch.randn(V, generator=generator) * (0.5 + i / 4)
+        if i % 3 == 1:
+            logits[torch.randperm(V, generator=generator)[: V // 4]] = float("-inf")
+        if i == 3:
+            logits[: V // 2] = 0.25  # tied tokens across the boundary
+        if i == 6:
+            logits[torch.randperm(V, generator=generator)[:200]] += 4.0
+        rows.append(logits)
+        settings.append(SamplingParams(temperature=0.8, top_p=top_p))
+    batch = torch.stack(rows) / 0.8
+    _filter(batch, settings)
+    for logits, params, batched in zip(rows, settings, batch, strict=True):
+        kept = filtered_by_transformers(logits, params) > 0
+        if params.top_p == 0.3:  # tied at the boundary: which of them is a matter of order, how many agree within one
+            assert abs(int(batched.isfinite().sum()) - int(kept.sum())) <= 1
+            assert bool((batched.isfinite() <= (logits >= 0.25)).all())
+        else:
+            assert torch.equal(batched.isfinite(), kept), params
+        assert 64 < int(kept.sum()) < V  # past the 64 most likely: searched
+        alone = (logits / 0.8)[None].clone()
+        _filter(alone, [params])
+        assert torch.equal(alone[0], batched)  # the kept logits unchanged, the others -inf: as filtered alone
+
+
 def test_a_top_p_next_to_1_over_fewer_than_64_likely_tokens_keeps_them_all(llm):
     # top_k=8 leaves 8 tokens with any mass; top_p 0.99999999 rounds to 1 in float32, so the 64 most likely never
     # "reached" it, and the search took the log of the 64th probability, 0: a ValueError that failed the whole step.

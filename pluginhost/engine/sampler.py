@@ -31,7 +31,7 @@ for the whole batch) is paid only then.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -224,6 +224,7 @@ def sample(
             tokens[i] = token
         return tokens
     drawn = [(i, s) for i, s in live if not s.params.greedy]
+    every_row = len(drawn) == len(states)  # then not gathered: a copy of the whole batch's logits saved
     index = torch.tensor([i for i, _ in drawn], device=logits.device)
     if keeping:  # after temperature, on the whole batch, as vLLM applies them
         scaled = logits / _temperatures(states, logits)[:, None]
@@ -232,9 +233,9 @@ def sample(
             scaled = processor.apply(scaled)
             stages.append((processor, _choosable(scaled)))
         _check_choosable(stages, [i for i, _ in drawn], keeping)
-        scaled = scaled[index]  # (S, V): the rows that draw
+        scaled = scaled if every_row else scaled[index]  # (S, V): the rows that draw
     else:
-        scaled = logits[index] / _temperatures([s for _, s in drawn], logits)[:, None]  # (S, V)
+        scaled = (logits if every_row else logits[index]) / _temperatures([s for _, s in drawn], logits)[:, None]
     _filter(scaled, [s.params for _, s in drawn])
     for (i, _), token in zip(drawn, _draw(scaled, [s.generator for _, s in drawn]), strict=True):
         tokens[i] = token
@@ -347,28 +348,62 @@ def _without_overflow(logits: Tensor, penalty: float, seen: Tensor) -> Tensor:
 
 
 def _filter(logits: Tensor, params: Sequence[SamplingParams]) -> None:
-    """Min-p, top-k and top-p on rows of temperature-scaled logits (S, V): what they drop becomes -inf, in place."""
+    """Min-p, top-k and top-p on rows of temperature-scaled logits (S, V): what they drop becomes -inf, in place.
+
+    Each filter runs once on all the rows that ask for it (in that order, as vLLM applies them), each row with its
+    own value.
+    """
     V = logits.shape[-1]
-    nucleus: list[int] = []
-    for i, p in enumerate(params):
-        row = logits[i]
-        if not (p.min_p > 0.0 or 0 < p.top_k < V or p.top_p < 1.0) or row.isposinf().any():
-            continue  # with +inf logits, all the mass is on those tokens: the most likely, which every filter keeps
-        if p.min_p > 0.0:
-            probs = row.softmax(dim=-1)
-            row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
-        if 0 < p.top_k < V:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row.masked_fill_(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            nucleus.append(i)
+    filtered = [p.min_p > 0.0 or 0 < p.top_k < V or p.top_p < 1.0 for p in params]
+    if not any(filtered):
+        return
+    # With +inf logits, all the mass is on those tokens: the most likely, which every filter keeps. (The largest
+    # logit says so in one pass; a row holding NaN, whose largest is NaN, is looked at whole.)
+    top = logits.amax(dim=-1)  # (S,)
+    infinite = [
+        bool(logits[i].isposinf().any()) if math.isnan(value) else value == math.inf
+        for i, value in enumerate(top.tolist())
+    ]
+    rows = [i for i in range(len(params)) if filtered[i] and not infinite[i]]
+    min_p = [i for i in rows if params[i].min_p > 0.0]
+    if min_p:
+        _on_rows(logits, min_p, lambda x: _min_p(x, [params[i].min_p for i in min_p]))
+    top_k = [i for i in rows if 0 < params[i].top_k < V]
+    if top_k:
+        _on_rows(logits, top_k, lambda x: _top_k(x, [params[i].top_k for i in top_k]))
+    nucleus = [i for i in rows if params[i].top_p < 1.0]
     if nucleus:
-        index = torch.tensor(nucleus, device=logits.device)
-        rows = logits[index]  # (R, V)
         # A GPU sorts the whole vocabulary in one launch; on a CPU that costs milliseconds a row, and the 64
         # most likely tokens mostly decide (the search past them would wait for a GPU a dozen times a row).
-        _top_p(rows, [params[i].top_p for i in nucleus], first=V if logits.device.type != "cpu" else min(64, V))
-        logits[index] = rows
+        first = V if logits.device.type != "cpu" else min(64, V)
+        _on_rows(logits, nucleus, lambda x: _top_p(x, [params[i].top_p for i in nucleus], first=first))
+
+
+def _on_rows(logits: Tensor, rows: list[int], change: Callable[[Tensor], None]) -> None:
+    """Run ``change`` on ``rows`` of ``logits`` (S, V), in place: on the tensor itself where it is every row, else on
+    the rows gathered, put back after."""
+    if len(rows) == logits.shape[0]:
+        change(logits)
+        return
+    index = torch.tensor(rows, device=logits.device)
+    some = logits[index]  # (R, V)
+    change(some)
+    logits[index] = some
+
+
+def _min_p(logits: Tensor, min_p: Sequence[float]) -> None:
+    """Drop the tokens of rows (R, V) less likely than ``min_p`` times their row's most likely, in place."""
+    probs = logits.softmax(dim=-1)  # (R, V)
+    scale = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]  # (R, 1)
+    _keep_only(logits, ~(probs < probs.amax(dim=-1, keepdim=True) * scale))  # NaN compares false: kept, as before
+
+
+def _top_k(logits: Tensor, top_k: Sequence[int]) -> None:
+    """Keep the ``top_k`` most likely tokens of rows (R, V) (and any tied with the last of them), in place."""
+    values = torch.topk(logits, max(top_k), dim=-1).values  # (R, K): descending
+    index = torch.tensor(top_k, device=logits.device)[:, None] - 1  # (R, 1)
+    kth = values.gather(1, index)  # (R, 1): each row's k-th most likely logit
+    _keep_only(logits, ~(logits < kth))
 
 
 def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
@@ -376,8 +411,7 @@ def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
 
     On rows (R, V), in place, each with its own ``top_p``. A token is kept when the tokens more likely
     than it hold less than ``top_p``. The ``first`` most likely decide, for every row at once, where they
-    hold ``top_p`` (all V always do); in a row where they do not, the other tokens are binned by
-    log-probability, and only those of the bin where the boundary lies are sorted.
+    hold ``top_p`` (all V always do); the rows where they do not are searched together (``_nucleus``).
     """
     probs = logits.softmax(dim=-1)  # (R, V)
     top, order = torch.topk(probs, first, dim=-1)  # (R, k), (R, k): descending
@@ -385,50 +419,89 @@ def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
     limit = torch.tensor(top_p, dtype=before.dtype, device=before.device)[:, None]  # (R, 1)
     keep = before < limit  # (R, k)
     keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
-    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
     if first < logits.shape[-1]:
         # (R,): the first hold top_p, or all the mass there is (a top_p that rounds to 1 in float32 is not reached)
-        reached = ((before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)).tolist()
-        for r, decided in enumerate(reached):
-            if not decided:
-                kept[r] = _nucleus(probs[r].double(), top_p[r], float(top[r, -1]))
-    logits.masked_fill_(~kept, float("-inf"))
+        reached = (before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)
+        if not bool(reached.any()):  # no row decided: every one searched, nothing scattered first
+            wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[:, None]  # (R, 1): not rounded
+            _keep_only(logits, _nucleus(probs, wanted, top[:, -1:]))
+            return
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
+    if first < logits.shape[-1] and not bool(reached.all()):
+        open_rows = (~reached).nonzero()[:, 0]  # (U,)
+        wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[open_rows, None]  # (U, 1)
+        kept[open_rows] = _nucleus(probs[open_rows], wanted, top[open_rows, -1:])
+    _keep_only(logits, kept)
 
 
-#: Bins of log-probability ``_nucleus`` sorts the undecided tokens into: one pass finds the bin of the boundary.
-_BINS = 1024
+#: float32 -inf's bits, as an int32.
+_NEG_INF_BITS = -8388608  # 0xFF800000
 
 
-def _nucleus(probs: Tensor, top_p: float, high: float) -> Tensor:
-    """Which tokens (V,) the mass before them leaves under ``top_p``, given that every token above ``high`` is.
+def _keep_only(logits: Tensor, kept: Tensor) -> None:
+    """Make the logits that ``kept`` (same shape) does not keep -inf, in place.
 
-    The tokens at or below ``high`` go into bins of log-probability, most likely first, with their
-    mass; the cumulative mass says in which bin the boundary lies. Every bin before it is kept, every
-    one after it dropped, and only the boundary bin's tokens are sorted.
+    On a CPU, float32 logits are selected through their bits (-inf ^ ((x ^ -inf) & all-ones-where-kept)):
+    ``masked_fill_`` and ``where`` branch on each element, and over a mask without runs, a random model's
+    nucleus holding half the vocabulary scattered, took 6.9 ms for 32 rows of 50,272 on a 2-core Xeon,
+    against 0.9 ms so.
     """
-    kept = probs > high
-    above = float(probs[kept].sum())
-    log_probs = probs.log()  # (V,): -inf where a token has no mass
-    band = ~kept & (log_probs > -math.inf)  # (V,): the undecided tokens
-    lowest = float(log_probs[band].min()) if bool(band.any()) else 0.0
-    width = max(math.log(high) - lowest, 1e-300) / _BINS
-    bins = ((math.log(high) - log_probs) / width).clamp_(0, _BINS - 1).long()  # (V,): 0 = most likely
-    mass = torch.zeros(_BINS, dtype=probs.dtype, device=probs.device).index_add_(0, bins[band], probs[band])
-    before_bin = above + mass.cumsum(dim=0) - mass  # (BINS,): the mass of the likelier bins
-    boundary = int((before_bin + mass < top_p).sum())  # the first bin whose end reaches top_p
-    kept |= band & (bins < boundary)
-    if boundary >= _BINS:
+    if logits.dtype != torch.float32 or not logits.is_cpu:
+        logits.masked_fill_(~kept, float("-inf"))
+        return
+    keep_bits = kept.to(torch.int32).neg_()  # all ones where kept, else 0
+    logits.view(torch.int32).bitwise_xor_(_NEG_INF_BITS).bitwise_and_(keep_bits).bitwise_xor_(_NEG_INF_BITS)
+
+
+#: Bins of log-probability ``_nucleus`` sorts tokens into: one pass finds the bin of the boundary. Each bin spans
+#: 1/4096 of the log-probabilities float32 holds below a row's ``high`` (~0.025 a bin).
+_BINS = 4096
+#: Below the smallest float32 above 0 (1.4e-45): its log-probability, and a little room.
+_LOWEST_LOG = -104.0
+#: Above the bits of every finite positive float32 (+inf's are 0x7F800000), below 2**31.
+_FLOAT_BITS_ABOVE = 0x7F800000
+
+
+def _nucleus(probs: Tensor, top_p: Tensor, high: Tensor) -> Tensor:
+    """Which tokens of rows ``probs`` (U, V) the mass before them leaves under ``top_p`` (U, 1, float64), given that
+    the tokens above ``high`` (U, 1) hold less than it.
+
+    Tokens go into bins of log-probability, most likely first (those above ``high`` into the first), with their
+    mass; the cumulative mass says in which bin the boundary lies. Every bin before it is kept, every one
+    after it dropped, and only the boundary bin's tokens are sorted: every row's at once, by row and then by
+    probability, equal ones in vocabulary order. All rows together: 32 rows of a random model's 50,272
+    logits took ~1 ms a row searched one by one on a 2-core Xeon, ~0.3 ms a row so.
+    """
+    U = probs.shape[0]
+    log_high = high.log()  # (U, 1)
+    # Bins only have to follow the order of probabilities (a monotone map keeps ties together): float32 does.
+    # Tokens without mass (log -inf) and NaN go into a last bin, BINS, which is never kept.
+    per_log = _BINS / (log_high - _LOWEST_LOG).clamp_(min=1e-30)  # (U, 1)
+    bins = torch.addcmul(log_high * per_log, probs.log(), per_log, value=-1.0)  # (U, V): (log_high - log p) / width
+    bins = bins.clamp_(0, _BINS).nan_to_num_(nan=_BINS).long()  # (U, V): 0 = most likely
+    mass = probs.new_zeros(U, _BINS + 1, dtype=torch.float64).scatter_add_(1, bins, probs.double())  # (U, BINS+1)
+    before_bin = mass.cumsum(dim=-1) - mass  # (U, BINS+1): the mass of the likelier bins
+    reaching = before_bin[:, :_BINS] + mass[:, :_BINS] >= top_p  # (U, BINS)
+    boundary = _BINS - reaching.sum(dim=-1, keepdim=True)  # (U, 1): the first bin reaching top_p (BINS: none)
+    kept = bins < boundary  # (U, V)
+    # Every row's boundary bin (none where every bin fell short), sorted by row, then likeliest first, equal ones
+    # in vocabulary order: one stable sort of a key that is the row, then the probability's bits (a positive
+    # float32's bits, read as an integer, order as its value does) reversed.
+    target = boundary.masked_fill(boundary >= _BINS, -1)  # (U, 1): -1, a bin no token is in, where none
+    row, token = (bins == target).nonzero(as_tuple=True)  # (n,), (n,): by row, then vocabulary order
+    if not row.numel():
         return kept
-    undecided = (band & (bins == boundary)).nonzero()[:, 0]  # (n,)
-    values = probs[undecided]
-    start = float(before_bin[boundary])
-    if values.numel() and float(values.min()) == float(values.max()):  # all tied: the first as many as fit
-        fitting = math.ceil((top_p - start) / float(values[0])) if start < top_p else 0
-        kept[undecided[: max(0, min(fitting, len(undecided)))]] = True
-        return kept
-    ranked, order = torch.sort(values, descending=True)  # (n,), (n,)
-    before = start + ranked.cumsum(dim=-1) - ranked
-    kept[undecided[order[before < top_p]]] = True
+    values = probs[row, token]  # (n,)
+    key = (row << 31) + (_FLOAT_BITS_ABOVE - values.view(torch.int32).long())  # (n,)
+    order = torch.sort(key, stable=True).indices
+    row, token, values = row[order], token[order], values[order].double()
+    start = before_bin.gather(1, boundary.clamp(max=_BINS - 1))[:, 0]  # (U,): the mass before each boundary bin
+    # The mass before each token within its row's bin: a running sum over all rows, less the rows before it.
+    row_mass = values.new_zeros(U).index_add_(0, row, values)  # (U,)
+    earlier_rows = row_mass.cumsum(dim=0) - row_mass  # (U,)
+    before = start[row] + (values.cumsum(dim=0) - values - earlier_rows[row])  # (n,)
+    chosen = before < top_p[row, 0]
+    kept[row[chosen], token[chosen]] = True
     return kept
 
 
