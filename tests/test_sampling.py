@@ -219,16 +219,24 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
         assert torch.equal(batched, alone)
 
 
-def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_together_each_as_alone():
+@pytest.mark.parametrize("rows_at_once", [None, 3])
+def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_together_each_as_alone(
+    rows_at_once, monkeypatch
+):
     # Every row of a batch searched at once (a random model's flat logits, 32 rows of a server's step), each with its
     # own top_p: one bin's tokens of every row sorted together must keep each row's own, as transformers does. Some
-    # rows have tokens without mass (-inf), one a band of tied tokens at its boundary, one a peaked head.
+    # rows have tokens without mass (-inf), one a band of tied tokens at its boundary, one a peaked head, one
+    # near-flat logits (a high temperature: its tokens within a hair of each other), one all tied (a processor that
+    # flattened it). rows_at_once: the rows searched in groups of 3 (as a large batch of a large vocabulary is).
+    from pluginhost.engine import sampler as module
     from pluginhost.engine.sampler import _filter
 
-    generator = torch.Generator().manual_seed(5)
     V = 50_000
+    if rows_at_once:
+        monkeypatch.setattr(module, "_SEARCH_NUMBERS", rows_at_once * V)
+    generator = torch.Generator().manual_seed(5)
     rows, settings = [], []
-    for i, top_p in enumerate([0.9, 0.5, 0.99, 0.3, 0.75, 0.95, 0.6, 0.9]):
+    for i, top_p in enumerate([0.9, 0.5, 0.99, 0.3, 0.75, 0.95, 0.6, 0.9, 0.8, 0.4]):
         logits = torch.randn(V, generator=generator) * (0.5 + i / 4)
         if i % 3 == 1:
             logits[torch.randperm(V, generator=generator)[: V // 4]] = float("-inf")
@@ -236,15 +244,23 @@ def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_togeth
             logits[: V // 2] = 0.25  # tied tokens across the boundary
         if i == 6:
             logits[torch.randperm(V, generator=generator)[:200]] += 4.0
+        if i == 8:
+            logits = torch.randn(V, generator=generator) * 1e-3
+        if i == 9:
+            logits = torch.zeros(V)
         rows.append(logits)
         settings.append(SamplingParams(temperature=0.8, top_p=top_p))
     batch = torch.stack(rows) / 0.8
     _filter(batch, settings)
     for logits, params, batched in zip(rows, settings, batch, strict=True):
         kept = filtered_by_transformers(logits, params) > 0
-        if params.top_p == 0.3:  # tied at the boundary: which of them is a matter of order, how many agree within one
+        if params.top_p in (0.3, 0.4, 0.8):
+            # Tied at the boundary (the near-flat row: in float32 probabilities, as sampling computes them; the
+            # reference is in float64): which of them is a matter of order; how many agree within one, and every
+            # token kept is at least as likely as every one dropped.
             assert abs(int(batched.isfinite().sum()) - int(kept.sum())) <= 1
-            assert bool((batched.isfinite() <= (logits >= 0.25)).all())
+            dropped = ~batched.isfinite() & logits.isfinite()
+            assert float(logits[batched.isfinite()].min()) >= float(logits[dropped].max()) - 1e-6
         else:
             assert torch.equal(batched.isfinite(), kept), params
         assert 64 < int(kept.sum()) < V  # past the 64 most likely: searched

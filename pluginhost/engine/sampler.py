@@ -453,52 +453,73 @@ def _keep_only(logits: Tensor, kept: Tensor) -> None:
     logits.view(torch.int32).bitwise_xor_(_NEG_INF_BITS).bitwise_and_(keep_bits).bitwise_xor_(_NEG_INF_BITS)
 
 
-#: Bins of log-probability ``_nucleus`` sorts tokens into: one pass finds the bin of the boundary. Each bin spans
-#: 1/4096 of the log-probabilities float32 holds below a row's ``high`` (~0.025 a bin).
+#: Bins of log-probability ``_nucleus`` sorts tokens into, over each row's own range: one pass finds the bin of the
+#: boundary.
 _BINS = 4096
-#: Below the smallest float32 above 0 (1.4e-45): its log-probability, and a little room.
-_LOWEST_LOG = -104.0
+#: Rows ``_nucleus`` searches at once: at most this many of their probabilities (~30 bytes each in temporaries).
+_SEARCH_NUMBERS = 1 << 22
+#: A boundary bin holding more tokens than this is first looked at for ties (equal probabilities need no sort).
+_CROWDED_BIN = 2048
 
 
 def _nucleus(probs: Tensor, top_p: Tensor, high: Tensor) -> Tensor:
     """Which tokens of rows ``probs`` (U, V) the mass before them leaves under ``top_p`` (U, 1, float64), given that
     the tokens above ``high`` (U, 1) hold less than it.
 
-    Tokens go into bins of log-probability, most likely first (those above ``high`` into the first), with their
-    mass; the cumulative mass says in which bin the boundary lies. Every bin before it is kept, every one
-    after it dropped, and only the boundary bin's tokens are sorted: every row's at once, by row and then by
-    probability, equal ones in vocabulary order. All rows together: 32 rows of a random model's 50,272
-    logits took ~1 ms a row searched one by one on a 2-core Xeon, ~0.3 ms a row so.
+    Each row's tokens go into bins of log-probability over the row's own range, most likely first (those
+    above ``high`` into the first), with their mass; the cumulative mass says in which bin the boundary
+    lies. Every bin before it is kept, every one after it dropped, and only the boundary bin's tokens are
+    sorted, every row's at once; a crowded bin of equal probabilities (a processor that flattened the row)
+    takes as many as fit, in vocabulary order, unsorted. Rows together, not one by one: 32 rows of a random
+    model's 50,272 logits took ~1 ms a row searched one by one on a 2-core Xeon, ~0.3 ms a row so.
     """
-    U = probs.shape[0]
+    U, V = probs.shape
+    rows = max(1, _SEARCH_NUMBERS // V)
+    if U > rows:  # 256 rows of a 262k vocabulary would take ~2 GiB of temporaries at once
+        return torch.cat(
+            [_nucleus(probs[i : i + rows], top_p[i : i + rows], high[i : i + rows]) for i in range(0, U, rows)]
+        )
+    log_probs = probs.log()  # (U, V): -inf where a token has no mass
     log_high = high.log()  # (U, 1)
+    lowest = log_probs.nan_to_num(nan=0.0, neginf=0.0).amin(dim=-1, keepdim=True)  # (U, 1): the least likely's
+    # Bins per unit of log-probability: the least likely token in bin BINS - 1 (the float32 product stays below BINS).
+    per_log = (_BINS - 1) / (log_high - lowest).clamp_(min=1e-30)  # (U, 1)
     # Bins only have to follow the order of probabilities (a monotone map keeps ties together): float32 does.
     # Tokens without mass (log -inf) and NaN go into a last bin, BINS, which is never kept.
-    per_log = _BINS / (log_high - _LOWEST_LOG).clamp_(min=1e-30)  # (U, 1)
-    bins = torch.addcmul(log_high * per_log, probs.log(), per_log, value=-1.0)  # (U, V): (log_high - log p) / width
-    bins = bins.clamp_(0, _BINS).nan_to_num_(nan=_BINS).long()  # (U, V): 0 = most likely
+    bins = torch.sub(log_high, log_probs).mul_(per_log).clamp_(0, _BINS).nan_to_num_(nan=_BINS).long()  # (U, V)
     mass = probs.new_zeros(U, _BINS + 1, dtype=torch.float64).scatter_add_(1, bins, probs.double())  # (U, BINS+1)
     before_bin = mass.cumsum(dim=-1) - mass  # (U, BINS+1): the mass of the likelier bins
     reaching = before_bin[:, :_BINS] + mass[:, :_BINS] >= top_p  # (U, BINS)
     boundary = _BINS - reaching.sum(dim=-1, keepdim=True)  # (U, 1): the first bin reaching top_p (BINS: none)
     kept = bins < boundary  # (U, V)
-    # Every row's boundary bin (none where every bin fell short), its tokens laid left in a row of their own
-    # (U, n), padded with -1, then sorted likeliest first, equal ones in vocabulary order: each row's mass
-    # summed within the row, as one row alone sums it.
-    target = boundary.masked_fill(boundary >= _BINS, -1)  # (U, 1): -1, a bin no token is in, where none
-    V = probs.shape[-1]
-    in_bin = bins == target  # (U, V)
+    in_bin = bins == boundary.masked_fill(boundary >= _BINS, -1)  # (U, V): -1, a bin no token is in, where none
+    start = before_bin.gather(1, boundary.clamp(max=_BINS - 1))  # (U, 1): the mass before each boundary bin
+    counts = in_bin.sum(dim=-1)  # (U,)
+    crowded = (counts > _CROWDED_BIN).nonzero()[:, 0]  # (c,)
+    if crowded.numel():
+        # Rows whose bin holds equal probabilities take as many as fit after the bin's start, the first in
+        # vocabulary order: no sort.
+        every = crowded.numel() == U  # then not gathered (copies of every row)
+        in_crowded, of_crowded = (in_bin, probs) if every else (in_bin[crowded], probs[crowded])  # (c, V), (c, V)
+        inside = in_crowded.to(probs.dtype)  # (c, V): 1 in the bin
+        highest = (of_crowded * inside).amax(dim=-1, keepdim=True)  # (c, 1)
+        tied = (highest == (of_crowded + (1 - inside) * 2).amin(dim=-1, keepdim=True))[:, 0]  # (c,)
+        if every and bool(tied.all()):
+            fitting = ((top_p - start) / highest).ceil_()  # (U, 1)
+            return kept.logical_or_(in_bin & (in_bin.cumsum(dim=-1) <= fitting))
+        if bool(tied.any()):
+            some, in_tied = crowded[tied], in_crowded[tied]  # (t,), (t, V)
+            fitting = ((top_p[some] - start[some]) / highest[tied]).ceil_()  # (t, 1)
+            kept[some] |= in_tied & (in_tied.cumsum(dim=-1) <= fitting)
+            in_bin[some] = False
+            counts[some] = 0
+    # The other boundary bins' tokens laid left in a row each (U, n), padded with -1, then sorted likeliest
+    # first, equal ones in vocabulary order: each row's mass summed within the row, as one row alone sums it.
     # Flat indices: one-dimensional gathers and writes cost a fraction of (row, token) pairs' (~17 ms for 1.6 M).
     where = in_bin.view(-1).nonzero()[:, 0]  # (m,): row by row, then in vocabulary order
     if not where.numel():
         return kept
-    start = before_bin.gather(1, boundary.clamp(max=_BINS - 1))  # (U, 1): the mass before each boundary bin
-    if where.numel() > _MANY_IN_BIN:
-        tied = _tied_nucleus(probs, in_bin, start, top_p)
-        if tied is not None:
-            return kept.logical_or_(tied)
     row, token = where.div(V, rounding_mode="floor"), where.remainder(V)  # (m,), (m,)
-    counts = torch.bincount(row, minlength=U)  # (U,)
     n = int(counts.max())
     column = torch.arange(where.numel(), device=row.device) - (counts.cumsum(dim=0) - counts)[row]  # (m,): in its row
     place = row * n + column  # (m,): in the (U, n) layout
@@ -512,23 +533,6 @@ def _nucleus(probs: Tensor, top_p: Tensor, high: Tensor) -> Tensor:
     chosen = (before < top_p) & slots  # (U, n): padding sorted last, never chosen
     marks = kept.new_zeros(U, V + 1).scatter_(1, tokens, chosen)  # (U, V + 1): padding in column V
     return kept.logical_or_(marks[:, :-1])
-
-
-#: Tokens in the boundary bins beyond which ``_nucleus`` first looks whether each bin's are all equal.
-_MANY_IN_BIN = 16384
-
-
-def _tied_nucleus(probs: Tensor, in_bin: Tensor, start: Tensor, top_p: Tensor) -> Tensor | None:
-    """Where every row's boundary bin (``in_bin``, (U, V)) holds tokens of one probability (a processor that
-    flattens rows, a dummy model), which of them the nucleus takes: as many as fit under ``top_p`` after ``start``
-    (U, 1), the first in vocabulary order, with no sort. ``None`` where a bin holds several probabilities."""
-    inside = in_bin.to(probs.dtype)  # (U, V): 1 in the bin
-    highest = (probs * inside).amax(dim=-1, keepdim=True)  # (U, 1): 0 where a row's bin is empty
-    lowest = (probs + (1 - inside) * 2).amin(dim=-1, keepdim=True)  # (U, 1): 2 (above any probability) where empty
-    if not bool(((highest == lowest) | (highest == 0)).all()):
-        return None
-    fitting = ((top_p - start) / highest.double()).ceil_()  # (U, 1): inf where a bin is empty, which has no token
-    return in_bin & (in_bin.cumsum(dim=-1) <= fitting)
 
 
 #: Rows whose cumulative distributions ``_draw`` holds at once: at most this many float64 numbers (128 MiB).
