@@ -269,6 +269,33 @@ def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_togeth
         assert torch.equal(alone[0], batched)  # the kept logits unchanged, the others -inf: as filtered alone
 
 
+def test_rows_of_different_top_k_and_min_p_in_one_batch_each_keep_their_own():
+    # Each filter runs once over the rows asking for it, top_k once for each value: each row keeps what transformers
+    # keeps for it, ties with its k-th logit included.
+    from pluginhost.engine.sampler import _filter
+
+    generator = torch.Generator().manual_seed(11)
+    V = 50_000
+    settings = [
+        SamplingParams(top_k=3),
+        SamplingParams(top_k=40_000),
+        SamplingParams(top_k=3, min_p=0.2),
+        SamplingParams(top_k=100, top_p=0.5),
+        SamplingParams(min_p=0.05),
+        SamplingParams(),
+    ]
+    rows = [torch.randn(V, generator=generator) * 3 for _ in settings]
+    rows[0][[7, 70, 700, 7000]] = 20.0  # four tied above the rest: top_k=3 keeps all four, as transformers does
+    batch = torch.stack(rows)
+    _filter(batch, settings)
+    for logits, params, batched in zip(rows, settings, batch, strict=True):
+        assert torch.equal(batched.isfinite(), filtered_by_transformers(logits, params) > 0), params
+        alone = logits[None].clone()
+        _filter(alone, [params])
+        assert torch.equal(alone[0], batched)
+    assert int(batch[0].isfinite().sum()) == 4
+
+
 def test_a_top_p_next_to_1_over_fewer_than_64_likely_tokens_keeps_them_all(llm):
     # top_k=8 leaves 8 tokens with any mass; top_p 0.99999999 rounds to 1 in float32, so the 64 most likely never
     # "reached" it, and the search took the log of the 64th probability, 0: a ValueError that failed the whole step.
