@@ -505,7 +505,7 @@ def _nucleus(probs: Tensor, top_p: Tensor, high: Tensor) -> Tensor:
     kept = bins < boundary  # (U, V)
     in_bin = bins == boundary.masked_fill(boundary >= _BINS, -1)  # (U, V): -1, a bin no token is in, where none
     start = before_bin.gather(1, boundary.clamp(max=_BINS - 1))  # (U, 1): the mass before each boundary bin
-    counts = in_bin.sum(dim=-1)  # (U,)
+    counts = in_bin.sum(dim=-1, dtype=torch.int32)  # (U,): int32, half the bytes a bool sum passes through
     crowded = (counts > _CROWDED_BIN).nonzero()[:, 0]  # (c,)
     if crowded.numel():
         # Rows whose bin holds equal probabilities take as many as fit after the bin's start, the first in
