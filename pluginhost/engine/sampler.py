@@ -425,9 +425,15 @@ def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
     hold ``top_p`` (all V always do); the rows where they do not are searched together (``_nucleus``).
     """
     probs = logits.softmax(dim=-1)  # (R, V)
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]  # (R, 1)
+    if first < logits.shape[-1]:
+        most = probs.amax(dim=-1, keepdim=True)  # (R, 1)
+        if bool((most * first < limit).all()):  # no row's first can hold top_p (flat rows): searched at once
+            wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[:, None]  # (R, 1): not rounded
+            _keep_only(logits, _nucleus(probs, wanted, most))
+            return
     top, order = torch.topk(probs, first, dim=-1)  # (R, k), (R, k): descending
     before = top.cumsum(dim=-1) - top  # (R, k): the mass of the more likely tokens
-    limit = torch.tensor(top_p, dtype=before.dtype, device=before.device)[:, None]  # (R, 1)
     keep = before < limit  # (R, k)
     keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
     if first < logits.shape[-1]:
@@ -475,7 +481,7 @@ _CROWDED_BIN = 2048
 
 def _nucleus(probs: Tensor, top_p: Tensor, high: Tensor) -> Tensor:
     """Which tokens of rows ``probs`` (U, V) the mass before them leaves under ``top_p`` (U, 1, float64), given that
-    the tokens above ``high`` (U, 1) hold less than it.
+    the tokens above ``high`` (U, 1: the 64th probability, or the largest) hold less than it.
 
     Each row's tokens go into bins of log-probability over the row's own range, most likely first (those
     above ``high`` into the first), with their mass; the cumulative mass says in which bin the boundary
