@@ -1667,9 +1667,10 @@ def test_the_api_key_is_checked_on_every_route(engine):
 
 
 def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):
-    """An HTTP middleware never sees a WebSocket: a plugin's WebSocket route was served without the key."""
-    from starlette.testclient import TestClient
-    from starlette.websockets import WebSocketDisconnect
+    """An HTTP middleware never sees a WebSocket: a plugin's WebSocket route was served without the key. And served
+    by uvicorn as `pluginhost serve` runs it (without a WebSocket package, uvicorn answered every handshake 404)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
 
     from pluginhost import hookimpl
 
@@ -1679,21 +1680,24 @@ def test_the_api_key_is_checked_on_a_plugins_websocket_route_too(tiny_opt):
             @app.websocket("/v1/live")
             async def live(websocket: WebSocket):
                 await websocket.accept()
-                await websocket.send_json({"served": True})
+                await websocket.send_json({"served": True, "said": await websocket.receive_text()})
                 await websocket.close()
 
     engine = AsyncLLM(str(tiny_opt), load_installed_plugins=False, plugins=[Live()])
-    try:  # in-process (uvicorn serves WebSockets only with a websockets package, which is not a dependency)
-        with TestClient(build_app(engine, served_model_name="tiny", api_key="s3cret")) as client:
+    try:
+        with running_server(build_app(engine, served_model_name="tiny", api_key="s3cret")) as base:
+            url = base.replace("http://", "ws://") + "/v1/live"
             for headers in ({}, {"Authorization": "Bearer wrong"}):
+                # Closed (1008) before the route runs, which the client sees as the handshake refused.
                 with (
-                    pytest.raises(WebSocketDisconnect) as refused,
-                    client.websocket_connect("/v1/live", headers=headers),
+                    pytest.raises(InvalidStatus) as refused,
+                    connect(url, additional_headers=headers, open_timeout=TIMEOUT),
                 ):
                     pass
-                assert refused.value.code == 1008 and "Missing or wrong API key" in refused.value.reason
-            with client.websocket_connect("/v1/live", headers={"Authorization": "Bearer s3cret"}) as socket:
-                assert socket.receive_json() == {"served": True}
+                assert refused.value.response.status_code == 403
+            with connect(url, additional_headers={"Authorization": "Bearer s3cret"}, open_timeout=TIMEOUT) as socket:
+                socket.send("hello")
+                assert json.loads(socket.recv(timeout=TIMEOUT)) == {"served": True, "said": "hello"}
     finally:
         engine.shutdown()
 
