@@ -296,6 +296,109 @@ def test_rows_of_different_top_k_and_min_p_in_one_batch_each_keep_their_own():
     assert int(batch[0].isfinite().sum()) == 4
 
 
+def test_rows_decided_by_their_most_likely_tokens_beside_rows_searched_each_keep_their_own():
+    # One batch through both ways: a peaked row (its 64 most likely hold top_p), a flat one (searched), an all-tied
+    # one first (its bin taken unsorted, before a row laid out for sorting), and a row of two tied levels whose
+    # boundary lies in the lower (its least likely tokens, the lowest bin, are kept).
+    from pluginhost.engine.sampler import _filter
+
+    generator = torch.Generator().manual_seed(2)
+    V = 50_000
+    peaked = torch.randn(V, generator=generator)
+    peaked[:10] = 15.0
+    levels = torch.zeros(V)
+    levels[:500] = 1.0
+    rows = [torch.zeros(V), peaked, torch.randn(V, generator=generator), levels]
+    settings = [SamplingParams(top_p=0.9) for _ in rows]
+    batch = torch.stack(rows)
+    _filter(batch, settings)
+    for logits, params, batched in zip(rows, settings, batch, strict=True):
+        kept = filtered_by_transformers(logits, params) > 0
+        alone = logits[None].clone()
+        _filter(alone, [params])
+        assert torch.equal(alone[0], batched)
+        assert abs(int(batched.isfinite().sum()) - int(kept.sum())) <= 1  # ties at the boundary: how many, within one
+        assert float(logits.softmax(dim=-1)[batched.isfinite()].sum()) >= params.top_p - 1e-6
+    assert torch.equal(batch[1].isfinite(), filtered_by_transformers(peaked, settings[1]) > 0)
+    assert torch.equal(batch[2].isfinite(), filtered_by_transformers(rows[2], settings[2]) > 0)
+    assert int(batch[3].isfinite().sum()) > 500  # into the lower level
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_row_keeps_token_0_beside_a_row_whose_boundary_holds_more_tokens(seed):
+    # Rows searched together are laid out side by side, the shorter padded: the padding never stands for a token (it
+    # pointed at token 0 once, which a row then lost from its nucleus in about half of such batches).
+    from pluginhost.engine.sampler import _filter
+
+    V = 20_000
+    params = SamplingParams(top_p=0.7)
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.randn(V, generator=generator)
+    order = row.argsort(descending=True)
+    probs = row.softmax(dim=-1)[order].double()
+    inside = int(((probs.cumsum(dim=0) - probs) < 0.7).sum())  # the nucleus's size
+    last = int(order[inside - 1 - seed % 3])
+    row[[0, last]] = row[[last, 0]]  # token 0 among the last few the nucleus keeps
+    flatter = torch.randn(V, generator=generator) * 0.3
+    batch = torch.stack([row, flatter])
+    _filter(batch, [params, params])
+    alone = row[None].clone()
+    _filter(alone, [params])
+    assert torch.equal(batch[0], alone[0]) and bool(batch[0, 0].isfinite())
+
+
+@pytest.mark.parametrize("filtered", [{"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 5}, {"top_k": 105, "top_p": 0.9}])
+def test_a_token_forced_with_an_infinite_logit_is_drawn_whatever_the_filters(filtered):
+    # +inf (a processor's "this token, surely", logit_bias inf): all the mass is there, which every filter keeps. And
+    # a top_k above the vocabulary filters nothing.
+    from pluginhost.engine.sampler import SamplingState, sample
+
+    V = 100
+    params = SamplingParams(temperature=1.0, **filtered)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    logits[0, 7] = float("inf")
+    states = [
+        SamplingState(params, torch.Generator().manual_seed(i), [0], frozenset(), V, torch.device("cpu"))
+        for i in range(3)
+    ]
+    tokens = sample(logits, states)
+    assert tokens[0] == 7 and all(isinstance(t, int) for t in tokens)
+
+
+class _Idle:
+    """A logits processor that never changes the most likely token (it changes nothing)."""
+
+    def apply(self, logits):
+        return logits
+
+    def is_argmax_invariant(self):
+        return True
+
+
+@pytest.mark.parametrize("processors", [(), (_Idle(),)])
+def test_rows_without_a_state_or_greedy_beside_drawn_rows_get_what_they_ask(processors):
+    # A row whose sequence waits (state None) and a greedy one beside rows that draw: each drawn row's logits are
+    # taken from its own row, with processors or without.
+    from pluginhost.engine.sampler import SamplingState, sample
+
+    V = 100
+    cpu = torch.device("cpu")
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    logits[3, 42] = 50.0  # this row draws 42 surely
+
+    def state(params, seed):
+        return SamplingState(params, torch.Generator().manual_seed(seed), [0], frozenset(), V, cpu)
+
+    drawn = SamplingParams(temperature=1.0, top_p=0.9)
+    states = [None, state(SamplingParams(temperature=0), 0), state(drawn, 1), state(drawn, 2)]
+    tokens = sample(logits, states, processors)
+    assert tokens[0] is None and tokens[1] == int(logits[1].argmax()) and tokens[3] == 42
+    assert isinstance(tokens[2], int)
+    only_drawn = sample(logits[2:], [state(drawn, 1), state(drawn, 2)], processors)
+    assert only_drawn == [tokens[2], 42]  # the same stream, the same token, whatever else is in the batch
+    assert sample(logits[2:4], [None, state(drawn, 2)], processors) == [None, 42]
+
+
 def test_a_top_p_next_to_1_over_fewer_than_64_likely_tokens_keeps_them_all(llm):
     # top_k=8 leaves 8 tokens with any mass; top_p 0.99999999 rounds to 1 in float32, so the 64 most likely never
     # "reached" it, and the search took the log of the 64th probability, 0: a ValueError that failed the whole step.
@@ -328,7 +431,7 @@ def test_top_p_over_tied_tokens_keeps_as_many_as_transformers(levels):
     assert logits[kept].min() == logits.max()
 
 
-@pytest.mark.parametrize(("tied", "top_p", "kept"), [(2, 0.5, 1), (4, 0.5, 2), (8, 0.25, 2)])
+@pytest.mark.parametrize(("tied", "top_p", "kept"), [(2, 0.5, 1), (4, 0.5, 2), (8, 0.25, 2), (1024, 0.5, 512)])
 def test_top_p_at_an_exact_boundary_of_tied_tokens_keeps_what_transformers_keeps(tied, top_p, kept):
     # Where the nucleus ends exactly between two equal tokens (a yes/no choice at top_p=0.5), the next one is left out.
     from pluginhost.engine.sampler import _filter
