@@ -161,14 +161,19 @@ def filtered_by_transformers(logits: torch.Tensor, params: SamplingParams) -> to
     return scores[0].softmax(dim=-1)
 
 
+def state_of(params: SamplingParams, seed: int = 0, vocab_size: int = 8) -> SamplingState:
+    """A sequence's sampling state on the CPU: prompt ``[2]``, stop token 2, its own seeded stream."""
+    return SamplingState(
+        params, torch.Generator().manual_seed(seed), [2], frozenset({2}), vocab_size, torch.device("cpu")
+    )
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """``n`` tokens drawn for the row ``logits`` (V,), each from its own seeded stream, in one batch."""
-    from pluginhost.engine.sampler import SamplingState, sample
+    from pluginhost.engine.sampler import sample
 
     V = logits.shape[-1]
-    cpu = torch.device("cpu")
-    states = [SamplingState(params, torch.Generator().manual_seed(i), [0], frozenset(), V, cpu) for i in range(n)]
-    return torch.tensor(sample(logits.expand(n, V), states))
+    return torch.tensor(sample(logits.expand(n, V), [state_of(params, i, V) for i in range(n)]))
 
 
 @pytest.mark.parametrize(
@@ -351,17 +356,13 @@ def test_a_row_keeps_token_0_beside_a_row_whose_boundary_holds_more_tokens(seed)
 def test_a_token_forced_with_an_infinite_logit_is_drawn_whatever_the_filters(filtered):
     # +inf (a processor's "this token, surely", logit_bias inf): all the mass is there, which every filter keeps. And
     # a top_k above the vocabulary filters nothing.
-    from pluginhost.engine.sampler import SamplingState, sample
+    from pluginhost.engine.sampler import sample
 
     V = 100
     params = SamplingParams(temperature=1.0, **filtered)
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
     logits[0, 7] = float("inf")
-    states = [
-        SamplingState(params, torch.Generator().manual_seed(i), [0], frozenset(), V, torch.device("cpu"))
-        for i in range(3)
-    ]
-    tokens = sample(logits, states)
+    tokens = sample(logits, [state_of(params, i, V) for i in range(3)])
     assert tokens[0] == 7 and all(isinstance(t, int) for t in tokens)
 
 
@@ -379,15 +380,14 @@ class _Idle:
 def test_rows_without_a_state_or_greedy_beside_drawn_rows_get_what_they_ask(processors):
     # A row whose sequence waits (state None) and a greedy one beside rows that draw: each drawn row's logits are
     # taken from its own row, with processors or without.
-    from pluginhost.engine.sampler import SamplingState, sample
+    from pluginhost.engine.sampler import sample
 
     V = 100
-    cpu = torch.device("cpu")
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
     logits[3, 42] = 50.0  # this row draws 42 surely
 
     def state(params, seed):
-        return SamplingState(params, torch.Generator().manual_seed(seed), [0], frozenset(), V, cpu)
+        return state_of(params, seed, V)
 
     drawn = SamplingParams(temperature=1.0, top_p=0.9)
     states = [None, state(SamplingParams(temperature=0), 0), state(drawn, 1), state(drawn, 2)]
@@ -504,10 +504,6 @@ class KeepsOnly(Sets):
         logits[:] = float("-inf")
         logits[:, self.token] = kept
         return logits
-
-
-def state_of(params: SamplingParams, seed: int = 0) -> SamplingState:
-    return SamplingState(params, torch.Generator().manual_seed(seed), [2], frozenset({2}), 8, torch.device("cpu"))
 
 
 def test_rows_the_processors_leave_no_token_are_named_with_the_processor_that_emptied_them():
