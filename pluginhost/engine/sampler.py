@@ -426,28 +426,27 @@ def _top_p(logits: Tensor, top_p: Sequence[float], first: int) -> None:
     """
     probs = logits.softmax(dim=-1)  # (R, V)
     limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]  # (R, 1)
-    if first < logits.shape[-1]:
+    searching = first < logits.shape[-1]  # else the first are every token, and decide every row
+    if searching:
+        wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[:, None]  # (R, 1): not rounded
         most = probs.amax(dim=-1, keepdim=True)  # (R, 1)
         if bool((most * first < limit).all()):  # no row's first can hold top_p (flat rows): searched at once
-            wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[:, None]  # (R, 1): not rounded
             _keep_only(logits, _nucleus(probs, wanted, most))
             return
     top, order = torch.topk(probs, first, dim=-1)  # (R, k), (R, k): descending
     before = top.cumsum(dim=-1) - top  # (R, k): the mass of the more likely tokens
     keep = before < limit  # (R, k)
     keep[:, 0] = True  # a top_p below float32's smallest value (1e-300) rounds to 0 and would drop it
-    if first < logits.shape[-1]:
+    if searching:
         # (R,): the first hold top_p, or all the mass there is (a top_p that rounds to 1 in float32 is not reached)
         reached = (before[:, -1] + top[:, -1] >= limit[:, 0]) | (top[:, -1] == 0)
         if not bool(reached.any()):  # no row decided: every one searched, nothing scattered first
-            wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[:, None]  # (R, 1): not rounded
             _keep_only(logits, _nucleus(probs, wanted, top[:, -1:]))
             return
     kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)  # (R, V)
-    if first < logits.shape[-1] and not bool(reached.all()):
+    if searching and not bool(reached.all()):
         open_rows = (~reached).nonzero()[:, 0]  # (U,)
-        wanted = torch.tensor(top_p, dtype=torch.float64, device=probs.device)[open_rows, None]  # (U, 1)
-        kept[open_rows] = _nucleus(probs[open_rows], wanted, top[open_rows, -1:])
+        kept[open_rows] = _nucleus(probs[open_rows], wanted[open_rows], top[open_rows, -1:])
     _keep_only(logits, kept)
 
 
