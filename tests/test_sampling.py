@@ -168,6 +168,15 @@ def state_of(params: SamplingParams, seed: int = 0, vocab_size: int = 8) -> Samp
     )
 
 
+def filtered_alone(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The row ``row`` (V,) through the sampler's filters in a batch of its own (a copy)."""
+    from pluginhost.engine.sampler import _filter
+
+    alone = row[None].clone()
+    _filter(alone, [params])
+    return alone[0]
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """``n`` tokens drawn for the row ``logits`` (V,), each from its own seeded stream, in one batch."""
     from pluginhost.engine.sampler import sample
@@ -219,9 +228,7 @@ def test_top_p_keeps_exactly_the_nucleus_of_a_large_vocabulary(shape):
     batch = torch.stack(rows)
     _filter(batch, settings)
     for row, setting, batched in zip(rows, settings, batch, strict=True):
-        alone = row.clone()
-        _filter(alone[None], [setting])
-        assert torch.equal(batched, alone)
+        assert torch.equal(batched, filtered_alone(row, setting))
 
 
 @pytest.mark.parametrize("rows_at_once", [None, 3])
@@ -269,9 +276,8 @@ def test_rows_whose_nucleus_lies_past_the_most_likely_tokens_are_searched_togeth
         else:
             assert torch.equal(batched.isfinite(), kept), params
         assert 64 < int(kept.sum()) < V  # past the 64 most likely: searched
-        alone = (logits / 0.8)[None].clone()
-        _filter(alone, [params])
-        assert torch.equal(alone[0], batched)  # the kept logits unchanged, the others -inf: as filtered alone
+        # The kept logits unchanged, the others -inf: as filtered alone.
+        assert torch.equal(filtered_alone(logits / 0.8, params), batched)
 
 
 def test_rows_of_different_top_k_and_min_p_in_one_batch_each_keep_their_own():
@@ -295,9 +301,7 @@ def test_rows_of_different_top_k_and_min_p_in_one_batch_each_keep_their_own():
     _filter(batch, settings)
     for logits, params, batched in zip(rows, settings, batch, strict=True):
         assert torch.equal(batched.isfinite(), filtered_by_transformers(logits, params) > 0), params
-        alone = logits[None].clone()
-        _filter(alone, [params])
-        assert torch.equal(alone[0], batched)
+        assert torch.equal(filtered_alone(logits, params), batched)
     assert int(batch[0].isfinite().sum()) == 4
 
 
@@ -319,9 +323,7 @@ def test_rows_decided_by_their_most_likely_tokens_beside_rows_searched_each_keep
     _filter(batch, settings)
     for logits, params, batched in zip(rows, settings, batch, strict=True):
         kept = filtered_by_transformers(logits, params) > 0
-        alone = logits[None].clone()
-        _filter(alone, [params])
-        assert torch.equal(alone[0], batched)
+        assert torch.equal(filtered_alone(logits, params), batched)
         assert abs(int(batched.isfinite().sum()) - int(kept.sum())) <= 1  # ties at the boundary: how many, within one
         assert float(logits.softmax(dim=-1)[batched.isfinite()].sum()) >= params.top_p - 1e-6
     assert torch.equal(batch[1].isfinite(), filtered_by_transformers(peaked, settings[1]) > 0)
@@ -347,9 +349,7 @@ def test_a_row_keeps_token_0_beside_a_row_whose_boundary_holds_more_tokens(seed)
     flatter = torch.randn(V, generator=generator) * 0.3
     batch = torch.stack([row, flatter])
     _filter(batch, [params, params])
-    alone = row[None].clone()
-    _filter(alone, [params])
-    assert torch.equal(batch[0], alone[0]) and bool(batch[0, 0].isfinite())
+    assert torch.equal(batch[0], filtered_alone(row, params)) and bool(batch[0, 0].isfinite())
 
 
 @pytest.mark.parametrize("filtered", [{"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 5}, {"top_k": 105, "top_p": 0.9}])
