@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 __all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs", "text_after"]
 
@@ -16,14 +17,35 @@ logger = logging.getLogger("pluginhost")
 
 
 class TokenLogprobs(dict[int, float]):
-    """One generated token's ``{token_id: logprob}`` (the chosen token and the top k): a ``dict``, read-only.
+    """One token's ``{token_id: logprob}`` (the token's own first, then the top k, the most likely first): a
+    ``dict``, read-only, that knows each entry's rank in the vocabulary (``rank``, ``ranks()``).
 
     Every output of a request holds the same one for a token, the engine's own: built once, never copied
     (a streamed answer of thousands of tokens is handed out after each of them). Read it as any dict;
     to change it, make a copy (``dict(logprobs)``) and change that.
     """
 
-    __slots__ = ()
+    __slots__ = ("rank", "_in_top")
+
+    def __init__(
+        self, entries: Mapping[int, float] | None = None, /, *, rank: int | None = None, in_top: bool = False
+    ) -> None:
+        super().__init__(entries or {})
+        #: The rank of the token this entry is for (the chosen one, or the prompt's) in the whole vocabulary, as
+        #: vLLM's ``Logprob.rank``: 1 for the most likely; among the top k its place there, else how many tokens
+        #: are at least as likely as it (itself included). ``None``: not known (built by hand).
+        self.rank = rank
+        #: Whether that token is one of the top k too (then the entries are the k, that token's first).
+        self._in_top = in_top
+
+    def ranks(self) -> dict[int, int]:
+        """Every entry's rank in the vocabulary (vLLM's ``Logprob.rank``): the token's own (``rank``), and the top
+        k's places, 1 to k; empty when ``rank`` is not known."""
+        if self.rank is None:
+            return {}
+        own, *top = self
+        places = (place for place in range(1, len(self) + 1) if not (self._in_top and place == self.rank))
+        return {own: self.rank, **dict(zip(top, places, strict=False))}
 
     def _read_only(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
@@ -37,8 +59,13 @@ class TokenLogprobs(dict[int, float]):
         """A plain dict with the same entries, to change."""
         return dict(self)
 
-    def __reduce__(self) -> tuple[type[TokenLogprobs], tuple[dict[int, float]]]:
-        return type(self), (dict(self),)  # pickle and deepcopy: built at once, not filled item by item
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and deepcopy: built at once, not filled item by item
+        return _rebuilt, (dict(self), self.rank, self._in_top)
+
+
+def _rebuilt(entries: dict[int, float], rank: int | None, in_top: bool) -> TokenLogprobs:
+    return TokenLogprobs(entries, rank=rank, in_top=in_top)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from builtin_models.opt import OPTForCausalLM
 from pluginhost import LLM, SamplingParams, hookimpl
 from pluginhost.cli import main
 from pluginhost.errors import ConfigError, KVCacheMemoryError, ModelClassError, ModelRunError, PluginHookError
-from pluginhost.outputs import CompletionOutput
+from pluginhost.outputs import CompletionOutput, TokenLogprobs
 from pluginhost.testing import RegistersModel, make_tiny_model
 
 PROMPTS = [[2, 17, 200, 31, 99, 5, 64, 11], [2, 300], [2, 7, 7, 7, 150, 42], [2, 9, 9]]
@@ -958,6 +959,38 @@ def test_prompt_logprobs_score_each_prompt_once_as_vllm_reports_them(tiny_opt, l
     whole = every.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=-1))[0].prompt_logprobs
     assert all(sorted(step) == list(range(llm.vocab_size)) for step in whole[1:])
     assert all(math.isclose(sum(math.exp(v) for v in step.values()), 1.0, rel_tol=1e-4) for step in whole[1:])
+
+
+def test_each_tokens_logprobs_know_its_rank_in_the_vocabulary_as_vllm_ranks_it(llm):
+    """``TokenLogprobs.rank``: vLLM's ``Logprob.rank``: the token's place among the top k where it is one of them,
+    else how many tokens are at least as likely; ``ranks()``: the top k's places too. Prompt and generated tokens."""
+    prompt = PROMPTS[0]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids
+    text = prompt + greedy  # its last three tokens are each the most likely after the tokens before them
+    with torch.no_grad():
+        steps = llm.model.compute_logits(llm.model(torch.tensor([text]), torch.arange(len(text))[None]))
+    steps = steps[0, :-1].log_softmax(-1)
+    scored = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    outside = 0
+    for token, step, reported in zip(text[1:], steps, scored[1:], strict=True):
+        top = step.topk(2).indices.tolist()
+        rank = top.index(token) + 1 if token in top else int((step >= step[token]).sum())
+        outside += token not in top
+        assert reported.rank == rank
+        assert reported.ranks() == {token: rank, **{t: i + 1 for i, t in enumerate(top) if t != token}}
+    assert [step.rank for step in scored[-3:]] == [1, 1, 1] and outside  # both ways of ranking were tested
+    assert pickle.loads(pickle.dumps(scored[1])).ranks() == scored[1].ranks()
+    for seed in range(30):  # a generated token outside the top 1
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0, seed=seed, logprobs=1))[0]
+        if out.logprobs[0].rank > 1:
+            break
+    else:
+        pytest.fail("no seed drew a token outside the top 1: the test did not test it")
+    first = steps[len(prompt) - 1]  # the distribution after the prompt
+    token = out.token_ids[0]
+    assert out.logprobs[0].rank == int((first >= first[token]).sum())
+    assert out.logprobs[0].ranks() == {token: out.logprobs[0].rank, int(first.argmax()): 1}
+    assert TokenLogprobs({token: -1.0}).ranks() == {}  # built by hand: not known
 
 
 def test_offline_generate_takes_more_prompts_than_a_server_would_queue(tiny_opt):

@@ -77,7 +77,7 @@ class Sequence:
             assert self.params.logprobs is not None
             if self.logprobs is None:
                 self.logprobs, self.cumulative_logprob = [], 0.0
-            step = TokenLogprobs(top_logprobs(logprobs, token, self.params.logprobs))  # shared by every output
+            step = top_logprobs(logprobs, token, self.params.logprobs)  # shared by every output
             self.logprobs.append(step)
             self.cumulative_logprob += step[token]
         if len(self.token_ids) >= self.params.min_tokens and token in self.sampling.stop_ids:
@@ -160,13 +160,16 @@ class EngineRequest:
 
     def score_prompt(self, scores: PromptScores) -> None:
         """Take the prompt's ``prompt_logprobs`` from its scores: ``None`` for its first token, then each token's
-        ``{token: logprob}`` of it and of the most likely (as a generated token's, the prompt's token first)."""
+        ``{token: logprob}`` of it and of the most likely (as a generated token's, the prompt's token first), with
+        its rank."""
         chosen, top_ids, top_values = scores.chosen.tolist(), scores.top_ids.tolist(), scores.top_values.tolist()
+        ranks = scores.ranks.tolist()
         logprobs: list[TokenLogprobs | None] = [None]
-        for token, logprob, ids, values in zip(self.prompt_token_ids[1:], chosen, top_ids, top_values, strict=True):
+        steps = zip(self.prompt_token_ids[1:], chosen, ranks, top_ids, top_values, strict=True)
+        for token, logprob, rank, ids, values in steps:
             step = {token: logprob}
             step.update(zip(ids, values, strict=True))
-            logprobs.append(TokenLogprobs(step))
+            logprobs.append(TokenLogprobs(step, rank=rank, in_top=len(step) == len(ids)))
         self.prompt_logprobs = logprobs
 
     @property

@@ -132,6 +132,8 @@ class PromptScores:
     #: (L - 1, k) float32 and int64: the most likely tokens at each position, the most likely first.
     top_values: Tensor
     top_ids: Tensor
+    #: (L - 1,) int64: the rank of prompt token ``p + 1`` at row ``p`` (``TokenLogprobs.rank``, as vLLM ranks it).
+    ranks: Tensor
 
 
 @dataclass(frozen=True)
@@ -465,15 +467,22 @@ class ModelRunner:
                 scores[j] = PromptScores(*(torch.cat(p) for p in zip(*parts, strict=True))) if parts else _no_scores()
         return out  # (k, W)
 
-    def _score(self, hidden: Tensor, following: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The log-probabilities of ``following`` (C,) and the ``k`` most likely tokens (-1: all) after each of
-        ``hidden`` (C, W): (C,), (C, k), (C, k), a bounded number of positions at a time (C x V floats each)."""
+    def _score(self, hidden: Tensor, following: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The log-probabilities of ``following`` (C,), the ``k`` most likely tokens (-1: all) after each of
+        ``hidden`` (C, W), and the rank of each of ``following``: (C,), (C, k), (C, k), (C,), a bounded number of
+        positions at a time (C x V floats each)."""
         parts = []
         for at in range(0, hidden.shape[0], _SCORED_AT_ONCE):
             logprobs = self._logits(hidden[at : at + _SCORED_AT_ONCE]).log_softmax(dim=-1)  # (c, V)
-            chosen = logprobs.gather(1, following[at : at + _SCORED_AT_ONCE, None])[:, 0]  # (c,)
+            tokens = following[at : at + _SCORED_AT_ONCE, None]  # (c, 1)
+            chosen = logprobs.gather(1, tokens)  # (c, 1)
             values, top_ids = logprobs.topk(logprobs.shape[-1] if k == -1 else min(k, logprobs.shape[-1]), dim=-1)
-            parts.append((chosen, values, top_ids))
+            # vLLM's rank: a token's place among the top k, else how many tokens are at least as likely (ties last).
+            place = (logprobs >= chosen).sum(-1)  # (c,)
+            if k:
+                in_top = top_ids == tokens  # (c, k)
+                place = torch.where(in_top.any(-1), in_top.int().argmax(-1) + 1, place)
+            parts.append((chosen[:, 0], values, top_ids, place))
         return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
     def _recompute(self, texts: list[list[int]], scored: dict[int, int]) -> StepOutput:
@@ -654,7 +663,9 @@ def _scored(step: ScheduledStep, rows: list[int]) -> dict[int, int]:
 
 def _no_scores() -> PromptScores:
     """The scores of a one-token prompt: nothing precedes its only token."""
-    return PromptScores(torch.empty(0), torch.empty(0, 0), torch.empty(0, 0, dtype=torch.long))
+    return PromptScores(
+        torch.empty(0), torch.empty(0, 0), torch.empty(0, 0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    )
 
 
 def _rows_in_use(step: ScheduledStep) -> int:

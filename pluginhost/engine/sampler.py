@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from pluginhost.outputs import TokenLogprobs
 from pluginhost.sampling import SamplingParams
 
 __all__ = ["NoTokenLeft", "Processor", "SamplingState", "TokenChoices", "choices_given", "sample", "top_logprobs"]
@@ -591,13 +592,18 @@ def _draw_at_infinity(logits: Tensor, uniform: float) -> int:
     return int(at_infinity[int(uniform * at_infinity.numel())])
 
 
-def top_logprobs(logprobs: Tensor, chosen: int, k: int) -> dict[int, float]:
-    """``{token: logprob}`` for the chosen token and the ``k`` most likely ones (-1: every token, the most likely
-    first); ``logprobs`` is (V,)."""
-    result = {chosen: float(logprobs[chosen])}
+def top_logprobs(logprobs: Tensor, chosen: int, k: int) -> TokenLogprobs:
+    """The chosen token's and the ``k`` most likely ones' log-probabilities (-1: every token, the most likely
+    first), with the chosen token's rank (``TokenLogprobs.rank``); ``logprobs`` is (V,)."""
+    own = logprobs[chosen]
+    entries = {chosen: float(own)}
     if k == -1:
         k = logprobs.shape[-1]
+    top: list[int] = []
     if k > 0:
         values, indices = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-        result.update(zip(indices.tolist(), values.tolist(), strict=True))
-    return result
+        top = indices.tolist()
+        entries.update(zip(top, values.tolist(), strict=True))
+    if chosen in top:
+        return TokenLogprobs(entries, rank=top.index(chosen) + 1, in_top=True)
+    return TokenLogprobs(entries, rank=int((logprobs >= own).sum()))  # as vLLM counts: ties take the lowest place
