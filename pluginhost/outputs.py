@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "TokenLogprobs", "text_after"]
