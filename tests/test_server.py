@@ -277,6 +277,69 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, offlin
             assert answer.usage.completion_tokens == (3 if max_tokens else 0)
 
 
+def vllm_prompt_logprobs(offline: LLM, output, k: int) -> list[dict | None]:
+    """What vLLM's server answers for ``output``'s ``prompt_logprobs`` (scored offline with at least ``k``)."""
+    tokenizer = offline.get_tokenizer()
+    shaped: list[dict | None] = [None]
+    for token, step in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True):
+        ranks = step.ranks()
+        kept = [t for t in step if t == token or ranks[t] <= k]
+        shaped.append(
+            {str(t): {"logprob": step[t], "rank": ranks[t], "decoded_token": token_text(tokenizer, t)} for t in kept}
+        )
+    return shaped
+
+
+def assert_same_scores(answered: list[dict | None], expected: list[dict | None]) -> None:
+    assert len(answered) == len(expected) and answered[0] is None
+    for got, wanted in zip(answered[1:], expected[1:], strict=True):
+        assert list(got) == list(wanted)  # the prompt's token first, then the top k, the most likely first
+        for token, entry in wanted.items():
+            assert got[token] == {**entry, "logprob": pytest.approx(entry["logprob"], abs=1e-4)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_are_answered_in_vllms_shape_with_each_tokens_rank(url, offline, stream):
+    """vLLM's ``prompt_logprobs`` on both routes: completions' every choice, chat's answer (a stream's first chunk of
+    each), ``null`` first, then ``{token_id: {logprob, rank, decoded_token}}``, as the offline engine scores them."""
+    wide = offline.generate([PROMPTS[1]], greedy(1, prompt_logprobs=3))[0]
+    body = {"model": "demo", "prompt": PROMPTS[1], "max_tokens": 2, "n": 2, "prompt_logprobs": 3, "stream": stream}
+    answered = _answer_parts(httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT), stream)
+    scores = [c["prompt_logprobs"] for part in answered for c in part["choices"] if "prompt_logprobs" in c]
+    assert len(scores) == 2  # one per choice (a stream: in its first chunk)
+    for each in scores:
+        assert_same_scores(each, vllm_prompt_logprobs(offline, wide, 3))
+    # echo with logprobs beside prompt_logprobs: one scoring, for the wider; each part cut to its own count
+    for top, logprobs in ((0, 1), (3, 1)):
+        body.update(prompt_logprobs=top, echo=True, logprobs=logprobs, n=1)
+        answered = _answer_parts(httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT), stream)
+        (own,) = [c["prompt_logprobs"] for part in answered for c in part["choices"] if "prompt_logprobs" in c]
+        assert_same_scores(own, vllm_prompt_logprobs(offline, wide, top))
+        echoed = [
+            t for part in answered for c in part["choices"] if c["logprobs"] for t in c["logprobs"]["top_logprobs"]
+        ]
+        assert echoed[0] is None and all(1 <= len(t) <= 1 + logprobs for t in echoed[1 : len(wide.prompt_token_ids)])
+    # chat: beside the choices
+    ids = chat_ids(offline, USER)
+    expected = vllm_prompt_logprobs(offline, offline.generate([ids], greedy(1, prompt_logprobs=2))[0], 2)
+    body = {"model": "demo", "messages": USER, "max_tokens": 2, "prompt_logprobs": 2, "stream": stream}
+    answered = _answer_parts(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT), stream)
+    (chat,) = [part["prompt_logprobs"] for part in answered if "prompt_logprobs" in part]
+    assert_same_scores(chat, expected)
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**body, "prompt_logprobs": None}, timeout=TIMEOUT)
+    assert "prompt_logprobs" not in plain.text  # not asked for: not in the answer
+
+
+def _answer_parts(response: httpx.Response, stream: bool) -> list[dict]:
+    """An answer's JSON, or each of a stream's chunks."""
+    assert response.status_code == 200, response.text
+    if not stream:
+        return [response.json()]
+    frames = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(frame) for frame in frames[:-1]]
+
+
 @pytest.mark.parametrize("max_tokens", [1, 0])
 def test_a_streamed_choice_waiting_for_a_row_still_echoes_the_prompts_logprobs(client, offline, max_tokens):
     """n beyond the batch's rows (32): a choice's first chunk, its echo, comes before it runs; it carried no logprobs,
@@ -699,6 +762,13 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(url,
             "context_length_exceeded",
             "characters with the chat template, more than max_model_len=256 tokens can hold",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "prompt_logprobs": 21},
+            "prompt_logprobs",
+            None,
+            "prompt_logprobs=21 is more than this engine allows (20): ask for fewer, or raise max_logprobs",
+        ),
         # More samples than the server ever takes in (param was null).
         ("/v1/completions", {"prompt": "x", "n": 100_000}, "n", None, "more than the server ever takes in at once"),
         # Counted before the body is validated, on the event loop: a million of them held it for seconds.
@@ -800,12 +870,11 @@ def test_errors_name_the_field_and_say_when_the_context_is_exceeded(url, path, b
             "modalities",
             'modalities is not supported (only ["text"] or null)',
         ),
-        (
+        (  # checked by the request, not only by the engine: echo with logprobs takes the wider of the two counts
             "/v1/completions",
-            {"prompt": "x", "prompt_logprobs": 2},
+            {"prompt": "x", "prompt_logprobs": -2, "echo": True, "logprobs": 1},
             "prompt_logprobs",
-            "prompt_logprobs is not supported (only null): for the prompt's log-probabilities, ask /v1/completions "
-            "for echo with logprobs",
+            "prompt_logprobs: must be an integer >= 0, or -1 for every token's, got -2",
         ),
         (  # a boolean only as a boolean
             "/v1/completions",

@@ -55,7 +55,7 @@ from pluginhost.errors import (
     RequestRefusedError,
     TensorParallelError,
 )
-from pluginhost.outputs import CompletionOutput, RequestOutput, text_after
+from pluginhost.outputs import CompletionOutput, RequestOutput, TokenLogprobs, text_after
 from pluginhost.sampling import SamplingParams
 from pluginhost.server.errors import APIError, bad_request, closing, describe_validation, first_param, not_utf8
 from pluginhost.server.guards import (
@@ -76,6 +76,7 @@ from pluginhost.server.protocol import (
     UsageInfo,
     now,
     random_id,
+    wider_logprobs,
 )
 from pluginhost.tokenizer import token_bytes, token_text
 
@@ -553,6 +554,14 @@ def _finish_reasons(request: EngineRequest) -> list[str]:
     return [s.finish_reason or "abort" for s in request.sequences]
 
 
+def _within(step: dict[int, float], token: int, k: int | None) -> dict[int, float]:
+    """Of one position's log-probabilities, those of ``token`` and the ``k`` most likely (``None``: all): the engine
+    scores a prompt once for both ``prompt_logprobs`` and an echo's ``logprobs``, as many as the wider asks. A dict a
+    plugin rebuilt (no ranks) is kept whole."""
+    ranks = step.ranks() if k is not None and isinstance(step, TokenLogprobs) else {}
+    return {t: v for t, v in step.items() if t == token or ranks[t] <= k} if ranks else step
+
+
 #: What an answer says for a token the model gave no chance (log-probability -inf), as vLLM's server does: JSON has
 #: no infinity (a strict parser refuses ``-Infinity``, and the whole answer failed with a 500).
 LEAST_LOGPROB = -9999.0
@@ -644,6 +653,10 @@ class _Shape:
         self.tokenizer = api.engine.tokenizer
         # Without a tokenizer the text is empty: the ids are all the answer has, so they are always in it.
         self.with_token_ids = body.return_token_ids or self.tokenizer is None
+        #: vLLM's ``prompt_logprobs``: how many of the most likely tokens the answer lists at each prompt position, and
+        #: how many of those the engine scored it lists (``None``: all; more when an echo's ``logprobs`` asked more).
+        self.prompt_top = body.prompt_logprobs
+        self.prompt_cut = self.prompt_top if self.scored_width(body) != self.prompt_top else None
         self.tokens_as_ids = body.return_tokens_as_token_ids or self.tokenizer is None
         # Each token's text and bytes, decoded once per answer: a logprobs answer names the same tokens many times.
         self._texts: dict[int, str] = {}
@@ -712,6 +725,33 @@ class _Shape:
     def prompt_ids(self, output: RequestOutput) -> dict[str, list[int]]:
         """``prompt_token_ids`` when the answer carries ids (``return_token_ids``), else nothing."""
         return {"prompt_token_ids": list(output.prompt_token_ids)} if self.with_token_ids else {}
+
+    @staticmethod
+    def scored_width(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """How many of the most likely tokens the engine scores at each prompt position for this request."""
+        return body.prompt_logprobs
+
+    def prompt_scores(self, output: RequestOutput) -> dict[str, list[dict[str, dict[str, Any]] | None] | None]:
+        """``prompt_logprobs`` in vLLM's shape when the request asked for them, else nothing: ``None`` for the first
+        token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the prompt's token and the top k (as
+        many as asked: echo with more logprobs scores more). ``rank``: ``None`` where a plugin rebuilt the dicts."""
+        if self.prompt_top is None:
+            return {}
+        if output.prompt_logprobs is None:  # an on_output hook took them out
+            return {"prompt_logprobs": None}
+        entries: list[dict[str, dict[str, Any]] | None] = []
+        for token, step in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
+            if step is None:
+                entries.append(None)
+                continue
+            ranks = step.ranks() if isinstance(step, TokenLogprobs) else {}
+            entries.append(
+                {
+                    str(t): {"logprob": _json_logprob(v), "rank": ranks.get(t), "decoded_token": self.token_text(t)}
+                    for t, v in _within(step, token, self.prompt_cut).items()
+                }
+            )
+        return {"prompt_logprobs": entries}
 
     def new_ids(self, c: CompletionOutput, start: int) -> dict[str, list[int]]:
         """A choice's ``token_ids`` from ``start`` on when the answer carries ids, else nothing."""
@@ -798,8 +838,16 @@ class _Completions(_Shape):
         #: Whether choices carry logprobs: a choice still waiting for its row has none yet, but its first chunk, the
         #: echo, carries the prompt's.
         self.with_logprobs = body.logprobs is not None
+        #: How many of the most likely tokens an echoed prompt lists, when the engine scored it for more (``None``:
+        #: all it scored).
+        self.echo_cut = body.logprobs if self.scored_width(body) != body.logprobs else None
         #: Each prompt's echoed text, by its request: decoded once, not for each of its n choices.
         self._echoes: dict[str, str] = {}
+
+    @staticmethod
+    def scored_width(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+        assert isinstance(body, CompletionRequest)
+        return wider_logprobs(body.prompt_logprobs, body.logprobs if body.echo else None)
 
     def shown(self, output: RequestOutput) -> RequestOutput:
         """With ``max_tokens`` 0 (``echo``: the prompt alone), each choice as if nothing was generated: the engine's
@@ -838,6 +886,7 @@ class _Completions(_Shape):
                 "logprobs": self.logprobs(c, prompt=finals[index])[0],
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **self.prompt_scores(finals[index]),
                 **self.prompt_ids(finals[index]),
                 **self.new_ids(c, 0),
             }
@@ -861,7 +910,7 @@ class _Completions(_Shape):
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                **(self.prompt_ids(output) if first else {}),
+                **(self.prompt_scores(output) | self.prompt_ids(output) if first else {}),
                 **self.new_ids(c, start),
             }
             return {**self.header(self.object_chunk), "choices": [entry]}
@@ -884,7 +933,10 @@ class _Completions(_Shape):
             c.token_ids[start:], (c.logprobs or [])[start:], strict=True
         )
         if self.echo and prompt is not None and prompt.prompt_logprobs is not None:
-            steps = itertools.chain(zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True), steps)
+            echoed = zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True)
+            if self.echo_cut is not None:  # scored for a wider prompt_logprobs too
+                echoed = ((t, step and _within(step, t, self.echo_cut)) for t, step in echoed)  # type: ignore[assignment]
+            steps = itertools.chain(echoed, steps)
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token, step in steps:
             text = self.token_text(token)
@@ -920,8 +972,8 @@ class _Chat(_Shape):
             }
             for c in output.outputs
         ]
-        # vLLM's chat answer: the prompt's ids once, beside the choices.
-        header = {**self.header(self.object_whole), **self.prompt_ids(output)}
+        # vLLM's chat answer: the prompt's ids and log-probabilities once, beside the choices.
+        header = {**self.header(self.object_whole), **self.prompt_scores(output), **self.prompt_ids(output)}
         return {**header, "choices": choices, "usage": self.usage(finals)}
 
     def stream(self, streams: Sequence[RequestStream], usage: _Usage) -> AsyncIterator[dict[str, Any]]:
@@ -937,7 +989,8 @@ class _Chat(_Shape):
                 "stop_reason": c.stop_reason,
                 **self.new_ids(c, start),
             }
-            prompt = self.prompt_ids(output) if first else {}  # beside the choices, in a choice's first chunk
+            # Beside the choices, in a choice's first chunk.
+            prompt = self.prompt_scores(output) | self.prompt_ids(output) if first else {}
             return {**self.header(self.object_chunk), **prompt, "choices": [entry]}
 
         return self.chunks(streams, usage, choice)

@@ -12,9 +12,9 @@ the chat template (Qwen3's ``{"enable_thinking": false}``), ``add_generation_pro
 ``cache_salt`` (without effect: no cache is shared between requests).
 
 A field neither API knows is a 400, not silently ignored: a misspelt setting is
-said, not lost. Fields of OpenAI's or vLLM's API that pluginhost cannot honour
-(``tools``, ``suffix``, ``reasoning_effort``, vLLM's ``prompt_logprobs``
-(completions' ``echo`` with ``logprobs`` gives the prompt's)...) are accepted at their neutral value (the one
+said, not lost. Both routes take vLLM's ``prompt_logprobs`` (the prompt's own log-probabilities, with each
+entry's rank and text, in vLLM's shape). Fields of OpenAI's or vLLM's API that pluginhost cannot honour
+(``tools``, ``suffix``, ``reasoning_effort``...) are accepted at their neutral value (the one
 that asks for nothing this server does not do) and refused as not supported at
 any other. Fields that do not change the answer (``user`` and its successors
 ``safety_identifier`` and ``prompt_cache_key``, chat's ``store``, ``metadata``,
@@ -52,6 +52,7 @@ __all__ = [
     "capped_max_tokens",
     "random_id",
     "template_parameters",
+    "wider_logprobs",
 ]
 
 
@@ -83,8 +84,7 @@ class _Strict(BaseModel):
         fields = cls.model_fields
         for key, value in data.items():
             if key in cls._neutral and value is not None and not is_neutral(value, cls._neutral[key]):
-                hint = _INSTEAD.get(key, "")
-                raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])}){hint}")
+                raise FieldError(key, f"{key} is not supported (only {_neutral_values(cls._neutral[key])})")
         return {
             key: value
             for key, value in data.items()
@@ -96,12 +96,6 @@ class _Strict(BaseModel):
                 or _takes_none(fields[key].annotation)
             )
         }
-
-
-#: What to ask for instead of a field refused at its value.
-_INSTEAD = {
-    "prompt_logprobs": ": for the prompt's log-probabilities, ask /v1/completions for echo with logprobs",
-}
 
 
 def _neutral_values(neutral: tuple[Any, ...]) -> str:
@@ -165,9 +159,6 @@ _VLLM_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
             "structured_outputs",
         )
     },
-    # Null only: vLLM's answer gives each entry's rank and text, which pluginhost's outputs do not keep. A completion
-    # with echo and logprobs carries the prompt's log-probabilities, in OpenAI's shape.
-    "prompt_logprobs": (),
     "logits_processors": (),
     "guided_json": (),
     "guided_regex": (),
@@ -215,6 +206,10 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     #: vLLM's: logprobs name tokens ``token_id:N``, not by their text. Always, for a model without a tokenizer.
     return_tokens_as_token_ids: bool = False
+    #: vLLM's: the prompt's own log-probabilities (``SamplingParams.prompt_logprobs``: k, or -1 for every token's),
+    #: answered in vLLM's shape: completions' choices and chat's answer carry ``prompt_logprobs``, ``null`` for the
+    #: first token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` (a stream: in its first chunk).
+    prompt_logprobs: int | None = None
     #: vLLM's: the answer's ``id`` is this, after the route's prefix (``cmpl-``, ``chatcmpl-``), as in vLLM (the
     #: ``X-Request-Id`` header's first); empty: the server's own.
     request_id: str | None = None
@@ -230,6 +225,14 @@ class _SamplingFields(_Strict):
                 raise ValueError(f'logit_bias keys must be token ids (integers as strings, e.g. "50256"), got {shown}')
             if not -100 <= bias <= 100:  # OpenAI's range; NaN fails it too
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _a_count_of_logprobs(cls, value: int | None) -> int | None:
+        # Here, not only in SamplingParams: completions' echo with logprobs takes the wider of the two counts.
+        if value is not None and value < -1:
+            raise ValueError(f"must be an integer >= 0, or -1 for every token's, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -248,7 +251,8 @@ class _SamplingFields(_Strict):
         prompt_logprobs: int | None = None,
         defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """The engine's ``SamplingParams`` (``ValueError`` for values it refuses).
+        """The engine's ``SamplingParams`` (``ValueError`` for values it refuses); its ``prompt_logprobs`` the wider
+        of the request's and ``prompt_logprobs`` (completions' echo with logprobs scores the prompt too).
 
         ``defaults`` (the model's ``generation_config.json``, ``AsyncLLM.sampling_defaults``) fill the fields the
         request leaves out, and their ``max_tokens`` caps the request's, as in vLLM (one it leaves out is the
@@ -285,10 +289,17 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=wider_logprobs(self.prompt_logprobs, prompt_logprobs),
             extra_args=self.extra_args if self.extra_args is not None else self.vllm_xargs,
             **optional,
         )
+
+
+def wider_logprobs(a: int | None, b: int | None) -> int | None:
+    """Of two counts of log-probabilities (``None``: none, -1: every token's), the one that reports more."""
+    if a is None or b is None:
+        return b if a is None else a
+    return -1 if -1 in (a, b) else max(a, b)
 
 
 def capped_max_tokens(asked: int | None, defaults: Mapping[str, Any]) -> int | None:
@@ -359,7 +370,7 @@ class CompletionRequest(_SamplingFields):
 
     def completion_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's ``SamplingParams``: ``echo`` with ``logprobs`` scores the prompt too, with as many of the
-        most likely tokens (``prompt_logprobs``, as vLLM sets it)."""
+        most likely tokens (``prompt_logprobs``, as vLLM sets it; the wider, where the request asks for those too)."""
         return self.sampling_params(
             max_tokens=1 if self.prompt_only else self.max_tokens,
             logprobs=self.logprobs,
